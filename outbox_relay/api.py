@@ -1,0 +1,110 @@
+"""The write side: ``enqueue`` inserts an outbox row in the caller's transaction."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from datetime import timedelta
+from functools import lru_cache
+from typing import Any
+
+from psycopg import Connection
+from psycopg.types.json import Jsonb
+
+from .schema import TableSql
+
+
+@lru_cache(maxsize=64)
+def _table_sql(table: str) -> TableSql:
+    from .config import _TABLE_RE
+
+    if not _TABLE_RE.match(table):
+        raise ValueError(f"invalid table name {table!r}: use 'name' or 'schema.name'")
+    return TableSql(table)
+
+
+class EnqueueResult(int):
+    """The row id (an int), with ``.duplicate`` True when a ``dedup_key`` already existed."""
+
+    duplicate: bool
+
+    def __new__(cls, value: int, duplicate: bool = False) -> EnqueueResult:
+        obj = super().__new__(cls, value)
+        obj.duplicate = duplicate
+        return obj
+
+
+def enqueue(
+    conn: Connection[Any],
+    *,
+    aggregate_type: str,
+    aggregate_id: str,
+    event_type: str,
+    payload: Any,
+    topic: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    table: str = "outbox",
+    ordered: bool = False,
+    dedup_key: str | None = None,
+    delay: float | timedelta = 0.0,
+) -> EnqueueResult:
+    """Insert one outbox row on ``conn``, inside the caller's transaction; return its id.
+
+    Nothing is committed here: the row becomes visible to the relay when the caller
+    commits its business changes, and disappears with them on rollback.
+
+    ``ordered=True`` first takes a transaction-scoped advisory lock on
+    (table, aggregate_id), so concurrent writers of one aggregate commit in the
+    order they obtain ids — the premise of per-aggregate ordered delivery. The lock
+    is held until the caller's transaction ends; keep such transactions short.
+
+    ``dedup_key``: at most one row per key (unique index created by ``migrate``). On
+    a duplicate nothing is inserted, the transaction is *not* aborted, and the
+    existing row's id is returned with ``.duplicate = True``.
+
+    ``payload`` is any JSON-serialisable value (or a ``str`` holding JSON text);
+    ``headers`` must map strings to strings. They reach Kafka as message headers.
+    """
+    if headers is not None:
+        if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise TypeError("headers must be a mapping of str to str")
+    for name, value in (("aggregate_type", aggregate_type), ("aggregate_id", aggregate_id),
+                        ("event_type", event_type)):
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty string")
+    if isinstance(payload, str | bytes):
+        payload_value: Any = Jsonb(json.loads(payload))
+    else:
+        payload_value = Jsonb(payload)
+    delay_seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
+    sql = _table_sql(table)
+    params = {
+        "aggregate_type": aggregate_type,
+        "aggregate_id": aggregate_id,
+        "event_type": event_type,
+        "payload": payload_value,
+        "topic": topic,
+        "headers": Jsonb(dict(headers)) if headers is not None else None,
+        "delay_seconds": delay_seconds,
+        "dedup_key": dedup_key,
+        "lock_key": f"outbox-relay:{table}:{aggregate_id}",
+    }
+    with conn.cursor() as cur:
+        if ordered:
+            cur.execute(sql.query("aggregate_lock"), params)
+        if dedup_key is None:
+            cur.execute(sql.query("enqueue"), params)
+            row = cur.fetchone()
+            assert row is not None
+            return EnqueueResult(row[0])
+        cur.execute(sql.query("enqueue_dedup"), params)
+        row = cur.fetchone()
+        if row is not None:
+            return EnqueueResult(row[0])
+        cur.execute(sql.query("find_dedup"), params)
+        existing = cur.fetchone()
+        if existing is None:  # the conflicting row was deleted (purged) meanwhile
+            raise RuntimeError(f"dedup_key {dedup_key!r} conflicted but no row holds it")
+        return EnqueueResult(existing[0], duplicate=True)

@@ -1,0 +1,321 @@
+"""Settings: a TOML file, then ``OUTBOX_RELAY_*`` environment variables, then CLI flags.
+
+Precedence (highest first): CLI flags (passed as init kwargs) > environment >
+TOML file > defaults. Nested settings use ``__`` in environment names, e.g.
+``OUTBOX_RELAY_RELAY__LEASE_SECONDS=30``.
+
+Secrets (the DSN password, the SASL password) are ``SecretStr`` so that neither
+``repr`` nor a validation error ever shows them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from .errors import ConfigError
+
+# One or two plain identifiers ("outbox" or "app.outbox"). Names are always sent to
+# PostgreSQL quoted (psycopg.sql.Identifier); this pattern additionally refuses
+# anything that could only be a mistake or an injection attempt (quotes, semicolons,
+# spaces), so the error is raised at start-up and names the setting.
+_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """``'30s'``, ``'15m'``, ``'12h'``, ``'7d'`` (or a bare number of seconds) -> seconds."""
+    match = _DURATION_RE.match(str(text))
+    if not match:
+        raise ValueError(f"invalid duration {text!r}: use a number with s, m, h or d, e.g. 30s, 15m, 12h, 7d")
+    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def default_owner() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatabaseSettings(_Section):
+    """Where the outbox lives."""
+
+    dsn: SecretStr = Field(
+        default=SecretStr("postgresql://postgres@localhost:5432/postgres"),
+        description="libpq connection string or URI of the database holding the outbox (secret).",
+    )
+    table: str = Field(default="outbox", description="Outbox table, optionally schema-qualified (app.outbox).")
+    pool_size: int = Field(
+        default=0, ge=0, le=200,
+        description="Connections in the relay's pool; 0 = workers + 2 (claims, finalizes, metrics).",
+    )
+    connect_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one connection attempt.")
+    statement_timeout_ms: int = Field(
+        default=10_000, ge=0,
+        description="statement_timeout of relay connections; bounds every claim/finalize (0 = none).",
+    )
+
+    @field_validator("table")
+    @classmethod
+    def _check_table(cls, value: str) -> str:
+        if not _TABLE_RE.match(value):
+            raise ValueError(
+                f"invalid table name {value!r}: use 'name' or 'schema.name' made of letters, digits and underscores"
+            )
+        return value
+
+
+class KafkaSettings(_Section):
+    """The Kafka cluster and how messages are produced."""
+
+    bootstrap_servers: str = Field(default="localhost:9092", description="Comma-separated host:port list.")
+    topic_template: str = Field(
+        default="outbox.{aggregate_type}",
+        description="Topic for rows without their own `topic`; placeholders {aggregate_type} and {event_type}.",
+    )
+    delivery_timeout_seconds: float | None = Field(
+        default=None, gt=0,
+        description="Producer message.timeout.ms in seconds; default derived from the lease (40% of it, at most 60 s).",
+    )
+    linger_ms: float = Field(default=5.0, ge=0, description="Producer linger.ms: how long to wait to fill a batch.")
+    message_max_bytes: int = Field(
+        default=1_000_000, ge=1000,
+        description="Largest message the producer accepts; bigger rows go dead with a clear reason.",
+    )
+    compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
+        default="none", description="Producer compression.type."
+    )
+    security_protocol: Literal["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"] = Field(
+        default="plaintext", description="security.protocol."
+    )
+    sasl_mechanism: str | None = Field(default=None, description="sasl.mechanism, e.g. PLAIN or SCRAM-SHA-512.")
+    sasl_username: str | None = Field(default=None, description="sasl.username.")
+    sasl_password: SecretStr | None = Field(default=None, description="sasl.password (secret).")
+    client_id: str = Field(default="outbox-relay", description="client.id reported to the brokers.")
+    extra: dict[str, str] = Field(
+        default_factory=dict,
+        description="Any other librdkafka producer property, passed through as is (JSON object in env).",
+    )
+
+    @field_validator("topic_template")
+    @classmethod
+    def _check_template(cls, value: str) -> str:
+        try:
+            value.format(aggregate_type="a", event_type="e")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"invalid topic template {value!r}: only {{aggregate_type}} and {{event_type}} may be used"
+            ) from exc
+        return value
+
+
+class RelaySettings(_Section):
+    """The claim -> publish -> finalize loop."""
+
+    workers: int = Field(default=4, ge=1, le=64, description="Worker threads per relay process.")
+    batch_size: int = Field(default=500, ge=1, le=10_000, description="Rows claimed per batch by one worker.")
+    lease_seconds: float = Field(default=30.0, ge=0.2, description="How long a claim owns its rows before others may take them.")
+    max_attempts: int = Field(default=12, ge=1, description="Claims per row before it goes dead (a crash counts).")
+    ordered_event_types: list[str] = Field(
+        default_factory=list,
+        description='Event types delivered in per-aggregate order; ["*"] = all, [] = none.',
+    )
+    max_run_length: int = Field(
+        default=100, ge=1,
+        description="Ordered claim: rows of one aggregate taken behind its head in one claim.",
+    )
+    strict_lease: bool = Field(
+        default=False,
+        description="If true an owner whose lease expired can never finalize, even if nobody reclaimed the row.",
+    )
+    poll_interval_seconds: float = Field(default=1.0, gt=0, description="Idle sleep between empty claims (jittered).")
+    listen_notify: bool = Field(default=True, description="Wake idle workers on insert via LISTEN/NOTIFY.")
+    backoff_base_seconds: float = Field(default=1.0, gt=0, description="Retry backoff base (full jitter).")
+    backoff_cap_seconds: float = Field(default=300.0, gt=0, description="Retry backoff cap.")
+    shutdown_timeout_seconds: float = Field(
+        default=10.0, ge=0, description="On SIGTERM, how long to wait for in-flight batches before releasing them."
+    )
+    owner: str = Field(default_factory=default_owner, description="Lease owner prefix (default host:pid).")
+    publisher: str = Field(
+        default="kafka",
+        description='"kafka", "http", or "package.module:factory" returning a Publisher.',
+    )
+    max_error_chars: int = Field(default=1000, ge=50, description="last_error is truncated to this length.")
+
+    @field_validator("ordered_event_types", mode="before")
+    @classmethod
+    def _split_types(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+
+class MetricsSettings(_Section):
+    """The Prometheus sidecar."""
+
+    enabled: bool = Field(default=True, description="Serve /metrics, /healthz and /readyz.")
+    host: str = Field(default="0.0.0.0", description="Address the metrics server binds.")
+    port: int = Field(default=9464, ge=0, le=65535, description="Port of the metrics server (0 = any free port).")
+    refresh_interval_seconds: float = Field(default=5.0, gt=0, description="How often gauges are read from the table.")
+    query_timeout_ms: int = Field(default=2000, ge=1, description="statement_timeout of each gauge query.")
+
+
+class HttpPublisherSettings(_Section):
+    """The built-in HTTP publisher (relay.publisher = "http")."""
+
+    url_template: str = Field(
+        default="http://localhost:8080/events/{event_type}",
+        description="Target URL; placeholders {aggregate_type}, {aggregate_id}, {event_type}, {topic}, {id}.",
+    )
+    timeout_seconds: float | None = Field(
+        default=None, gt=0, description="Per-request timeout; default derived from the lease (25% of it, at most 30 s)."
+    )
+    max_concurrency: int = Field(default=16, ge=1, le=512, description="Requests in flight per batch.")
+    done_statuses: list[int] = Field(default_factory=lambda: [409], description="Non-2xx statuses meaning 'already done'.")
+    defer_statuses: list[int] = Field(default_factory=list, description="Statuses meaning 'not yet': defer, attempt refunded.")
+    defer_seconds: float = Field(default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given.")
+    headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent with every request.")
+
+
+class LogSettings(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
+    format: Literal["auto", "json", "console"] = Field(
+        default="auto", description="auto = console on a terminal, JSON lines otherwise."
+    )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_RELAY_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+    )
+
+    database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    relay: RelaySettings = Field(default_factory=RelaySettings)
+    metrics: MetricsSettings = Field(default_factory=MetricsSettings)
+    http: HttpPublisherSettings = Field(default_factory=HttpPublisherSettings)
+    log: LogSettings = Field(default_factory=LogSettings)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        toml_file = _CURRENT_TOML.get("path")
+        if toml_file is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_file))
+        return tuple(sources)
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> Settings:
+        lease = self.relay.lease_seconds
+        explicit = self.kafka.delivery_timeout_seconds
+        if explicit is not None and explicit >= lease:
+            raise ValueError(
+                f"kafka.delivery_timeout_seconds ({explicit:g}) must be below relay.lease_seconds ({lease:g}): "
+                "a delivery still pending when the lease ends would be published twice"
+            )
+        http_timeout = self.http.timeout_seconds
+        if http_timeout is not None and http_timeout >= lease:
+            raise ValueError(
+                f"http.timeout_seconds ({http_timeout:g}) must be below relay.lease_seconds ({lease:g})"
+            )
+        return self
+
+    # --- derived values -------------------------------------------------------------
+    @property
+    def delivery_timeout_seconds(self) -> float:
+        """Producer delivery timeout: explicit, or 40 % of the lease (capped at 60 s)."""
+        if self.kafka.delivery_timeout_seconds is not None:
+            return self.kafka.delivery_timeout_seconds
+        return min(60.0, self.relay.lease_seconds * 0.4)
+
+    @property
+    def delivery_wait_seconds(self) -> float:
+        """How long a worker waits for its batch's delivery reports: the delivery
+        timeout plus a grace period, still strictly inside the lease."""
+        timeout = self.delivery_timeout_seconds
+        return timeout + min(5.0, (self.relay.lease_seconds - timeout) / 2)
+
+    @property
+    def http_timeout_seconds(self) -> float:
+        if self.http.timeout_seconds is not None:
+            return self.http.timeout_seconds
+        return min(30.0, self.relay.lease_seconds * 0.25)
+
+    @property
+    def pool_size(self) -> int:
+        return self.database.pool_size or self.relay.workers + 2
+
+    def ordered_applies_to_all(self) -> bool:
+        return "*" in self.relay.ordered_event_types
+
+
+_CURRENT_TOML: dict[str, Path | None] = {"path": None}
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+    """Build settings from file + env + overrides; raise ConfigError with one readable line.
+
+    ``overrides`` are nested dicts, e.g. ``{"relay": {"workers": 8}}`` (CLI flags).
+    """
+    path_text = config_file or os.environ.get("OUTBOX_RELAY_CONFIG")
+    path: Path | None = None
+    if path_text:
+        path = Path(path_text)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+    _CURRENT_TOML["path"] = path
+    try:
+        # pydantic-settings deep-merges its sources, so {"relay": {"workers": 8}}
+        # overrides only that key and leaves the section's others to env and file.
+        return Settings(**overrides)
+    except ConfigError:
+        raise
+    except Exception as exc:  # pydantic ValidationError, TOML decode errors
+        raise ConfigError(describe_validation_error(exc)) from None
+    finally:
+        _CURRENT_TOML["path"] = None
+
+
+def describe_validation_error(exc: Exception) -> str:
+    """One line naming the setting and the problem, never echoing a secret's value."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = []
+        for err in exc.errors(include_input=False, include_url=False):
+            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+            msg = err.get("msg", "invalid")
+            msg = msg.removeprefix("Value error, ")
+            parts.append(f"{loc}: {msg}" if loc else msg)
+        return "invalid configuration: " + "; ".join(parts)
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return f"invalid configuration: {text}"

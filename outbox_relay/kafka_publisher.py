@@ -1,0 +1,299 @@
+"""KafkaPublisher: one shared idempotent producer for all workers of a process.
+
+- ``acks=all`` and ``enable.idempotence=true``: the broker de-duplicates the
+  producer's own retries and keeps per-partition order across them.
+- One poll thread serves every delivery report; a worker waits only for the
+  reports of its own batch, with a deadline inside the lease.
+- A producer that turns fatal (or keeps reporting fenced / unknown-producer /
+  sequence errors, or times out deliveries: after that some brokers never accept
+  its producer id again) is purged and replaced by a fresh one. Messages it still
+  held get a retryable outcome, so their rows are published again later.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import structlog
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from .publisher import Message, NotDelivered, Outcome, PermanentError, RetryableError
+
+log = structlog.get_logger("outbox_relay.kafka")
+
+E = KafkaError
+
+# Failures of the connection as a whole: the circuit breaker counts these.
+TRANSPORT_CODES = frozenset({
+    E._MSG_TIMED_OUT, E._TRANSPORT, E._ALL_BROKERS_DOWN, E._TIMED_OUT, E.REQUEST_TIMED_OUT,
+    E.NETWORK_EXCEPTION, E._PURGE_QUEUE, E._PURGE_INFLIGHT, E._RESOLVE, E._DESTROY,
+})
+# The message itself can never be accepted.
+PERMANENT_CODES = frozenset({
+    E.MSG_SIZE_TOO_LARGE, E._MSG_SIZE_TOO_LARGE if hasattr(E, "_MSG_SIZE_TOO_LARGE") else E.MSG_SIZE_TOO_LARGE,
+    E.INVALID_RECORD, E.TOPIC_EXCEPTION, E.TOPIC_AUTHORIZATION_FAILED, E.CLUSTER_AUTHORIZATION_FAILED,
+    E.RECORD_LIST_TOO_LARGE, E._INVALID_ARG, E.INVALID_REQUIRED_ACKS, E.POLICY_VIOLATION, E._BAD_MSG,
+    E._KEY_SERIALIZATION, E._VALUE_SERIALIZATION, E.UNSUPPORTED_VERSION, E.INVALID_TXN_STATE,
+    E.SASL_AUTHENTICATION_FAILED, E._AUTHENTICATION,
+} | ({E.CORRUPT_MESSAGE} if hasattr(E, "CORRUPT_MESSAGE") else set()))
+# The producer's idempotence state is broken: replace the producer.
+REPLACE_CODES = frozenset({
+    E._FATAL, E.PRODUCER_FENCED, E.UNKNOWN_PRODUCER_ID, E.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    E.INVALID_PRODUCER_EPOCH, E._FENCED, E.INVALID_PRODUCER_ID_MAPPING, E._MSG_TIMED_OUT,
+    E._GAPLESS_GUARANTEE if hasattr(E, "_GAPLESS_GUARANTEE") else E._FATAL,
+})
+
+
+def classify(err: KafkaError) -> Outcome:
+    """Map a librdkafka error to an outcome."""
+    code = err.code()
+    text = f"kafka: {err.name()}: {err.str()}"
+    if code in PERMANENT_CODES:
+        return PermanentError(text)
+    # Unknown codes stay retryable: the attempt budget sends them dead eventually,
+    # and losing nothing matters more than failing fast.
+    return RetryableError(text, transport=code in TRANSPORT_CODES)
+
+
+class _BatchWaiter:
+    """Collects the delivery reports of one batch (called from the poll thread)."""
+
+    __slots__ = ("outcomes", "remaining", "done", "_lock", "_owner", "_created")
+
+    _UNSET: Any = object()
+
+    def __init__(self, size: int, owner: KafkaPublisher, created: list[float]) -> None:
+        self.outcomes: list[Any] = [self._UNSET] * size
+        self._created = created
+        self.remaining = size
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+        self._owner = owner
+        if size == 0:
+            self.done.set()
+
+    def settle(self, index: int, outcome: Outcome) -> None:
+        with self._lock:
+            if self.outcomes[index] is not self._UNSET:
+                return
+            self.outcomes[index] = outcome
+            self.remaining -= 1
+            if self.remaining == 0:
+                self.done.set()
+
+    def on_delivery(self, index: int, err: KafkaError | None, _msg: Any) -> None:
+        if err is None:
+            observe = self._owner.observe_end_to_end
+            if observe is not None:
+                observe(time.time() - self._created[index])
+            self.settle(index, None)
+            return
+        if err.code() in REPLACE_CODES:
+            self._owner.request_replacement(f"delivery error {err.name()}")
+        self.settle(index, classify(err))
+
+
+class KafkaPublisher:
+    """Publisher on confluent-kafka; see the module docstring."""
+
+    def __init__(self, config: dict[str, Any], *, name: str = "outbox-relay") -> None:
+        self._config = dict(config)
+        self._name = name
+        self._lock = threading.Lock()
+        self._producer: Producer | None = None
+        self.generation = 0
+        self._replace_reason: str | None = None
+        self._stopping = threading.Event()
+        # Set at the shutdown deadline: batches stop waiting and report NotDelivered.
+        self.abort = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.replacements = 0
+        self._all_brokers_down = False
+        self._last_probe: tuple[float, bool] = (0.0, False)
+        self.on_replace: list[Any] = []  # callbacks(reason) for metrics
+        # Called from the poll thread with created_at -> broker ack, in seconds.
+        self.observe_end_to_end: Any = None
+
+    # --- lifecycle -------------------------------------------------------------------
+    def _new_producer(self) -> Producer:
+        conf = dict(self._config)
+        conf["error_cb"] = self._on_error
+        return Producer(conf)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._producer is None:
+                self._producer = self._new_producer()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._poll_loop, name="kafka-poll", daemon=True)
+            self._thread.start()
+
+    def close(self, timeout_seconds: float = 5.0) -> None:
+        """Flush what is queued (bounded), stop the poll thread. Safe to call twice."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        with self._lock:
+            producer, self._producer = self._producer, None
+        if producer is not None:
+            if self.abort.is_set():
+                # Rows of unreported messages were released to other relays; do not
+                # also send what has not left this process yet.
+                try:
+                    producer.purge(in_queue=True, in_flight=False, blocking=False)
+                except KafkaException:
+                    pass
+            producer.flush(timeout_seconds)
+
+    # --- health ----------------------------------------------------------------------
+    def _on_error(self, err: KafkaError) -> None:
+        code = err.code()
+        if code == E._ALL_BROKERS_DOWN:
+            self._all_brokers_down = True
+        if err.fatal():
+            log.error("kafka producer fatal error", error=err.str(), code=err.name())
+            self.request_replacement(f"fatal error {err.name()}")
+        elif code not in (E._TRANSPORT, E._ALL_BROKERS_DOWN):
+            log.warning("kafka producer error", error=err.str(), code=err.name())
+
+    def request_replacement(self, reason: str) -> None:
+        with self._lock:
+            if self._replace_reason is None:
+                self._replace_reason = reason
+
+    def probe(self, timeout_seconds: float = 2.0) -> bool:
+        """True if a broker answers a metadata request now."""
+        producer = self._producer
+        if producer is None:
+            return False
+        try:
+            producer.list_topics(timeout=timeout_seconds)
+        except KafkaException:
+            self._last_probe = (time.monotonic(), False)
+            return False
+        self._all_brokers_down = False
+        self._last_probe = (time.monotonic(), True)
+        return True
+
+    def healthy(self, max_age_seconds: float = 5.0) -> bool:
+        """Cached probe, for /readyz."""
+        when, ok = self._last_probe
+        if time.monotonic() - when > max_age_seconds:
+            return self.probe(timeout_seconds=1.5)
+        return ok
+
+    # --- poll thread -----------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        while not self._stopping.is_set():
+            producer = self._producer
+            if producer is None:
+                time.sleep(0.05)
+                continue
+            producer.poll(0.05)
+            if self._replace_reason is not None:
+                self._replace()
+
+    def _replace(self) -> None:
+        with self._lock:
+            reason, self._replace_reason = self._replace_reason, None
+            old = self._producer
+            self._producer = self._new_producer()
+            self.generation += 1
+            self.replacements += 1
+        log.warning("replacing kafka producer", reason=reason, generation=self.generation)
+        for callback in self.on_replace:
+            callback(reason)
+        if old is not None:
+            # Everything the old producer still holds gets a _PURGE_* report, i.e. a
+            # retryable outcome; serve those reports now, then let it go.
+            try:
+                old.purge(in_queue=True, in_flight=True, blocking=False)
+            except KafkaException:
+                pass
+            deadline = time.monotonic() + 2.0
+            while len(old) > 0 and time.monotonic() < deadline:
+                old.poll(0.05)
+            old.poll(0)
+
+    # --- publishing ------------------------------------------------------------------
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]:
+        deadline = time.monotonic() + timeout_seconds
+        waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages])
+        producer = self._producer
+        if producer is None:
+            raise RuntimeError("KafkaPublisher.start() was not called")
+        for index, message in enumerate(messages):
+            callback = partial(waiter.on_delivery, index)
+            while True:
+                try:
+                    producer.produce(
+                        message.topic,
+                        value=message.value,
+                        key=message.key,
+                        headers=message.headers,
+                        on_delivery=callback,
+                    )
+                    break
+                except BufferError:
+                    # Local queue full: let the poll thread drain it a little.
+                    if time.monotonic() > deadline:
+                        waiter.settle(index, RetryableError("kafka: local producer queue full", transport=True))
+                        break
+                    time.sleep(0.005)
+                except KafkaException as exc:
+                    waiter.settle(index, classify(exc.args[0]))
+                    break
+                except (TypeError, ValueError) as exc:
+                    waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
+                    break
+        # Wait in slices so a shutdown (abort) can cut the wait short.
+        while not waiter.done.is_set() and not self.abort.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            waiter.done.wait(min(remaining, 0.1))
+        if self.abort.is_set() and not waiter.done.is_set():
+            for index in range(len(messages)):
+                waiter.settle(index, NotDelivered("no delivery report before shutdown"))
+        elif not waiter.done.is_set():
+            # No report within the deadline: librdkafka's own message timeout should
+            # have fired first, so this producer is stuck. Replace it; the purge
+            # settles its messages as retryable, and so do we, right now.
+            self.request_replacement("delivery reports overdue")
+            for index in range(len(messages)):
+                waiter.settle(index, RetryableError(
+                    f"kafka: no delivery report within {timeout_seconds:.1f}s", transport=True))
+        return list(waiter.outcomes)
+
+
+def producer_config(settings: Any) -> dict[str, Any]:
+    """librdkafka properties from Settings (secrets included: never log the result)."""
+    k = settings.kafka
+    conf: dict[str, Any] = {
+        "bootstrap.servers": k.bootstrap_servers,
+        "client.id": k.client_id,
+        "enable.idempotence": True,
+        "acks": "all",
+        "max.in.flight.requests.per.connection": 5,
+        "linger.ms": k.linger_ms,
+        "message.timeout.ms": int(settings.delivery_timeout_seconds * 1000),
+        "message.max.bytes": k.message_max_bytes,
+        "compression.type": k.compression_type,
+        "security.protocol": k.security_protocol,
+        "queue.buffering.max.messages": max(100_000, settings.relay.workers * settings.relay.batch_size * 4),
+        "socket.keepalive.enable": True,
+        "log_level": 3,
+    }
+    if k.sasl_mechanism:
+        conf["sasl.mechanism"] = k.sasl_mechanism
+    if k.sasl_username:
+        conf["sasl.username"] = k.sasl_username
+    if k.sasl_password is not None:
+        conf["sasl.password"] = k.sasl_password.get_secret_value()
+    conf.update(k.extra)
+    return conf

@@ -1,0 +1,191 @@
+"""Prometheus metrics, the gauge refresher, and the /metrics /healthz /readyz server.
+
+Counters are counted in process. Gauges describing the table are read from the
+database every ``metrics.refresh_interval_seconds`` with the cheap, index-backed
+queries of ``queries.sql`` under a statement timeout; if a refresh fails the
+gauges are reset rather than left frozen at a stale value, and
+``outbox_relay_stats_refresh_errors_total`` counts the failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .store import STATUSES, OutboxStore
+
+log = structlog.get_logger("outbox_relay.metrics")
+
+OUTCOMES = ("done", "retry", "defer", "dead")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+
+class RelayMetrics:
+    """Every metric of one relay process, on its own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.oldest_pending_age_seconds = Gauge(
+            "outbox_relay_oldest_pending_age_seconds",
+            "Age of the oldest pending or processing row (0 when none).", registry=r)
+        self.expired_leases = Gauge(
+            "outbox_relay_expired_leases", "Processing rows whose lease has expired.", registry=r)
+        self.queue_depth = Gauge(
+            "outbox_relay_queue_depth", "Rows per status.", ["status"], registry=r)
+        self.attempts = Gauge(
+            "outbox_relay_attempts", "Pending or processing rows by attempts used.", ["attempts"], registry=r)
+        self.blocked_aggregates = Gauge(
+            "outbox_relay_blocked_aggregates", "Ordered aggregates blocked behind a dead head.", registry=r)
+        self.lost_leases_total = Counter(
+            "outbox_relay_lost_leases", "Finalizes rejected because the lease was taken over.", registry=r)
+        self.published_total = Counter(
+            "outbox_relay_published", "Rows finalized by outcome.", ["outcome"], registry=r)
+        self.reaped_total = Counter(
+            "outbox_relay_reaped", "Rows sent to dead by the reaper (attempts used up without outcome).",
+            registry=r)
+        self.released_total = Counter(
+            "outbox_relay_released", "Rows handed back to pending unpublished, attempt refunded.", registry=r)
+        self.producer_replacements_total = Counter(
+            "outbox_relay_producer_replacements", "Kafka producers replaced after a fatal state.", registry=r)
+        self.stats_refresh_errors_total = Counter(
+            "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r)
+        self.claim_batch_size = Histogram(
+            "outbox_relay_claim_batch_size", "Rows per non-empty claim.",
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000), registry=r)
+        self.publish_latency_seconds = Histogram(
+            "outbox_relay_publish_latency_seconds", "Claim to finalize of one batch.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.end_to_end_latency_seconds = Histogram(
+            "outbox_relay_end_to_end_latency_seconds", "Row created_at to broker acknowledgement.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.circuit_breaker_open = Gauge(
+            "outbox_relay_circuit_breaker_open", "1 while the broker circuit breaker is open.", registry=r)
+        self.worker_threads_alive = Gauge(
+            "outbox_relay_worker_threads_alive", "Worker threads running.", registry=r)
+        for status in STATUSES:
+            self.queue_depth.labels(status=status).set(0)
+        for outcome in OUTCOMES:
+            self.published_total.labels(outcome=outcome)
+        self._published = {o: self.published_total.labels(outcome=o) for o in OUTCOMES}
+
+    def published(self, outcome: str, count: int = 1) -> None:
+        if count:
+            self._published[outcome].inc(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StatsRefresher:
+    """Background thread: reads the table's gauges every interval. start/stop are idempotent."""
+
+    def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
+                 timeout_ms: int, ordered_types: list[str]) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._interval = interval_seconds
+        self._timeout_ms = timeout_ms
+        self._ordered = ordered_types
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_success: float = 0.0
+
+    def refresh_once(self) -> bool:
+        m = self._metrics
+        try:
+            stats = self._store.stats(ordered_types=self._ordered, timeout_ms=self._timeout_ms)
+        except Exception as exc:  # any failure: do not leave stale values behind
+            m.stats_refresh_errors_total.inc()
+            m.oldest_pending_age_seconds.set(float("nan"))
+            m.expired_leases.set(float("nan"))
+            for status in STATUSES:
+                m.queue_depth.labels(status=status).set(float("nan"))
+            log.warning("metrics refresh failed", error=str(exc))
+            return False
+        m.oldest_pending_age_seconds.set(stats.oldest_pending_age_seconds)
+        m.expired_leases.set(stats.expired_leases)
+        for status, n in stats.queue_depth.items():
+            m.queue_depth.labels(status=status).set(n)
+        m.attempts.clear()
+        for attempts, n in stats.attempts.items():
+            m.attempts.labels(attempts=str(attempts)).set(n)
+        m.blocked_aggregates.set(len(stats.blocked_aggregates))
+        self.last_success = time.monotonic()
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.refresh_once()
+            self._stop.wait(self._interval)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="metrics-refresh", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5)
+
+
+class MetricsServer:
+    """HTTP sidecar: /metrics, /healthz (workers alive), /readyz (DB + broker + breaker)."""
+
+    def __init__(self, metrics: RelayMetrics, *, host: str, port: int,
+                 healthy: Callable[[], tuple[bool, str]], ready: Callable[[], tuple[bool, str]]) -> None:
+        self._metrics = metrics
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server API
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, outer._metrics.render(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok, why = healthy()
+                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
+                elif path == "/readyz":
+                    ok, why = ready()
+                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
+                else:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            thread.join(timeout=5)

@@ -1,0 +1,373 @@
+-- All SQL of outbox-relay, one named section per statement ("-- name: <name>").
+-- {table} is the quoted, possibly schema-qualified outbox table; {idx_*}, {fn_notify},
+-- {trg_notify} and {channel} are other quoted identifiers derived from it
+-- (schema.py). They are filled in with psycopg.sql, never with string formatting.
+-- Parameters use psycopg's %(name)s style, so a literal percent sign is written %%.
+-- Every time is the database's clock (now()), never a worker's.
+
+-- name: create_table
+CREATE TABLE IF NOT EXISTS {table} (
+    id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    aggregate_type  text        NOT NULL,
+    aggregate_id    text        NOT NULL,
+    event_type      text        NOT NULL,
+    payload         jsonb       NOT NULL,
+    topic           text        NULL,
+    headers         jsonb       NULL,
+    created_at      timestamptz NOT NULL DEFAULT now(),
+    status          text        NOT NULL DEFAULT 'pending'
+                    CHECK (status IN ('pending', 'processing', 'done', 'dead')),
+    available_at    timestamptz NOT NULL DEFAULT now(),
+    attempts        integer     NOT NULL DEFAULT 0,
+    lease_owner     text        NULL,
+    lease_until     timestamptz NULL,
+    lease_version   bigint      NOT NULL DEFAULT 0,
+    last_error      text        NULL,
+    done_at         timestamptz NULL,
+    dedup_key       text        NULL,
+    -- a row holds a lease exactly while it is processing
+    CHECK ((status = 'processing') = (lease_until IS NOT NULL))
+)
+
+-- name: add_dedup_key
+-- Tables created by an earlier version lack the optional dedup column.
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS dedup_key text NULL
+
+-- name: create_indexes
+-- Due pending rows in (available_at, id) order: the claim reads the front of this
+-- index and stops after LIMIT rows, however long the backlog.
+CREATE INDEX IF NOT EXISTS {idx_pending} ON {table} (available_at, id) WHERE status = 'pending';
+-- Leases by expiry: reclaim, reap and the expired_leases gauge.
+CREATE INDEX IF NOT EXISTS {idx_processing} ON {table} (lease_until) WHERE status = 'processing';
+-- Unfinished rows per aggregate: the ordered claim's "is there an earlier row?" probe.
+CREATE INDEX IF NOT EXISTS {idx_aggregate} ON {table} (aggregate_id, id) WHERE status IN ('pending', 'processing', 'dead');
+-- Dead-letter listing.
+CREATE INDEX IF NOT EXISTS {idx_dead} ON {table} (id) WHERE status = 'dead';
+-- Retention: purge walks done rows by age.
+CREATE INDEX IF NOT EXISTS {idx_done} ON {table} (done_at) WHERE status = 'done';
+-- The oldest unfinished row for oldest_pending_age_seconds.
+CREATE INDEX IF NOT EXISTS {idx_unfinished_created} ON {table} (created_at) WHERE status IN ('pending', 'processing');
+-- enqueue(dedup_key=...): one row per key.
+CREATE UNIQUE INDEX IF NOT EXISTS {idx_dedup} ON {table} (dedup_key) WHERE dedup_key IS NOT NULL
+
+-- name: create_notify_function
+-- One NOTIFY per statement (not per row): NOTIFY takes a lock that serialises
+-- committing transactions, so a bulk insert must not pay it once per row.
+-- Notifications of one transaction with the same payload are folded by PostgreSQL.
+CREATE OR REPLACE FUNCTION {fn_notify}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    PERFORM pg_notify({channel_literal}, '');
+    RETURN NULL;
+END
+$fn$
+
+-- name: create_notify_trigger
+DROP TRIGGER IF EXISTS {trg_notify} ON {table};
+CREATE TRIGGER {trg_notify} AFTER INSERT ON {table}
+    FOR EACH STATEMENT EXECUTE FUNCTION {fn_notify}()
+
+-- name: drop_notify_trigger
+DROP TRIGGER IF EXISTS {trg_notify} ON {table};
+DROP FUNCTION IF EXISTS {fn_notify}()
+
+-- name: table_exists
+SELECT to_regclass(%(table)s) IS NOT NULL
+
+-- name: reap
+-- Poison rows: claimed max_attempts times and never finalized (a worker died every
+-- time). They never reach a finalize, so the claim is where they go dead.
+UPDATE {table}
+SET status = 'dead',
+    last_error = 'lease expired after ' || attempts || ' attempts without an outcome (worker crash or hang?)',
+    lease_owner = NULL,
+    lease_until = NULL
+WHERE status = 'processing'
+  AND lease_until < now()
+  AND attempts >= %(max_attempts)s
+RETURNING id, lease_version, lease_owner
+
+-- name: claim
+-- Expired leases first (they are the oldest work), then due pending rows, each read
+-- from its own partial index in order and cut by LIMIT, so the cost does not grow
+-- with the backlog. SKIP LOCKED makes concurrent claims take disjoint rows; the
+-- UPDATE makes the ownership durable: owner, deadline and a new fencing token.
+WITH expired AS (
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+    ORDER BY lease_until
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT id FROM {table}
+    WHERE status = 'pending' AND available_at <= now()
+    ORDER BY available_at, id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT id FROM (SELECT id FROM expired UNION ALL SELECT id FROM due) AS both_kinds
+    LIMIT %(batch)s
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease_seconds)s),
+    lease_version = o.lease_version + 1,
+    attempts = o.attempts + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+
+-- name: claim_unordered_only
+-- As claim, but leaves rows of ordered event types to claim_ordered_heads.
+WITH expired AS (
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+      AND NOT (event_type = ANY(%(ordered_types)s))
+    ORDER BY lease_until
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT id FROM {table}
+    WHERE status = 'pending' AND available_at <= now()
+      AND NOT (event_type = ANY(%(ordered_types)s))
+    ORDER BY available_at, id
+    LIMIT %(batch)s
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT id FROM (SELECT id FROM expired UNION ALL SELECT id FROM due) AS both_kinds
+    LIMIT %(batch)s
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease_seconds)s),
+    lease_version = o.lease_version + 1,
+    attempts = o.attempts + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+
+-- name: claim_ordered_heads
+-- Ordered event types: only the head of an aggregate is claimable, i.e. a row with no
+-- earlier pending/processing/dead row of an ordered type in the same aggregate_id.
+-- (A dead head therefore blocks its aggregate until retried or skipped.) The probe is
+-- an index-only range check on {idx_aggregate}. %(all_ordered)s = true means ["*"].
+WITH candidates AS (
+    SELECT o.id FROM {table} AS o
+    WHERE ((o.status = 'pending' AND o.available_at <= now())
+        OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
+      AND (%(all_ordered)s OR o.event_type = ANY(%(ordered_types)s))
+      AND NOT EXISTS (
+          SELECT 1 FROM {table} AS prev
+          WHERE prev.aggregate_id = o.aggregate_id
+            AND prev.id < o.id
+            AND prev.status IN ('pending', 'processing', 'dead')
+            AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s)))
+    ORDER BY o.id
+    LIMIT %(batch)s
+    FOR UPDATE OF o SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease_seconds)s),
+    lease_version = o.lease_version + 1,
+    attempts = o.attempts + 1
+FROM candidates
+WHERE o.id = candidates.id
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+
+-- name: claim_ordered_runs
+-- Behind each head just claimed (and still held by this transaction), take the
+-- contiguous run of the aggregate's next ordered rows that are pending and due,
+-- stopping at the first row that is not (processing, dead, or not yet due). Nobody
+-- else can claim these rows while their head is unfinished, so order is kept.
+WITH heads AS (
+    SELECT h.aggregate_id, h.head_id
+    FROM unnest(%(aggregate_ids)s::text[], %(head_ids)s::bigint[]) AS h(aggregate_id, head_id)
+), followers AS (
+    SELECT f.id,
+           bool_and(f.status = 'pending' AND f.available_at <= now())
+               OVER (PARTITION BY f.aggregate_id ORDER BY f.id) AS contiguous
+    FROM heads
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.aggregate_id, r.status, r.available_at
+        FROM {table} AS r
+        WHERE r.aggregate_id = heads.aggregate_id
+          AND r.id > heads.head_id
+          AND r.status IN ('pending', 'processing', 'dead')
+          AND (%(all_ordered)s OR r.event_type = ANY(%(ordered_types)s))
+        ORDER BY r.id
+        LIMIT %(run_length)s
+    ) AS f
+), locked AS (
+    SELECT t.id FROM {table} AS t
+    WHERE t.id IN (SELECT id FROM followers WHERE contiguous)
+      AND t.status = 'pending'
+    FOR UPDATE OF t SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease_seconds)s),
+    lease_version = o.lease_version + 1,
+    attempts = o.attempts + 1
+FROM locked
+WHERE o.id = locked.id
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+
+-- name: finalize_done
+-- Fenced: only the claim that still holds lease_version may write an outcome.
+-- {strict} is either empty or "AND o.lease_until > now()" (strict lease policy).
+UPDATE {table} AS o
+SET status = 'done', done_at = now(), last_error = NULL, lease_owner = NULL, lease_until = NULL
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
+WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+RETURNING o.id
+
+-- name: finalize_reschedule
+-- Back to pending after a delay: retry (attempt kept) or defer/release (attempt
+-- refunded). A NULL error keeps the previous last_error (release is not a failure).
+UPDATE {table} AS o
+SET status = 'pending',
+    available_at = now() + make_interval(secs => f.delay_seconds),
+    attempts = greatest(o.attempts - f.refund, 0),
+    last_error = coalesce(f.error, o.last_error),
+    lease_owner = NULL,
+    lease_until = NULL
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(delays)s::float8[], %(errors)s::text[],
+            %(refunds)s::int[]) AS f(id, version, delay_seconds, error, refund)
+WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+RETURNING o.id
+
+-- name: finalize_dead
+UPDATE {table} AS o
+SET status = 'dead', last_error = f.error, lease_owner = NULL, lease_until = NULL
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(errors)s::text[]) AS f(id, version, error)
+WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+RETURNING o.id
+
+-- name: extend_lease
+-- Heartbeat: push the deadline of rows this claim still owns.
+UPDATE {table} AS o
+SET lease_until = now() + make_interval(secs => %(lease_seconds)s)
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
+WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version
+RETURNING o.id
+
+-- name: stats_depth
+-- One row per status present. Counting done rows is a full scan of the table's
+-- visibility map; the refresher runs it under a statement timeout.
+SELECT status, count(*) AS n FROM {table} GROUP BY status
+
+-- name: stats_oldest
+-- Index read of the oldest unfinished row: cost independent of backlog size.
+SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS age_seconds
+FROM {table} WHERE status IN ('pending', 'processing')
+
+-- name: stats_expired
+SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until < now()
+
+-- name: stats_attempts
+SELECT attempts, count(*) AS n FROM {table}
+WHERE status IN ('pending', 'processing') GROUP BY attempts ORDER BY attempts
+
+-- name: stats_blocked
+-- Aggregates whose earliest unfinished ordered row is dead (their followers wait).
+SELECT d.aggregate_id, d.id AS dead_id
+FROM {table} AS d
+WHERE d.status = 'dead'
+  AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))
+  AND NOT EXISTS (
+      SELECT 1 FROM {table} AS prev
+      WHERE prev.aggregate_id = d.aggregate_id AND prev.id < d.id
+        AND prev.status IN ('pending', 'processing', 'dead')
+        AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s)))
+  AND EXISTS (
+      SELECT 1 FROM {table} AS nxt
+      WHERE nxt.aggregate_id = d.aggregate_id AND nxt.id > d.id
+        AND nxt.status IN ('pending', 'processing')
+        AND (%(all_ordered)s OR nxt.event_type = ANY(%(ordered_types)s)))
+ORDER BY d.id
+LIMIT %(limit)s
+
+-- name: dead_list
+SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, topic
+FROM {table}
+WHERE status = 'dead'
+  AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s)
+  AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s)
+ORDER BY id
+LIMIT %(limit)s
+
+-- name: dead_retry
+-- Back to pending, due now, with a fresh attempt budget. last_error stays visible
+-- until the next outcome overwrites it.
+UPDATE {table}
+SET status = 'pending', attempts = 0, available_at = now()
+WHERE id = ANY(%(ids)s) AND status = 'dead'
+RETURNING id
+
+-- name: dead_retry_all_chunk
+WITH chunk AS (
+    SELECT id FROM {table} WHERE status = 'dead' ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'pending', attempts = 0, available_at = now()
+FROM chunk WHERE o.id = chunk.id
+RETURNING o.id
+
+-- name: dead_skip
+UPDATE {table}
+SET status = 'done', done_at = now(), last_error = %(reason)s
+WHERE id = ANY(%(ids)s) AND status = 'dead'
+RETURNING id
+
+-- name: status_of
+SELECT id, status FROM {table} WHERE id = ANY(%(ids)s)
+
+-- name: count_dead
+SELECT count(*) FROM {table} WHERE status = 'dead'
+
+-- name: purge_chunk
+-- Bounded delete of old done rows; each chunk is its own short transaction.
+DELETE FROM {table}
+WHERE id IN (
+    SELECT id FROM {table}
+    WHERE status = 'done' AND done_at < now() - make_interval(secs => %(older_than_seconds)s)
+    ORDER BY done_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+
+-- name: count_purgeable
+SELECT count(*) FROM {table}
+WHERE status = 'done' AND done_at < now() - make_interval(secs => %(older_than_seconds)s)
+
+-- name: enqueue
+INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at)
+VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
+        now() + make_interval(secs => %(delay_seconds)s))
+RETURNING id
+
+-- name: enqueue_dedup
+-- ON CONFLICT DO NOTHING never aborts the caller's transaction; a concurrent
+-- inserter of the same key waits for ours and then sees the conflict.
+INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
+VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
+        now() + make_interval(secs => %(delay_seconds)s), %(dedup_key)s)
+ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+RETURNING id
+
+-- name: find_dedup
+SELECT id FROM {table} WHERE dedup_key = %(dedup_key)s
+
+-- name: aggregate_lock
+-- Transaction-scoped: held until the caller commits, so two writers of one aggregate
+-- commit in the order they obtained ids. The key space is shared with other advisory
+-- lock users only through this hash of (table, aggregate_id).
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))

@@ -1,0 +1,107 @@
+"""The SQL of ``queries.sql``, loaded once, bound to one outbox table.
+
+Identifiers (table, index, trigger, function names) are composed with
+``psycopg.sql.Identifier`` so a configured table name is always quoted and can
+never be concatenated into a statement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from importlib import resources
+
+from psycopg import sql
+
+_SECTION_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+def _load_sections() -> dict[str, str]:
+    text = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
+    sections: dict[str, str] = {}
+    matches = list(_SECTION_RE.finditer(text))
+    for match, following in zip(matches, matches[1:] + [None]):
+        end = following.start() if following else len(text)
+        body = text[match.end():end].strip()
+        sections[match.group(1)] = body
+    return sections
+
+
+QUERIES: dict[str, str] = _load_sections()
+
+
+def _short(name: str, suffix: str) -> str:
+    """Identifier of at most 63 bytes (PostgreSQL's NAMEDATALEN - 1), stable per table."""
+    candidate = f"{name}_{suffix}"
+    if len(candidate.encode()) <= 63:
+        return candidate
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{name[: 63 - len(suffix) - 10]}_{digest}_{suffix}"
+
+
+@dataclass(frozen=True)
+class TableSql:
+    """Statements of queries.sql with the identifiers of one outbox table filled in."""
+
+    table: str  # "outbox" or "schema.outbox", validated by config
+
+    @cached_property
+    def schema_name(self) -> str | None:
+        return self.table.split(".")[0] if "." in self.table else None
+
+    @cached_property
+    def table_name(self) -> str:
+        return self.table.split(".")[-1]
+
+    @cached_property
+    def ident(self) -> sql.Identifier:
+        return sql.Identifier(*self.table.split("."))
+
+    def _qualified(self, name: str) -> sql.Identifier:
+        return sql.Identifier(self.schema_name, name) if self.schema_name else sql.Identifier(name)
+
+    @cached_property
+    def channel(self) -> str:
+        """LISTEN/NOTIFY channel of this table."""
+        return _short("outbox_relay_" + self.table.replace(".", "_"), "wake")
+
+    @cached_property
+    def regclass_text(self) -> str:
+        """The table as text for to_regclass(): quoted parts, so case is kept."""
+        return ".".join('"' + part + '"' for part in self.table.split("."))
+
+    @cached_property
+    def _names(self) -> dict[str, sql.Composable]:
+        base = self.table_name
+        return {
+            "table": self.ident,
+            "idx_pending": sql.Identifier(_short(base, "pending_idx")),
+            "idx_processing": sql.Identifier(_short(base, "processing_idx")),
+            "idx_aggregate": sql.Identifier(_short(base, "aggregate_idx")),
+            "idx_dead": sql.Identifier(_short(base, "dead_idx")),
+            "idx_done": sql.Identifier(_short(base, "done_idx")),
+            "idx_unfinished_created": sql.Identifier(_short(base, "unfinished_created_idx")),
+            "idx_dedup": sql.Identifier(_short(base, "dedup_key_idx")),
+            "fn_notify": self._qualified(_short(base, "notify_fn")),
+            "trg_notify": sql.Identifier(_short(base, "notify_trg")),
+            "channel_literal": sql.Literal(self.channel),
+            "strict": sql.SQL(""),
+        }
+
+    def query(self, name: str, *, strict: bool = False) -> sql.Composed:
+        names = dict(self._names)
+        if strict:
+            names["strict"] = sql.SQL("AND o.lease_until > now()")
+        return sql.SQL(QUERIES[name]).format(**names)  # type: ignore[arg-type]
+
+    def statements(self, name: str) -> list[sql.Composed]:
+        """A multi-statement section split on ';' at line ends (DDL sections)."""
+        body = QUERIES[name]
+        parts = [p.strip() for p in re.split(r";\s*\n", body) if p.strip()]
+        return [sql.SQL(_strip_comments(p)).format(**self._names) for p in parts]  # type: ignore[arg-type]
+
+
+def _strip_comments(text: str) -> str:
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()

@@ -1,0 +1,399 @@
+"""OutboxStore: the only module that speaks SQL to the outbox table.
+
+Every method borrows a pooled connection for one short statement or transaction
+and gives it back: no connection is held while a batch is being published.
+psycopg errors are mapped to the project's own exceptions by ``_mapped``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import psycopg_pool
+from psycopg import errors as pg_errors
+
+from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseUnavailable, SchemaMissing
+from .schema import TableSql
+
+STATUSES = ("pending", "processing", "done", "dead")
+
+
+@dataclass(slots=True)
+class Claimed:
+    """One row owned by this worker until ``lease_version`` changes."""
+
+    id: int
+    lease_version: int
+    attempts: int
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: str  # JSON text exactly as stored (jsonb::text), never re-serialised
+    topic: str | None
+    headers: str | None  # JSON text or None
+    created_at: dt.datetime
+
+
+@dataclass(slots=True)
+class ClaimResult:
+    rows: list[Claimed]
+    reaped: list[tuple[int, int, str | None]] = field(default_factory=list)  # (id, version, owner)
+
+
+@dataclass(slots=True)
+class Reschedule:
+    id: int
+    lease_version: int
+    delay_seconds: float
+    error: str | None
+    refund_attempt: bool
+
+
+@dataclass(slots=True)
+class Stats:
+    queue_depth: dict[str, int]
+    oldest_pending_age_seconds: float
+    expired_leases: int
+    attempts: dict[int, int]
+    blocked_aggregates: list[tuple[str, int]]
+
+
+_PASSWORD_RE = re.compile(r"(password\s*=\s*)(\S+)|(://[^:/@\s]*:)([^@\s]*)(@)", re.IGNORECASE)
+
+
+def redact_dsn(text: str, dsn: str | None = None) -> str:
+    """Remove passwords from a DSN or from an error message that may quote one."""
+    if dsn:
+        try:
+            password = psycopg.conninfo.conninfo_to_dict(dsn).get("password")
+        except psycopg.ProgrammingError:
+            password = None
+        if password:
+            text = text.replace(str(password), "***")
+    return _PASSWORD_RE.sub(lambda m: (m.group(1) + "***") if m.group(1) else (m.group(3) + "***" + m.group(5)), text)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class OutboxStore:
+    """Statements on one outbox table over a connection pool (autocommit connections)."""
+
+    def __init__(
+        self,
+        dsn: str,
+        table: str = "outbox",
+        *,
+        pool_size: int = 4,
+        connect_timeout_seconds: float = 5.0,
+        statement_timeout_ms: int = 10_000,
+        application_name: str = "outbox-relay",
+    ) -> None:
+        self._dsn = dsn
+        self.sql = TableSql(table)
+        self.table = table
+        self._connect_timeout = connect_timeout_seconds
+        options = f"-c statement_timeout={int(statement_timeout_ms)}"
+        self._conn_kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "connect_timeout": max(1, int(round(connect_timeout_seconds))),
+            "application_name": application_name,
+            "options": options,
+        }
+        self._pool = psycopg_pool.ConnectionPool(
+            dsn,
+            min_size=1,
+            max_size=max(1, pool_size),
+            kwargs=self._conn_kwargs,
+            open=False,
+            name="outbox-relay",
+            timeout=max(connect_timeout_seconds, 5.0),
+        )
+        self._opened = False
+
+    # --- lifecycle -------------------------------------------------------------------
+    def open(self, *, wait: bool = True) -> None:
+        if self._opened:
+            return
+        try:
+            self._pool.open(wait=wait, timeout=self._connect_timeout + 1)
+        except psycopg_pool.PoolTimeout as exc:
+            self._pool.close(timeout=0)
+            reason = self._probe_reason()
+            raise DatabaseUnavailable(f"cannot connect to the database: {reason}") from exc
+        self._opened = True
+
+    def _probe_reason(self) -> str:
+        try:
+            with psycopg.connect(self._dsn, **self._conn_kwargs):
+                return "connection pool timed out"
+        except psycopg.Error as exc:
+            return redact_dsn(_first_line(exc), self._dsn)
+
+    def close(self) -> None:
+        if self._opened:
+            self._opened = False
+            self._pool.close(timeout=5)
+
+    def __enter__(self) -> OutboxStore:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def redact(self, text: str) -> str:
+        return redact_dsn(text, self._dsn)
+
+    @contextlib.contextmanager
+    def _mapped(self, what: str, *, commit_unknown: bool = False) -> Iterator[None]:
+        """Map psycopg errors to ours. ``commit_unknown``: the statement commits by
+        itself (autocommit), so a broken connection leaves its outcome unknown."""
+        try:
+            yield
+        except pg_errors.UndefinedTable as exc:
+            raise SchemaMissing(
+                f"table {self.table!r} does not exist: run `outbox-relay migrate` first"
+            ) from exc
+        except psycopg_pool.PoolTimeout as exc:
+            raise DatabaseUnavailable(f"{what}: no database connection available (pool exhausted or server down)") from exc
+        except psycopg.OperationalError as exc:
+            message = f"{what}: {self.redact(_first_line(exc))}"
+            if commit_unknown and not isinstance(exc, pg_errors.QueryCanceled):
+                raise CommitOutcomeUnknown(message) from exc
+            raise DatabaseUnavailable(message) from exc
+        except psycopg.Error as exc:
+            raise DatabaseError(f"{what}: {self.redact(_first_line(exc))}") from exc
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection[Any]]:
+        with self._mapped("database"):
+            with self._pool.connection() as conn:
+                yield conn
+
+    # --- schema ----------------------------------------------------------------------
+    def migrate(self, *, notify_trigger: bool = True) -> None:
+        """Create table, indexes and the wake-up trigger; safe to run again."""
+        with self._mapped("migrate"), self._pool.connection() as conn, conn.transaction():
+            # Serialise concurrent migrations (several replicas starting at once).
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("outbox-relay-migrate:" + self.table,))
+            if self.sql.schema_name:
+                from psycopg import sql
+
+                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.sql.schema_name)))
+            conn.execute(self.sql.query("create_table"))
+            conn.execute(self.sql.query("add_dedup_key"))
+            for statement in self.sql.statements("create_indexes"):
+                conn.execute(statement)
+            if notify_trigger:
+                conn.execute(self.sql.query("create_notify_function"))
+                for statement in self.sql.statements("create_notify_trigger"):
+                    conn.execute(statement)
+            else:
+                for statement in self.sql.statements("drop_notify_trigger"):
+                    conn.execute(statement)
+
+    def table_exists(self) -> bool:
+        with self._mapped("check table"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
+            return bool(row and row[0])
+
+    def require_table(self) -> None:
+        if not self.table_exists():
+            raise SchemaMissing(f"table {self.table!r} does not exist: run `outbox-relay migrate` first")
+
+    # --- claim -----------------------------------------------------------------------
+    def claim(
+        self,
+        *,
+        owner: str,
+        batch: int,
+        lease_seconds: float,
+        max_attempts: int,
+        ordered_types: Sequence[str] = (),
+        run_length: int = 1,
+    ) -> ClaimResult:
+        """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
+        committed before this returns (so before any publish)."""
+        all_ordered = "*" in ordered_types
+        types = [t for t in ordered_types if t != "*"]
+        params: dict[str, Any] = {
+            "owner": owner,
+            "batch": batch,
+            "lease_seconds": float(lease_seconds),
+            "max_attempts": max_attempts,
+            "ordered_types": types,
+            "all_ordered": all_ordered,
+        }
+        # The connection breaking during COMMIT leaves the claim's outcome unknown:
+        # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
+        # the rows' lease expires and a later claim takes them (seed 002).
+        with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
+            with conn.transaction():
+                cur = conn.cursor()
+                reaped = cur.execute(self.sql.query("reap"), params).fetchall()
+                rows: list[Claimed] = []
+                if not ordered_types:
+                    rows = [Claimed(*r) for r in cur.execute(self.sql.query("claim"), params).fetchall()]
+                else:
+                    heads = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"), params).fetchall()]
+                    rows.extend(heads)
+                    if heads and run_length > 1:
+                        run_params = dict(params, run_length=run_length - 1,
+                                          aggregate_ids=[h.aggregate_id for h in heads],
+                                          head_ids=[h.id for h in heads])
+                        rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
+                    room = batch - len(rows)
+                    if not all_ordered and room > 0:
+                        params["batch"] = room
+                        rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_unordered_only"), params))
+        rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
+        return ClaimResult(rows=rows, reaped=[(r[0], r[1], r[2]) for r in reaped])
+
+    # --- fenced finalize -------------------------------------------------------------
+    def mark_done(self, claims: Sequence[tuple[int, int]], *, strict: bool = False) -> set[int]:
+        """(id, lease_version) pairs -> ids actually finalized (the rest lost their lease)."""
+        if not claims:
+            return set()
+        ids, versions = zip(*claims)
+        with self._mapped("finalize done"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("finalize_done", strict=strict),
+                               {"ids": list(ids), "versions": list(versions)})
+            return {r[0] for r in cur.fetchall()}
+
+    def reschedule(self, items: Sequence[Reschedule], *, strict: bool = False) -> set[int]:
+        if not items:
+            return set()
+        params = {
+            "ids": [i.id for i in items],
+            "versions": [i.lease_version for i in items],
+            "delays": [max(0.0, float(i.delay_seconds)) for i in items],
+            "errors": [i.error for i in items],
+            "refunds": [1 if i.refund_attempt else 0 for i in items],
+        }
+        with self._mapped("finalize reschedule"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("finalize_reschedule", strict=strict), params)
+            return {r[0] for r in cur.fetchall()}
+
+    def mark_dead(self, items: Sequence[tuple[int, int, str]], *, strict: bool = False) -> set[int]:
+        if not items:
+            return set()
+        ids, versions, errs = zip(*items)
+        with self._mapped("finalize dead"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("finalize_dead", strict=strict),
+                               {"ids": list(ids), "versions": list(versions), "errors": list(errs)})
+            return {r[0] for r in cur.fetchall()}
+
+    def extend_lease(self, claims: Sequence[tuple[int, int]], lease_seconds: float) -> set[int]:
+        if not claims:
+            return set()
+        ids, versions = zip(*claims)
+        with self._mapped("extend lease"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("extend_lease"),
+                               {"ids": list(ids), "versions": list(versions), "lease_seconds": float(lease_seconds)})
+            return {r[0] for r in cur.fetchall()}
+
+    # --- monitoring ------------------------------------------------------------------
+    def stats(
+        self,
+        *,
+        ordered_types: Sequence[str] = (),
+        timeout_ms: int | None = None,
+        include_depth: bool = True,
+        blocked_limit: int = 100,
+    ) -> Stats:
+        """The monitoring queries of seed 000 section 6, in one read-only transaction."""
+        all_ordered = "*" in ordered_types
+        types = [t for t in ordered_types if t != "*"]
+        with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
+            if timeout_ms:
+                conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
+            depth = dict.fromkeys(STATUSES, 0)
+            if include_depth:
+                for status, n in conn.execute(self.sql.query("stats_depth")).fetchall():
+                    depth[status] = int(n)
+            oldest = conn.execute(self.sql.query("stats_oldest")).fetchone()
+            expired = conn.execute(self.sql.query("stats_expired")).fetchone()
+            attempts = {int(a): int(n) for a, n in conn.execute(self.sql.query("stats_attempts")).fetchall()}
+            blocked: list[tuple[str, int]] = []
+            if ordered_types:
+                blocked = [(r[0], int(r[1])) for r in conn.execute(
+                    self.sql.query("stats_blocked"),
+                    {"ordered_types": types, "all_ordered": all_ordered, "limit": blocked_limit}).fetchall()]
+        return Stats(
+            queue_depth=depth,
+            oldest_pending_age_seconds=float(oldest[0]) if oldest else 0.0,
+            expired_leases=int(expired[0]) if expired else 0,
+            attempts=attempts,
+            blocked_aggregates=blocked,
+        )
+
+    def ping(self, timeout_seconds: float = 2.0) -> bool:
+        try:
+            with self._pool.connection(timeout=timeout_seconds) as conn:
+                conn.execute("SELECT 1")
+            return True
+        except (psycopg.Error, psycopg_pool.PoolTimeout):
+            return False
+
+    # --- dead-letter operations ------------------------------------------------------
+    def dead_list(self, *, limit: int = 100, event_type: str | None = None,
+                  aggregate_id: str | None = None) -> list[dict[str, Any]]:
+        with self._mapped("dead list"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("dead_list"),
+                               {"limit": limit, "event_type": event_type, "aggregate_id": aggregate_id})
+            names = [d.name for d in cur.description or ()]
+            return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def statuses(self, ids: Sequence[int]) -> dict[int, str]:
+        with self._mapped("look up rows"), self._pool.connection() as conn:
+            return {r[0]: r[1] for r in conn.execute(self.sql.query("status_of"), {"ids": list(ids)}).fetchall()}
+
+    def dead_retry(self, ids: Sequence[int]) -> set[int]:
+        with self._mapped("dead retry"), self._pool.connection() as conn:
+            return {r[0] for r in conn.execute(self.sql.query("dead_retry"), {"ids": list(ids)}).fetchall()}
+
+    def dead_retry_all_chunk(self, limit: int) -> int:
+        with self._mapped("dead retry --all"), self._pool.connection() as conn:
+            return len(conn.execute(self.sql.query("dead_retry_all_chunk"), {"limit": limit}).fetchall())
+
+    def dead_skip(self, ids: Sequence[int], reason: str) -> set[int]:
+        with self._mapped("dead skip"), self._pool.connection() as conn:
+            return {r[0] for r in conn.execute(self.sql.query("dead_skip"),
+                                               {"ids": list(ids), "reason": reason}).fetchall()}
+
+    def count_dead(self) -> int:
+        with self._mapped("count dead"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("count_dead")).fetchone()
+            return int(row[0]) if row else 0
+
+    # --- retention -------------------------------------------------------------------
+    def count_purgeable(self, older_than_seconds: float) -> int:
+        with self._mapped("purge"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("count_purgeable"),
+                               {"older_than_seconds": float(older_than_seconds)}).fetchone()
+            return int(row[0]) if row else 0
+
+    def purge_chunk(self, older_than_seconds: float, limit: int) -> int:
+        with self._mapped("purge"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("purge_chunk"),
+                               {"older_than_seconds": float(older_than_seconds), "limit": limit})
+            return cur.rowcount
+
+    # --- wake-ups --------------------------------------------------------------------
+    def listen_connection(self) -> psycopg.Connection[Any]:
+        """A dedicated (non-pooled) autocommit connection LISTENing on the table's channel."""
+        from psycopg import sql
+
+        with self._mapped("listen"):
+            conn = psycopg.connect(self._dsn, **self._conn_kwargs)
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
+            return conn

@@ -1,0 +1,375 @@
+"""The worker loop: claim -> publish (no transaction, no connection held) -> fenced finalize.
+
+At-least-once: a row is finalized only after its publish outcome is known, and a
+finalize that finds the lease taken over (a *lost lease*) is logged and counted,
+never forced. A message may therefore be published more than once; consumers
+deduplicate on the ``message_id`` header.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
+from .metrics import RelayMetrics
+from .publisher import (
+    Defer,
+    Message,
+    NotDelivered,
+    Outcome,
+    PermanentError,
+    Publisher,
+    RetryableError,
+    build_message,
+)
+from .store import Claimed, OutboxStore, Reschedule
+
+log = structlog.get_logger("outbox_relay.worker")
+
+
+def full_jitter_backoff(attempt: int, *, base: float, cap: float) -> float:
+    """AWS "full jitter": uniform(0, min(cap, base * 2**attempt)) seconds."""
+    return random.uniform(0.0, min(cap, base * (2 ** min(attempt, 62))))
+
+
+def truncate(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class WorkerConfig:
+    owner: str
+    batch_size: int
+    lease_seconds: float
+    max_attempts: int
+    ordered_types: list[str]
+    run_length: int
+    strict_lease: bool
+    topic_template: str
+    poll_interval_seconds: float
+    backoff_base_seconds: float
+    backoff_cap_seconds: float
+    publish_timeout_seconds: float
+    max_error_chars: int = 1000
+
+
+class Wakeup:
+    """Idle workers sleep here; LISTEN/NOTIFY (or a stop) wakes them early."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._generation = 0
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            seen = self._generation
+            self._cond.wait_for(lambda: self._generation != seen, timeout=timeout)
+
+    def wake_all(self) -> None:
+        with self._cond:
+            self._generation += 1
+            self._cond.notify_all()
+
+
+class CircuitBreaker:
+    """Opens when a whole batch fails on transport (broker unreachable), so rows are
+    released with their attempt refunded instead of burning attempts toward dead.
+    While open, workers do not claim; ``probe`` (with exponential backoff) closes it."""
+
+    def __init__(self, probe, metrics: RelayMetrics | None = None, *,
+                 initial_backoff: float = 0.5, max_backoff: float = 30.0) -> None:
+        self._probe = probe
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._open = False
+        self._closed_event = threading.Event()
+        self._closed_event.set()
+        self._initial = initial_backoff
+        self._max = max_backoff
+        self.opened_count = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self._open
+
+    def trip(self, reason: str) -> None:
+        with self._lock:
+            if self._open:
+                return
+            self._open = True
+            self.opened_count += 1
+            self._closed_event.clear()
+        if self._metrics is not None:
+            self._metrics.circuit_breaker_open.set(1)
+        log.warning("broker unreachable: circuit breaker open, claiming paused", reason=reason)
+        threading.Thread(target=self._probe_loop, name="breaker-probe", daemon=True).start()
+
+    def _probe_loop(self) -> None:
+        delay = self._initial
+        while self._open:
+            time.sleep(delay * random.uniform(0.5, 1.0))
+            try:
+                ok = self._probe()
+            except Exception:  # a probe that crashes just means "not yet"
+                ok = False
+            if ok:
+                with self._lock:
+                    self._open = False
+                    self._closed_event.set()
+                if self._metrics is not None:
+                    self._metrics.circuit_breaker_open.set(0)
+                log.info("broker answers again: circuit breaker closed")
+                return
+            delay = min(self._max, delay * 2)
+
+    def wait_closed(self, timeout: float) -> bool:
+        return self._closed_event.wait(timeout)
+
+
+@dataclass
+class BatchResult:
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    deferred: int = 0
+    dead: int = 0
+    released: int = 0
+    lost: list[int] = field(default_factory=list)
+    unfinalized: list[int] = field(default_factory=list)  # database down: lease expiry recovers them
+
+
+class Worker:
+    """One worker thread's loop. ``stop()`` makes it finish its batch and return."""
+
+    def __init__(self, index: int, store: OutboxStore, publisher: Publisher, config: WorkerConfig,
+                 metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
+                 breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None) -> None:
+        self.index = index
+        self.owner = f"{config.owner}:w{index}"
+        self.store = store
+        self.publisher = publisher
+        self.cfg = config
+        self.metrics = metrics
+        self.wakeup = wakeup or Wakeup()
+        self.breaker = breaker
+        self.stop_event = stop_event or threading.Event()
+        self.release_event = threading.Event()  # set on shutdown deadline: release what is unacked
+        self._db_failures = 0
+        self.log = log.bind(worker=self.owner)
+
+    # --- loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        self.log.info("worker started")
+        while not self.stop_event.is_set():
+            if self.breaker is not None and self.breaker.is_open:
+                self.breaker.wait_closed(timeout=0.5)
+                continue
+            try:
+                result = self.run_once()
+            except SchemaMissing as exc:
+                self.log.error("outbox table missing", error=str(exc))
+                self._sleep_db_backoff()
+                continue
+            except CommitOutcomeUnknown as exc:
+                # Never publish after an unknown commit outcome: if the claim committed,
+                # its lease expires and a later claim recovers the rows.
+                self.log.warning("claim commit outcome unknown; not publishing", error=str(exc))
+                self._sleep_db_backoff()
+                continue
+            except DatabaseError as exc:
+                self.log.warning("database unavailable; backing off", error=str(exc))
+                self._sleep_db_backoff()
+                continue
+            self._db_failures = 0
+            if result.claimed == 0:
+                self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+        self.log.info("worker stopped")
+
+    def _sleep_db_backoff(self) -> None:
+        self._db_failures += 1
+        delay = full_jitter_backoff(self._db_failures, base=0.1, cap=5.0) + 0.05
+        self.stop_event.wait(delay)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.wakeup.wake_all()
+
+    # --- one batch -------------------------------------------------------------------
+    def claim(self) -> list[Claimed]:
+        cfg = self.cfg
+        result = self.store.claim(owner=self.owner, batch=cfg.batch_size, lease_seconds=cfg.lease_seconds,
+                                  max_attempts=cfg.max_attempts, ordered_types=cfg.ordered_types,
+                                  run_length=cfg.run_length)
+        for row_id, version, owner in result.reaped:
+            self.log.warning("reaped: attempts used up without an outcome; row is dead",
+                             outbox_id=row_id, lease_version=version, lease_owner=owner)
+        if result.reaped:
+            self.metrics.reaped_total.inc(len(result.reaped))
+            self.metrics.published("dead", len(result.reaped))
+        return result.rows
+
+    def run_once(self) -> BatchResult:
+        rows = self.claim()
+        if not rows:
+            return BatchResult()
+        return self.process(rows)
+
+    def process(self, rows: Sequence[Claimed]) -> BatchResult:
+        started = time.monotonic()
+        cfg = self.cfg
+        self.metrics.claim_batch_size.observe(len(rows))
+        outcomes: list[Outcome] = [None] * len(rows)
+        messages: list[Message] = []
+        positions: list[int] = []
+        for i, row in enumerate(rows):
+            try:
+                messages.append(build_message(row, cfg.topic_template))
+                positions.append(i)
+            except PermanentError as exc:
+                outcomes[i] = exc
+            except ValueError as exc:  # headers column that is not valid JSON
+                outcomes[i] = PermanentError(f"bad headers: {exc}")
+        if messages:
+            published = self.publisher.publish_batch(messages, timeout_seconds=cfg.publish_timeout_seconds)
+            if len(published) != len(messages):
+                raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(messages)} messages")
+            for pos, outcome in zip(positions, published):
+                outcomes[pos] = outcome
+        if cfg.ordered_types:
+            self._stop_runs_at_failure(rows, outcomes)
+        result = self.finalize(rows, outcomes)
+        self.metrics.publish_latency_seconds.observe(time.monotonic() - started)
+        return result
+
+    def _is_ordered(self, row: Claimed) -> bool:
+        types = self.cfg.ordered_types
+        return "*" in types or row.event_type in types
+
+    def _stop_runs_at_failure(self, rows: Sequence[Claimed], outcomes: list[Outcome]) -> None:
+        """Within an aggregate's run, nothing after a failed row may be finalized as
+        done: release those rows (attempt refunded) so they follow the failed head."""
+        failed_aggregates: set[str] = set()
+        for i, row in enumerate(rows):  # rows are in id order
+            if not self._is_ordered(row):
+                continue
+            if row.aggregate_id in failed_aggregates:
+                outcomes[i] = NotDelivered("released: an earlier row of this aggregate did not succeed")
+            elif outcomes[i] is not None:
+                failed_aggregates.add(row.aggregate_id)
+
+    # --- fenced finalize -------------------------------------------------------------
+    def finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome]) -> BatchResult:
+        cfg = self.cfg
+        done: list[tuple[int, int]] = []
+        reschedule: list[Reschedule] = []
+        dead: list[tuple[int, int, str]] = []
+        kinds: dict[int, str] = {}
+        transport_failures = 0
+        successes = 0
+        for row, outcome in zip(rows, outcomes):
+            if outcome is None:
+                done.append((row.id, row.lease_version))
+                kinds[row.id] = "done"
+                successes += 1
+            elif isinstance(outcome, NotDelivered):
+                reschedule.append(Reschedule(row.id, row.lease_version, 0.0, None, True))
+                kinds[row.id] = "release"
+            elif isinstance(outcome, Defer):
+                reschedule.append(Reschedule(row.id, row.lease_version, outcome.delay,
+                                             truncate(f"deferred: {outcome.reason}", cfg.max_error_chars), True))
+                kinds[row.id] = "defer"
+            elif isinstance(outcome, RetryableError):
+                if outcome.transport:
+                    transport_failures += 1
+                if row.attempts >= cfg.max_attempts:
+                    dead.append((row.id, row.lease_version,
+                                 truncate(f"retries exhausted after {row.attempts} attempts: {outcome.reason}",
+                                          cfg.max_error_chars)))
+                    kinds[row.id] = "dead"
+                else:
+                    delay = full_jitter_backoff(row.attempts, base=cfg.backoff_base_seconds,
+                                                cap=cfg.backoff_cap_seconds)
+                    if outcome.retry_after_seconds is not None:
+                        delay = max(delay, outcome.retry_after_seconds)
+                    reschedule.append(Reschedule(row.id, row.lease_version, delay,
+                                                 truncate(outcome.reason, cfg.max_error_chars), False))
+                    kinds[row.id] = "retry"
+            elif isinstance(outcome, PermanentError):
+                dead.append((row.id, row.lease_version, truncate(f"permanent: {outcome.reason}", cfg.max_error_chars)))
+                kinds[row.id] = "dead"
+            else:
+                raise TypeError(f"publisher returned {outcome!r}, not an outcome")
+
+        # A batch that failed only on transport with nothing delivered means the broker
+        # is unreachable as a whole: refund the attempts and open the breaker.
+        if self.breaker is not None and successes == 0 and transport_failures and transport_failures == sum(
+                1 for k in kinds.values() if k == "retry") and not any(k == "dead" for k in kinds.values()):
+            reschedule = [Reschedule(r.id, r.lease_version, 0.0, r.error, True) if kinds[r.id] == "retry" else r
+                          for r in reschedule]
+            for rid, kind in list(kinds.items()):
+                if kind == "retry":
+                    kinds[rid] = "release"
+            self.breaker.trip(f"{transport_failures} transport failures in one batch")
+
+        accepted: set[int] = set()
+        unfinalized: set[int] = set()
+        for ids, operation in (
+            ([i for i, _ in done], lambda: self.store.mark_done(done, strict=cfg.strict_lease)),
+            ([r.id for r in reschedule], lambda: self.store.reschedule(reschedule, strict=cfg.strict_lease)),
+            ([i for i, _, _ in dead], lambda: self.store.mark_dead(dead, strict=cfg.strict_lease)),
+        ):
+            if not ids:
+                continue
+            finalized = self._with_db_retry(operation)
+            if finalized is None:
+                unfinalized.update(ids)
+            else:
+                accepted |= finalized
+
+        result = BatchResult(claimed=len(rows))
+        counted = {"done": 0, "retry": 0, "defer": 0, "dead": 0, "release": 0}
+        for row in rows:
+            kind = kinds[row.id]
+            if row.id in unfinalized:
+                result.unfinalized.append(row.id)
+            elif row.id in accepted:
+                counted[kind] += 1
+                if kind == "dead":
+                    self.log.warning("row is dead", outbox_id=row.id, lease_version=row.lease_version,
+                                     lease_owner=self.owner, reason=next(e for i, _, e in dead if i == row.id))
+            else:
+                result.lost.append(row.id)
+                self.log.warning("lost lease: finalize rejected, row belongs to a newer claim",
+                                 outbox_id=row.id, lease_version=row.lease_version, lease_owner=self.owner,
+                                 outcome=kind)
+        for outcome_name in ("done", "retry", "defer", "dead"):
+            self.metrics.published(outcome_name, counted[outcome_name])
+        if counted["release"]:
+            self.metrics.released_total.inc(counted["release"])
+        if result.lost:
+            self.metrics.lost_leases_total.inc(len(result.lost))
+        result.done, result.retried, result.deferred = counted["done"], counted["retry"], counted["defer"]
+        result.dead, result.released = counted["dead"], counted["release"]
+        return result
+
+    def _with_db_retry(self, operation) -> set[int] | None:
+        """A finalize that fails on the database is retried briefly (it is fenced, so
+        repeating it is safe); past the lease there is no point: the rows are reclaimed."""
+        deadline = time.monotonic() + self.cfg.lease_seconds * 0.5
+        attempt = 0
+        while True:
+            try:
+                return operation()
+            except DatabaseError as exc:
+                attempt += 1
+                if time.monotonic() > deadline:
+                    self.log.error("finalize failed; rows will be reclaimed after their lease", error=str(exc))
+                    return None
+                self.log.warning("finalize failed; retrying", error=str(exc), attempt=attempt)
+                time.sleep(full_jitter_backoff(attempt, base=0.05, cap=2.0) + 0.02)
