@@ -1,0 +1,124 @@
+"""The relay in process against real servers: bad rows, broker restart, hand-off."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+
+from outbox_relay import enqueue
+from outbox_relay.embedded import read_messages
+from outbox_relay.relay import Relay
+from tests.conftest import insert_rows, rows
+
+
+def wait_for(predicate, timeout: float = 90, interval: float = 0.2, message: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {message}")
+
+
+def statuses(dsn, table):
+    out: dict[str, int] = {}
+    for r in rows(dsn, table):
+        out[r[1]] = out.get(r[1], 0) + 1
+    return out
+
+
+def test_oversized_and_malformed_rows_go_dead_and_block_nothing(make_settings, store, pg_dsn, table, broker,
+                                                                 topic_prefix):
+    settings = make_settings(kafka={"message_max_bytes": 10_000})
+    good = insert_rows(pg_dsn, table, 50, aggregate_type="order")
+    big = insert_rows(pg_dsn, table, 1, aggregate_type="order", payload_size=50_000)[0]
+    schema, name = table.split(".")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        bad_headers = conn.execute(
+            f'INSERT INTO "{schema}"."{name}" (aggregate_type, aggregate_id, event_type, payload, headers) '
+            "VALUES ('order', 'x', 'E', '{}', '{\"n\": 1}') RETURNING id").fetchone()[0]
+        not_object = conn.execute(
+            f'INSERT INTO "{schema}"."{name}" (aggregate_type, aggregate_id, event_type, payload, headers) '
+            "VALUES ('order', 'x', 'E', '{}', '[\"a\"]') RETURNING id").fetchone()[0]
+    more = insert_rows(pg_dsn, table, 50, aggregate_type="order")
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 100, message="good rows done")
+        wait_for(lambda: statuses(pg_dsn, table).get("dead") == 3, message="bad rows dead")
+    finally:
+        relay.stop()
+    by_id = {r[0]: r for r in rows(pg_dsn, table)}
+    assert by_id[big][1] == "dead" and "MSG_SIZE_TOO_LARGE" in by_id[big][4]
+    assert by_id[bad_headers][1] == "dead" and "header 'n' must be a string" in by_id[bad_headers][4]
+    assert by_id[not_object][1] == "dead" and "JSON object" in by_id[not_object][4]
+    assert all(by_id[i][1] == "done" for i in good + more)
+    assert by_id[big][2] == 1  # permanent: dead on the first attempt
+
+
+def test_broker_restart_mid_run_replaces_producer_and_delivers(make_settings, store, pg_dsn, table, own_broker,
+                                                                topic_prefix):
+    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
+                             relay={"lease_seconds": 6, "backoff_base_seconds": 0.1, "backoff_cap_seconds": 1,
+                                    "max_attempts": 50})
+    relay = Relay(settings)
+    relay.start()
+    try:
+        first = insert_rows(pg_dsn, table, 200)
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 200, message="first rows done")
+        # Hang the broker so deliveries time out inside the idempotent producer, then
+        # replace it with a fresh process on the same port (its memory is empty).
+        own_broker.pause()
+        second = insert_rows(pg_dsn, table, 300)
+        time.sleep(settings.delivery_timeout_seconds + 1)
+        own_broker.restart()
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 500, timeout=120, message="all rows done")
+    finally:
+        relay.stop()
+    assert relay.publisher.replacements >= 1
+    assert relay.metrics.registry.get_sample_value("outbox_relay_producer_replacements_total") >= 1
+    messages = read_messages(own_broker.bootstrap_servers, [f"{topic_prefix}.order"], expected=len(second),
+                             timeout=60)
+    delivered = {int(m["headers"]["message_id"]) for m in messages}
+    assert set(second) <= delivered
+    assert not delivered & set(first)  # the new broker's memory started empty
+    assert statuses(pg_dsn, table) == {"done": 500}
+
+
+def test_graceful_stop_releases_unacknowledged_rows(make_settings, store, pg_dsn, table, own_broker):
+    """SIGTERM hand-off: rows without a delivery report go back to pending, due now,
+    attempt refunded, so another replica takes them at once."""
+    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
+                             relay={"lease_seconds": 60, "workers": 2, "shutdown_timeout_seconds": 1})
+    relay = Relay(settings)
+    relay.start()
+    own_broker.pause()  # deliveries hang
+    try:
+        insert_rows(pg_dsn, table, 20)
+        wait_for(lambda: statuses(pg_dsn, table).get("processing") == 20, message="rows claimed")
+    finally:
+        started = time.monotonic()
+        relay.stop()
+        stop_seconds = time.monotonic() - started
+        own_broker.resume()
+    result = rows(pg_dsn, table, "id, status, attempts, lease_owner, lease_until")
+    assert {r[1] for r in result} == {"pending"}
+    assert all(r[2] == 0 and r[3] is None and r[4] is None for r in result)
+    assert relay.metrics.registry.get_sample_value("outbox_relay_released_total") == 20
+    assert stop_seconds < settings.relay.lease_seconds  # released, not left to lease expiry
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_relay_drains_with_both_lease_policies(make_settings, store, pg_dsn, table, broker, strict):
+    settings = make_settings(relay={"strict_lease": strict})
+    insert_rows(pg_dsn, table, 300)
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 300, message="done")
+    finally:
+        relay.stop()
+    assert relay.metrics.registry.get_sample_value("outbox_relay_published_total", {"outcome": "done"}) == 300
