@@ -194,7 +194,7 @@ class HttpPublisherSettings(_Section):
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
     format: Literal["auto", "json", "console"] = Field(
-        default="auto", description="auto = console on a terminal, JSON lines otherwise."
+        default="auto", description="Output: auto (console on a terminal, JSON lines otherwise), json or console."
     )
 
     @field_validator("level", mode="before")
