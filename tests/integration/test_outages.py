@@ -1,0 +1,73 @@
+"""Broker outage (circuit breaker) and database faults, against real servers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import psycopg
+
+from outbox_relay.relay import Relay
+from tests.conftest import insert_rows, rows
+from tests.integration.test_relay_faults import statuses, wait_for
+
+
+def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table, own_broker):
+    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
+                             relay={"lease_seconds": 5, "max_attempts": 3, "backoff_base_seconds": 0.1})
+    relay = Relay(settings)
+    relay.start()
+    try:
+        insert_rows(pg_dsn, table, 50)
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 50, message="first rows done")
+        own_broker.kill()  # all brokers down
+        insert_rows(pg_dsn, table, 100)
+        wait_for(lambda: relay.breaker.is_open, timeout=60, message="breaker open")
+        assert relay.metrics.registry.get_sample_value("outbox_relay_circuit_breaker_open") == 1
+        ready, why = relay.readiness()
+        assert not ready and "breaker" in why
+        time.sleep(3 * settings.relay.lease_seconds)  # an outage longer than max_attempts leases
+        assert statuses(pg_dsn, table).get("dead", 0) == 0
+        own_broker.start()
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 150, timeout=120, message="all rows done")
+        wait_for(lambda: not relay.breaker.is_open, timeout=30, message="breaker closed")
+    finally:
+        relay.stop()
+    assert relay.metrics.registry.get_sample_value("outbox_relay_circuit_breaker_open") == 0
+    assert relay.metrics.registry.get_sample_value("outbox_relay_released_total") >= 1
+    # The outage did not burn the attempt budget: nothing came close to max_attempts.
+    assert max(r[2] for r in rows(pg_dsn, table)) < settings.relay.max_attempts
+
+
+def test_terminated_backends_make_workers_reconnect(make_settings, store, pg_dsn, table, broker):
+    settings = make_settings(relay={"batch_size": 20, "workers": 4})
+    relay = Relay(settings)
+    relay.start()
+    stop = threading.Event()
+    killed = [0]
+
+    def killer() -> None:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                killed[0] += conn.execute(
+                    "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE application_name = 'outbox-relay' AND pid <> pg_backend_pid()) t").fetchone()[0]
+                time.sleep(0.3)
+
+    thread = threading.Thread(target=killer)
+    try:
+        thread.start()
+        for _ in range(10):
+            insert_rows(pg_dsn, table, 200)
+            time.sleep(0.2)
+        time.sleep(2)
+        stop.set()
+        thread.join()
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 2000, timeout=120, message="all rows done")
+        healthy, _ = relay.health()
+        assert healthy  # no worker died
+    finally:
+        stop.set()
+        relay.stop()
+    assert killed[0] > 0
+    assert statuses(pg_dsn, table) == {"done": 2000}
