@@ -75,16 +75,21 @@ SELECT to_regclass(%(table)s) IS NOT NULL
 
 -- name: reap
 -- Poison rows: claimed max_attempts times and never finalized (a worker died every
--- time). They never reach a finalize, so the claim is where they go dead.
-UPDATE {table}
+-- time). They never reach a finalize, so the claim is where they go dead. The CTE
+-- keeps the last owner for the log line (RETURNING shows the row after the update).
+WITH victims AS (
+    SELECT id, lease_owner FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
 SET status = 'dead',
-    last_error = 'lease expired after ' || attempts || ' attempts without an outcome (worker crash or hang?)',
+    last_error = 'lease expired after ' || o.attempts || ' attempts without an outcome (worker crash or hang?)',
     lease_owner = NULL,
     lease_until = NULL
-WHERE status = 'processing'
-  AND lease_until < now()
-  AND attempts >= %(max_attempts)s
-RETURNING id, lease_version, lease_owner
+FROM victims
+WHERE o.id = victims.id
+RETURNING o.id, o.lease_version, victims.lease_owner
 
 -- name: claim
 -- Expired leases first (they are the oldest work), then due pending rows, each read

@@ -302,11 +302,6 @@ def test_claimed_three_times_without_outcome_is_reaped_dead(pg_dsn, table, store
     assert row_state(pg_dsn, table, row_id)["status"] == "dead"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: the 'reap' statement in outbox_relay/queries.sql ends with "
-    "'RETURNING id, lease_version, lease_owner', but RETURNING sees the row after its own "
-    "SET lease_owner = NULL, so ClaimResult.reaped always carries owner None and the worker's "
-    "'reaped' warning (worker.py) never names the worker that crashed"))
 def test_reaped_rows_report_the_last_owner(pg_dsn, table, store):
     [row_id] = insert_rows(pg_dsn, table, 1)
     for attempt in (1, 2):
