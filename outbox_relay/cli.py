@@ -8,6 +8,7 @@ traceback.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -75,6 +76,9 @@ def _errors() -> Iterator[None]:
 def _store(settings: Settings) -> Iterator[Any]:
     from .relay import make_store
 
+    # A one-shot command reports a connection failure as one line (see _errors); the
+    # pool's own multi-line retry warnings would only repeat it on stderr.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     store = make_store(settings, pool_size=2, application_name="outbox-relay-cli")
     with _errors():
         store.open()
