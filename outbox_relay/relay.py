@@ -76,12 +76,17 @@ def load_publisher(settings: Settings) -> Any:
             f"relay.publisher {reference!r} is not 'kafka', 'http' or 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PublisherLoadError(f"relay.publisher {reference!r}: cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # ImportError, but also a SyntaxError or a crash at import
+        raise PublisherLoadError(
+            f"relay.publisher {reference!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise PublisherLoadError(f"relay.publisher {reference!r}: {module_name!r} has no attribute {attr!r}")
-    obj = factory(settings) if callable(factory) and not hasattr(factory, "publish_batch") else factory
+    try:
+        obj = factory(settings) if callable(factory) and not hasattr(factory, "publish_batch") else factory
+    except Exception as exc:
+        raise PublisherLoadError(
+            f"relay.publisher {reference!r}: the factory failed: {type(exc).__name__}: {exc}") from None
     if hasattr(obj, "publish_batch") and callable(obj.publish_batch):
         return obj
     if hasattr(obj, "publish") and callable(obj.publish):

@@ -38,7 +38,8 @@ def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield external
         return
-    server = EmbeddedPostgres(base_dir=tmp_path_factory.mktemp("pg")).start()
+    # Not under pytest's basetemp: a concurrent pytest run prunes old basetemp dirs.
+    server = EmbeddedPostgres().start()
     try:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET max_connections = 300")
