@@ -149,6 +149,10 @@ class RelaySettings(_Section):
     shutdown_timeout_seconds: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long to wait for in-flight batches before releasing them."
     )
+    heartbeat_after_fraction: float = Field(
+        default=0.5, gt=0, lt=1,
+        description="Extend a batch's lease once its delivery has taken this fraction of the lease.",
+    )
     owner: str = Field(default_factory=default_owner, description="Lease owner prefix (default host:pid).")
     publisher: str = Field(
         default="kafka",

@@ -221,7 +221,12 @@ class KafkaPublisher:
             old.poll(0)
 
     # --- publishing ------------------------------------------------------------------
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]:
+    supports_cancel = True
+
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
+                      cancel: threading.Event | None = None) -> list[Outcome]:
+        """Produce the batch, wait for its reports until ``timeout_seconds``, a
+        shutdown (``abort``) or ``cancel`` (the batch's leases were all lost)."""
         deadline = time.monotonic() + timeout_seconds
         waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages])
         producer = self._producer
@@ -253,6 +258,10 @@ class KafkaPublisher:
                     break
         # Wait in slices so a shutdown (abort) can cut the wait short.
         while not waiter.done.is_set() and not self.abort.is_set():
+            if cancel is not None and cancel.is_set():
+                for index in range(len(messages)):
+                    waiter.settle(index, RetryableError("lease lost while waiting for delivery"))
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break

@@ -21,6 +21,7 @@ import structlog
 
 from .config import Settings
 from .errors import BrokerUnavailable, ConfigError, DatabaseError, PublisherLoadError
+from .heartbeat import LeaseKeeper
 from .metrics import MetricsServer, RelayMetrics, StatsRefresher
 from .publisher import Publisher, SimplePublisher
 from .store import OutboxStore
@@ -111,6 +112,7 @@ class Relay:
         self._server: MetricsServer | None = None
         self._refresher: StatsRefresher | None = None
         self.breaker: CircuitBreaker | None = None
+        self.keeper: LeaseKeeper | None = None
         self._started = False
         self._signals = 0
 
@@ -152,9 +154,12 @@ class Relay:
             else s.relay.lease_seconds * 0.8,
             max_error_chars=s.relay.max_error_chars,
         )
+        self.keeper = LeaseKeeper(self.store, lease_seconds=s.relay.lease_seconds,
+                                  extend_after_fraction=s.relay.heartbeat_after_fraction)
+        self.keeper.start()
         for index in range(s.relay.workers):
             worker = Worker(index, self.store, self.publisher, cfg, self.metrics, wakeup=self.wakeup,
-                            breaker=self.breaker, stop_event=self._stop_claiming)
+                            breaker=self.breaker, stop_event=self._stop_claiming, keeper=self.keeper)
             self.workers.append(worker)
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)
@@ -258,6 +263,8 @@ class Relay:
                 thread.join(timeout=10)
         if self._listener is not None:
             self._listener.join(timeout=3)
+        if self.keeper is not None:
+            self.keeper.stop()
         self._close_publisher()
         if self._refresher is not None:
             self._refresher.stop()

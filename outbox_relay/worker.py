@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
+from .heartbeat import LeaseKeeper
 from .metrics import RelayMetrics
 from .publisher import (
     Defer,
@@ -149,7 +150,8 @@ class Worker:
 
     def __init__(self, index: int, store: OutboxStore, publisher: Publisher, config: WorkerConfig,
                  metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
-                 breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None) -> None:
+                 breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None,
+                 keeper: LeaseKeeper | None = None) -> None:
         self.index = index
         self.owner = f"{config.owner}:w{index}"
         self.store = store
@@ -159,7 +161,9 @@ class Worker:
         self.wakeup = wakeup or Wakeup()
         self.breaker = breaker
         self.stop_event = stop_event or threading.Event()
-        self.release_event = threading.Event()  # set on shutdown deadline: release what is unacked
+        self.keeper = keeper
+        # Publishers that accept cancel= stop waiting when the keeper finds the batch's lease lost.
+        self._publisher_cancellable = bool(getattr(publisher, "supports_cancel", False))
         self._db_failures = 0
         self.log = log.bind(worker=self.owner)
 
@@ -236,7 +240,16 @@ class Worker:
             except ValueError as exc:  # headers column that is not valid JSON
                 outcomes[i] = PermanentError(f"bad headers: {exc}")
         if messages:
-            published = self.publisher.publish_batch(messages, timeout_seconds=cfg.publish_timeout_seconds)
+            in_flight = self.keeper.track(rows, self.owner) if self.keeper is not None else None
+            try:
+                if in_flight is not None and self._publisher_cancellable:
+                    published = self.publisher.publish_batch(  # type: ignore[call-arg]
+                        messages, timeout_seconds=cfg.publish_timeout_seconds, cancel=in_flight.cancel)
+                else:
+                    published = self.publisher.publish_batch(messages, timeout_seconds=cfg.publish_timeout_seconds)
+            finally:
+                if in_flight is not None:
+                    self.keeper.untrack(in_flight)
             if len(published) != len(messages):
                 raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(messages)} messages")
             for pos, outcome in zip(positions, published):

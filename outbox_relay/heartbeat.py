@@ -1,0 +1,97 @@
+"""LeaseKeeper: extends the leases of batches whose delivery takes longer than expected.
+
+One thread per relay process. A worker registers its batch before publishing and
+unregisters it before finalizing. Once a batch has been in flight for
+``extend_after_fraction`` of its lease, the keeper extends the lease of the rows the
+batch still owns with a fenced update (``status = 'processing' AND lease_version =
+<claimed>``). Rows the update no longer finds were taken over by a newer claim: the
+keeper records them, and when the whole batch is lost it sets the batch's ``cancel``
+event so the worker stops waiting for deliveries that no longer matter to it (its
+finalize will be rejected and counted as lost leases).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from .errors import DatabaseError
+from .store import Claimed, OutboxStore
+
+log = structlog.get_logger("outbox_relay.heartbeat")
+
+
+@dataclass(eq=False)
+class InFlight:
+    claims: list[tuple[int, int]]
+    owner: str
+    extended_at: float = field(default_factory=time.monotonic)
+    lost: set[int] = field(default_factory=set)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    extensions: int = 0
+
+
+class LeaseKeeper:
+    def __init__(self, store: OutboxStore, *, lease_seconds: float, extend_after_fraction: float = 0.5) -> None:
+        self._store = store
+        self._lease = lease_seconds
+        self._after = lease_seconds * extend_after_fraction
+        self._lock = threading.Lock()
+        self._batches: set[InFlight] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def track(self, rows: Sequence[Claimed], owner: str) -> InFlight:
+        batch = InFlight(claims=[(r.id, r.lease_version) for r in rows], owner=owner)
+        with self._lock:
+            self._batches.add(batch)
+        return batch
+
+    def untrack(self, batch: InFlight) -> None:
+        with self._lock:
+            self._batches.discard(batch)
+
+    def tick(self) -> None:
+        """Extend every batch that is due; called by the thread, callable from tests."""
+        now = time.monotonic()
+        with self._lock:
+            due = [b for b in self._batches if now - b.extended_at >= self._after and not b.cancel.is_set()]
+        for batch in due:
+            owned = [c for c in batch.claims if c[0] not in batch.lost]
+            try:
+                kept = self._store.extend_lease(owned, self._lease)
+            except DatabaseError as exc:
+                log.warning("lease extension failed", error=str(exc), lease_owner=batch.owner)
+                continue
+            batch.extended_at = time.monotonic()
+            batch.extensions += 1
+            for row_id, version in owned:
+                if row_id not in kept:
+                    batch.lost.add(row_id)
+                    log.warning("lease lost while publishing: a newer claim owns the row",
+                                outbox_id=row_id, lease_version=version, lease_owner=batch.owner)
+            if kept:
+                log.info("lease extended", rows=len(kept), lease_owner=batch.owner, lease_seconds=self._lease)
+            if len(batch.lost) == len(batch.claims):
+                batch.cancel.set()
+
+    def _run(self) -> None:
+        interval = max(0.05, min(1.0, self._lease / 10))
+        while not self._stop.wait(interval):
+            self.tick()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=5)

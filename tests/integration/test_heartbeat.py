@@ -1,0 +1,60 @@
+"""Lease heartbeat: a batch whose delivery runs long keeps its lease; a batch whose
+lease was taken over stops waiting and counts its lost leases."""
+
+from __future__ import annotations
+
+import psycopg
+
+from outbox_relay.relay import Relay
+from tests.conftest import insert_rows, rows
+from tests.integration.test_relay_faults import statuses, wait_for
+
+
+def _lease_until(dsn, table):
+    return {r[0]: r[1] for r in rows(dsn, table, "id, lease_until")}
+
+
+def test_slow_delivery_extends_the_lease(make_settings, store, pg_dsn, table, own_broker):
+    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers,
+                                    "delivery_timeout_seconds": 8},
+                             relay={"lease_seconds": 10, "workers": 1})
+    relay = Relay(settings)
+    relay.start()
+    try:
+        own_broker.pause()
+        ids = insert_rows(pg_dsn, table, 5)
+        wait_for(lambda: statuses(pg_dsn, table).get("processing") == 5, message="claimed")
+        first = _lease_until(pg_dsn, table)
+        wait_for(lambda: all(_lease_until(pg_dsn, table)[i] > first[i] for i in ids), timeout=30,
+                 message="lease extended")
+        own_broker.resume()
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 5, timeout=60, message="done")
+    finally:
+        own_broker.resume_quietly()
+        relay.stop()
+    # Extended, never reclaimed: one claim each.
+    assert {r[3] for r in rows(pg_dsn, table)} == {1}
+
+
+def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn, table, own_broker):
+    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers,
+                                    "delivery_timeout_seconds": 50},
+                             relay={"lease_seconds": 60, "workers": 1, "heartbeat_after_fraction": 0.05})
+    relay = Relay(settings)
+    relay.start()
+    schema, name = table.split(".")
+    try:
+        own_broker.pause()
+        insert_rows(pg_dsn, table, 4)
+        wait_for(lambda: statuses(pg_dsn, table).get("processing") == 4, message="claimed")
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:  # another claim takes the rows over
+            conn.execute(f'UPDATE "{schema}"."{name}" SET lease_version = lease_version + 1, lease_owner = %s',
+                         ("successor",))
+        wait_for(lambda: relay.metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 4,
+                 timeout=45, message="lost leases counted")
+    finally:
+        own_broker.resume_quietly()
+        relay.stop(timeout_seconds=1)
+    # The stale worker wrote nothing: the successor's claim is intact.
+    assert {(r[1], r[3]) for r in rows(pg_dsn, table)} == {("processing", 2)}
+    assert {r[0] for r in rows(pg_dsn, table, "lease_owner")} == {"successor"}
