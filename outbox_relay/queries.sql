@@ -41,6 +41,9 @@ CREATE INDEX IF NOT EXISTS {idx_pending} ON {table} (available_at, id) WHERE sta
 CREATE INDEX IF NOT EXISTS {idx_processing} ON {table} (lease_until) WHERE status = 'processing';
 -- Unfinished rows per aggregate: the ordered claim's "is there an earlier row?" probe.
 CREATE INDEX IF NOT EXISTS {idx_aggregate} ON {table} (aggregate_id, id) WHERE status IN ('pending', 'processing', 'dead');
+-- Unfinished rows in id order: the ordered claim walks this instead of the primary
+-- key, so done rows (however many) are never visited.
+CREATE INDEX IF NOT EXISTS {idx_unfinished_id} ON {table} (id) WHERE status IN ('pending', 'processing');
 -- Dead-letter listing.
 CREATE INDEX IF NOT EXISTS {idx_dead} ON {table} (id) WHERE status = 'dead';
 -- Retention: purge walks done rows by age.
@@ -50,13 +53,26 @@ CREATE INDEX IF NOT EXISTS {idx_unfinished_created} ON {table} (created_at) WHER
 -- enqueue(dedup_key=...): one row per key.
 CREATE UNIQUE INDEX IF NOT EXISTS {idx_dedup} ON {table} (dedup_key) WHERE dedup_key IS NOT NULL
 
+-- name: create_state_table
+-- One row shared by all relays of this table: are they idle (waiting for work)?
+CREATE TABLE IF NOT EXISTS {state_table} (
+    singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    relays_idle boolean NOT NULL DEFAULT true
+);
+INSERT INTO {state_table} (singleton, relays_idle) VALUES (true, true) ON CONFLICT DO NOTHING
+
 -- name: create_notify_function
--- One NOTIFY per statement (not per row): NOTIFY takes a lock that serialises
--- committing transactions, so a bulk insert must not pay it once per row.
--- Notifications of one transaction with the same payload are folded by PostgreSQL.
+-- NOTIFY makes committing transactions queue behind each other (a global lock at
+-- commit), so writers pay it only while a relay is idle. Writers only *read* the
+-- flag (no row lock, so they never wait for each other here); the relay sets it:
+-- idle after an empty claim, busy again when its listener receives a notification.
+-- While relays are busy (they claim again at once anyway) an insert costs one
+-- index read of a one-row table. Statement-level: a bulk insert notifies once.
 CREATE OR REPLACE FUNCTION {fn_notify}() RETURNS trigger LANGUAGE plpgsql AS $fn$
 BEGIN
-    PERFORM pg_notify({channel_literal}, '');
+    IF EXISTS (SELECT 1 FROM {state_table} WHERE relays_idle) THEN
+        PERFORM pg_notify({channel_literal}, '');
+    END IF;
     RETURN NULL;
 END
 $fn$
@@ -69,6 +85,14 @@ CREATE TRIGGER {trg_notify} AFTER INSERT ON {table}
 -- name: drop_notify_trigger
 DROP TRIGGER IF EXISTS {trg_notify} ON {table};
 DROP FUNCTION IF EXISTS {fn_notify}()
+
+-- name: mark_idle
+-- A worker found nothing to claim: ask inserts to notify.
+UPDATE {state_table} SET relays_idle = true WHERE NOT relays_idle
+
+-- name: mark_busy
+-- A notification arrived, workers are awake: inserts need not notify for now.
+UPDATE {state_table} SET relays_idle = false WHERE relays_idle
 
 -- name: table_exists
 SELECT to_regclass(%(table)s) IS NOT NULL
@@ -161,7 +185,8 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
 -- an index-only range check on {idx_aggregate}. %(all_ordered)s = true means ["*"].
 WITH candidates AS (
     SELECT o.id FROM {table} AS o
-    WHERE ((o.status = 'pending' AND o.available_at <= now())
+    WHERE o.status IN ('pending', 'processing')
+      AND ((o.status = 'pending' AND o.available_at <= now())
         OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
       AND (%(all_ordered)s OR o.event_type = ANY(%(ordered_types)s))
       AND NOT EXISTS (

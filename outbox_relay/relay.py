@@ -153,6 +153,7 @@ class Relay:
             publish_timeout_seconds=s.delivery_wait_seconds if s.relay.publisher == "kafka"
             else s.relay.lease_seconds * 0.8,
             max_error_chars=s.relay.max_error_chars,
+            listen_notify=s.relay.listen_notify,
         )
         self.keeper = LeaseKeeper(self.store, lease_seconds=s.relay.lease_seconds,
                                   extend_after_fraction=s.relay.heartbeat_after_fraction)
@@ -213,6 +214,9 @@ class Relay:
                 while not self._stop_claiming.is_set():
                     for _notify in conn.notifies(timeout=1.0, stop_after=1):
                         self.wakeup.wake_all()
+                        # Workers are awake: inserts can stop notifying until one of
+                        # them finds nothing to claim and marks the relays idle again.
+                        conn.execute(self.store.sql.query("mark_busy"))
             except (DatabaseError, Exception) as exc:  # noqa: BLE001 - the listener must survive
                 failures += 1
                 if not self._stop_claiming.is_set():

@@ -193,6 +193,8 @@ class OutboxStore:
             conn.execute(self.sql.query("add_dedup_key"))
             for statement in self.sql.statements("create_indexes"):
                 conn.execute(statement)
+            for statement in self.sql.statements("create_state_table"):
+                conn.execute(statement)
             if notify_trigger:
                 conn.execute(self.sql.query("create_notify_function"))
                 for statement in self.sql.statements("create_notify_trigger"):
@@ -200,6 +202,11 @@ class OutboxStore:
             else:
                 for statement in self.sql.statements("drop_notify_trigger"):
                     conn.execute(statement)
+
+    def mark_idle(self) -> None:
+        """Ask the next insert to NOTIFY (see create_notify_function)."""
+        with self._mapped("mark idle"), self._pool.connection() as conn:
+            conn.execute(self.sql.query("mark_idle"))
 
     def table_exists(self) -> bool:
         with self._mapped("check table"), self._pool.connection() as conn:

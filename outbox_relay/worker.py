@@ -58,6 +58,7 @@ class WorkerConfig:
     backoff_cap_seconds: float
     publish_timeout_seconds: float
     max_error_chars: int = 1000
+    listen_notify: bool = False
 
 
 class Wakeup:
@@ -191,6 +192,16 @@ class Worker:
                 self._sleep_db_backoff()
                 continue
             self._db_failures = 0
+            if result.claimed == 0 and self.cfg.listen_notify:
+                # Going idle: ask the next insert to notify, then look once more, so a
+                # row inserted just before the flag was set is not left to the poll.
+                try:
+                    self.store.mark_idle()
+                    result = self.run_once()
+                except DatabaseError as exc:
+                    self.log.warning("database unavailable; backing off", error=str(exc))
+                    self._sleep_db_backoff()
+                    continue
             if result.claimed == 0:
                 self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
         self.log.info("worker stopped")
