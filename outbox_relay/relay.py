@@ -213,10 +213,11 @@ class Relay:
                 failures = 0
                 while not self._stop_claiming.is_set():
                     for _notify in conn.notifies(timeout=1.0, stop_after=1):
-                        self.wakeup.wake_all()
-                        # Workers are awake: inserts can stop notifying until one of
-                        # them finds nothing to claim and marks the relays idle again.
+                        self.wakeup.wake_one()
+                        # A worker is awake: inserts can stop notifying until a worker
+                        # finds nothing to claim and marks the relays idle again.
                         conn.execute(self.store.sql.query("mark_busy"))
+                        self.wakeup.relays_marked_idle = False
             except (DatabaseError, Exception) as exc:  # noqa: BLE001 - the listener must survive
                 failures += 1
                 if not self._stop_claiming.is_set():

@@ -62,16 +62,30 @@ class WorkerConfig:
 
 
 class Wakeup:
-    """Idle workers sleep here; LISTEN/NOTIFY (or a stop) wakes them early."""
+    """Idle workers sleep here. A notification wakes *one* worker (a busy worker that
+    claims a full batch wakes the next), a stop wakes all. ``relays_marked_idle``
+    mirrors the table's shared idle flag, so only the first worker to go idle pays
+    the UPDATE that re-enables notifications."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._generation = 0
+        self._tokens = 0
+        self.relays_marked_idle = False
 
     def wait(self, timeout: float) -> None:
         with self._cond:
             seen = self._generation
-            self._cond.wait_for(lambda: self._generation != seen, timeout=timeout)
+            self._cond.wait_for(lambda: self._generation != seen or self._tokens > 0, timeout=timeout)
+            if self._generation == seen and self._tokens > 0:
+                self._tokens -= 1
+
+    def wake_one(self) -> None:
+        with self._cond:
+            # At most one token banked: a wake-up while every worker is busy makes
+            # the next worker that would go to sleep look once more instead.
+            self._tokens = 1
+            self._cond.notify(1)
 
     def wake_all(self) -> None:
         with self._cond:
@@ -192,11 +206,14 @@ class Worker:
                 self._sleep_db_backoff()
                 continue
             self._db_failures = 0
-            if result.claimed == 0 and self.cfg.listen_notify:
-                # Going idle: ask the next insert to notify, then look once more, so a
-                # row inserted just before the flag was set is not left to the poll.
+            if result.claimed >= self.cfg.batch_size:
+                self.wakeup.wake_one()  # a backlog: get another worker going
+            if result.claimed == 0 and self.cfg.listen_notify and not self.wakeup.relays_marked_idle:
+                # Going idle: ask inserts to notify, then look once more, so a row
+                # inserted just before the flag was set is not left to the poll.
                 try:
                     self.store.mark_idle()
+                    self.wakeup.relays_marked_idle = True
                     result = self.run_once()
                 except DatabaseError as exc:
                     self.log.warning("database unavailable; backing off", error=str(exc))
