@@ -127,7 +127,7 @@ class RelaySettings(_Section):
     """The claim -> publish -> finalize loop."""
 
     workers: int = Field(default=4, ge=1, le=64, description="Worker threads per relay process.")
-    batch_size: int = Field(default=500, ge=1, le=10_000, description="Rows claimed per batch by one worker.")
+    batch_size: int = Field(default=1000, ge=1, le=10_000, description="Rows claimed per batch by one worker.")
     lease_seconds: float = Field(default=30.0, ge=0.2, description="How long a claim owns its rows before others may take them.")
     max_attempts: int = Field(default=12, ge=1, description="Claims per row before it goes dead (a crash counts).")
     ordered_event_types: list[str] = Field(

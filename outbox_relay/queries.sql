@@ -116,11 +116,26 @@ WHERE o.id = victims.id
 RETURNING o.id, o.lease_version, victims.lease_owner
 
 -- name: claim
--- Expired leases first (they are the oldest work), then due pending rows, each read
--- from its own partial index in order and cut by LIMIT, so the cost does not grow
--- with the backlog. SKIP LOCKED makes concurrent claims take disjoint rows; the
--- UPDATE makes the ownership durable: owner, deadline and a new fencing token.
-WITH expired AS (
+-- The whole claim in one statement (one round trip, atomic in autocommit): reap
+-- poison rows (as in "reap") and take up to LIMIT rows: expired leases first (the
+-- oldest work), then due pending rows, each read from its own partial index in
+-- order and cut by LIMIT, so the cost does not grow with the backlog. SKIP LOCKED
+-- makes concurrent claims take disjoint rows; the UPDATE makes ownership durable:
+-- owner, deadline and a new fencing token. Reaped rows come back with reaped = true.
+WITH victims AS (
+    SELECT id, lease_owner FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+    FOR UPDATE SKIP LOCKED
+), reaped AS (
+    UPDATE {table} AS o
+    SET status = 'dead',
+        last_error = 'lease expired after ' || o.attempts || ' attempts without an outcome (worker crash or hang?)',
+        lease_owner = NULL,
+        lease_until = NULL
+    FROM victims
+    WHERE o.id = victims.id
+    RETURNING o.id, o.lease_version, victims.lease_owner
+), expired AS (
     SELECT id FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
     ORDER BY lease_until
@@ -135,17 +150,23 @@ WITH expired AS (
 ), picked AS (
     SELECT id FROM (SELECT id FROM expired UNION ALL SELECT id FROM due) AS both_kinds
     LIMIT %(batch)s
+), claimed AS (
+    UPDATE {table} AS o
+    SET status = 'processing',
+        lease_owner = %(owner)s,
+        lease_until = now() + make_interval(secs => %(lease_seconds)s),
+        lease_version = o.lease_version + 1,
+        attempts = o.attempts + 1
+    FROM picked
+    WHERE o.id = picked.id
+    RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+              o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
 )
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease_seconds)s),
-    lease_version = o.lease_version + 1,
-    attempts = o.attempts + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+SELECT false AS reaped, claimed.*, NULL::text AS reaped_owner FROM claimed
+UNION ALL
+SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
+       NULL::text, NULL::text, NULL::timestamptz, reaped.lease_owner
+FROM reaped
 
 -- name: claim_unordered_only
 -- As claim, but leaves rows of ordered event types to claim_ordered_heads.

@@ -243,25 +243,34 @@ class OutboxStore:
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (seed 002).
+        rows: list[Claimed] = []
+        if not ordered_types:
+            # One statement, autocommit: reap + claim in a single round trip.
+            with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
+                reaped = []
+                for record in conn.execute(self.sql.query("claim"), params).fetchall():
+                    if record[0]:
+                        reaped.append((record[1], record[2], record[11]))
+                    else:
+                        rows.append(Claimed(*record[1:11]))
+            rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
+            return ClaimResult(rows=rows, reaped=reaped)
+        # Ordered: several statements in one short transaction (heads, runs, the rest).
         with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
                 cur = conn.cursor()
                 reaped = cur.execute(self.sql.query("reap"), params).fetchall()
-                rows: list[Claimed] = []
-                if not ordered_types:
-                    rows = [Claimed(*r) for r in cur.execute(self.sql.query("claim"), params).fetchall()]
-                else:
-                    heads = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"), params).fetchall()]
-                    rows.extend(heads)
-                    if heads and run_length > 1:
-                        run_params = dict(params, run_length=run_length - 1,
-                                          aggregate_ids=[h.aggregate_id for h in heads],
-                                          head_ids=[h.id for h in heads])
-                        rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
-                    room = batch - len(rows)
-                    if not all_ordered and room > 0:
-                        params["batch"] = room
-                        rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_unordered_only"), params))
+                heads = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"), params).fetchall()]
+                rows.extend(heads)
+                if heads and run_length > 1:
+                    run_params = dict(params, run_length=run_length - 1,
+                                      aggregate_ids=[h.aggregate_id for h in heads],
+                                      head_ids=[h.id for h in heads])
+                    rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
+                room = batch - len(rows)
+                if not all_ordered and room > 0:
+                    params["batch"] = room
+                    rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_unordered_only"), params))
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=[(r[0], r[1], r[2]) for r in reaped])
 

@@ -42,4 +42,4 @@ def test_config_example_is_current_and_loads(tmp_path, monkeypatch):
         if key.startswith("OUTBOX_RELAY_"):
             monkeypatch.delenv(key)
     settings = load_settings(path)
-    assert settings.relay.batch_size == 500 and settings.metrics.port == 9464
+    assert settings.relay.batch_size == 1000 and settings.metrics.port == 9464
