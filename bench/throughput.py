@@ -333,7 +333,8 @@ def run_db_bound(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
 # =========================================================================================
 # (c) the real relay: `outbox-relay run --workers N` as a warm subprocess
 # =========================================================================================
-def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, label: str) -> dict[str, Any]:
+def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, label: str, *,
+              aggregates: int | None = None, ordered: bool = False) -> dict[str, Any]:
     table = c.new_table(label.replace("-", ""))
     topic = f"bench.{c.RUN_ID}.{label}"
     c.migrate(dsn, table)  # with the NOTIFY trigger, as `outbox-relay migrate` does by default
@@ -341,6 +342,9 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
     env = c.relay_env(dsn, table, bootstrap, topic)
     if args.batch_size != DEFAULTS.relay.batch_size:
         env["OUTBOX_RELAY_RELAY__BATCH_SIZE"] = str(args.batch_size)
+    if ordered:
+        env["OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES"] = '["*"]'
+    aggregates = aggregates or args.aggregates
     relay = c.RelayProcess(["--workers", str(args.workers)], env)
     try:
         relay.wait_started()
@@ -348,7 +352,7 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
         rss_idle_kb = relay.status_kb("VmRSS")
         with psycopg.connect(dsn) as conn:
             with conn.transaction():
-                c.copy_backlog(conn, table, events, aggregates=args.aggregates, payload_bytes=args.payload_bytes)
+                c.copy_backlog(conn, table, events, aggregates=aggregates, payload_bytes=args.payload_bytes)
                 c.checkpoint(dsn)
                 c.say(f"(c) relay subprocess ({label}): committing {events} events, relay idle and warm ...")
                 started = time.monotonic()  # the COMMIT below makes the whole backlog visible at once
@@ -361,6 +365,7 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
         code = relay.stop()
     result = _finish(label, dsn, bootstrap, table, topic, args, elapsed, read_back=True, events=events)
     result.update({
+        "aggregates": aggregates, "ordered": ordered,
         "peak_rss_mb": round(hwm_kb / 1024, 1) if hwm_kb else None,
         "idle_rss_mb": round(rss_idle_kb / 1024, 1) if rss_idle_kb else None,
         "end_rss_mb": round(rss_end_kb / 1024, 1) if rss_end_kb else None,
@@ -418,7 +423,12 @@ def main() -> int:
     parser.add_argument("--rss-events", type=int, default=0,
                         help="also drain this many events with the relay and report its peak RSS (e.g. 100000)")
     parser.add_argument("--variants", default="seed,db-bound,relay",
-                        help="comma-separated subset of seed,db-bound,relay (default all)")
+                        help="comma-separated subset of seed,db-bound,relay,ordered (default seed,db-bound,relay; "
+                             "'ordered' adds the relay with ordered_event_types=[\"*\"] on few hot and many cold "
+                             "aggregates)")
+    parser.add_argument("--hot-aggregates", type=int, default=4, help="ordered variant: few hot aggregates (4)")
+    parser.add_argument("--cold-aggregates", type=int, default=20_000,
+                        help="ordered variant: many cold aggregates (20000)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up a drain after this many seconds")
     parser.add_argument("--target-vs-seed", type=float, default=10.0)
     parser.add_argument("--target-vs-db", type=float, default=0.6)
@@ -436,6 +446,11 @@ def main() -> int:
             results["db-bound"] = run_db_bound(dsn, args)
         if "relay" in variants:
             results["relay"] = run_relay(dsn, bootstrap, args, args.events, "relay")
+        if "ordered" in variants:
+            results["ordered-hot"] = run_relay(dsn, bootstrap, args, args.events, "ordered-hot",
+                                               aggregates=args.hot_aggregates, ordered=True)
+            results["ordered-cold"] = run_relay(dsn, bootstrap, args, args.events, "ordered-cold",
+                                                aggregates=args.cold_aggregates, ordered=True)
         if args.rss_events:
             results["relay-rss"] = run_relay(dsn, bootstrap, args, args.rss_events, "relay-rss")
 
@@ -451,6 +466,9 @@ def main() -> int:
     if "relay_vs_seed" in ratios:
         targets["relay_vs_seed"] = {"target": f">= {args.target_vs_seed}x", "value": ratios["relay_vs_seed"],
                                     "met": ratios["relay_vs_seed"] >= args.target_vs_seed}
+    for name in ("ordered-hot", "ordered-cold"):
+        if eps(name) and eps("relay"):
+            ratios[f"{name}_vs_unordered"] = round(eps(name) / eps("relay"), 2)
     if "relay_vs_db_bound" in ratios:
         targets["relay_vs_db_bound"] = {"target": f">= {args.target_vs_db}x", "value": ratios["relay_vs_db_bound"],
                                         "met": ratios["relay_vs_db_bound"] >= args.target_vs_db}

@@ -200,24 +200,45 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
           o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
 
 -- name: claim_ordered_heads
--- Ordered event types: only the head of an aggregate is claimable, i.e. a row with no
--- earlier pending/processing/dead row of an ordered type in the same aggregate_id.
--- (A dead head therefore blocks its aggregate until retried or skipped.) The probe is
--- an index-only range check on {idx_aggregate}. %(all_ordered)s = true means ["*"].
-WITH candidates AS (
+-- Ordered event types: only the head of an aggregate is claimable, i.e. its first
+-- pending/processing/dead row of an ordered type. (A dead head therefore blocks its
+-- aggregate until retried or skipped.) Instead of scanning rows — most of which wait
+-- behind a head in flight when aggregates are hot — this walks the distinct
+-- aggregate_ids of {idx_aggregate} with a recursive skip scan (one index probe per
+-- aggregate), starting after %(after)s so successive claims go round the aggregates
+-- instead of always favouring the first ones, and looks at each aggregate's head.
+-- %(all_ordered)s = true means ["*"].
+WITH RECURSIVE aggregates AS (
+    (SELECT a.aggregate_id FROM {table} AS a
+     WHERE a.status IN ('pending', 'processing', 'dead') AND a.aggregate_id > %(after)s
+     ORDER BY a.aggregate_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT n.aggregate_id FROM {table} AS n
+            WHERE n.status IN ('pending', 'processing', 'dead') AND n.aggregate_id > aggregates.aggregate_id
+            ORDER BY n.aggregate_id LIMIT 1)
+    FROM aggregates
+    WHERE aggregates.aggregate_id IS NOT NULL
+), heads AS (
+    SELECT h.id
+    FROM aggregates
+    CROSS JOIN LATERAL (
+        SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts
+        FROM {table} AS f
+        WHERE f.aggregate_id = aggregates.aggregate_id
+          AND f.status IN ('pending', 'processing', 'dead')
+          AND (%(all_ordered)s OR f.event_type = ANY(%(ordered_types)s))
+        ORDER BY f.id
+        LIMIT 1
+    ) AS h
+    WHERE aggregates.aggregate_id IS NOT NULL
+      AND ((h.status = 'pending' AND h.available_at <= now())
+        OR (h.status = 'processing' AND h.lease_until < now() AND h.attempts < %(max_attempts)s))
+    LIMIT %(batch)s
+), candidates AS (
     SELECT o.id FROM {table} AS o
-    WHERE o.status IN ('pending', 'processing')
+    WHERE o.id IN (SELECT id FROM heads)
       AND ((o.status = 'pending' AND o.available_at <= now())
         OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
-      AND (%(all_ordered)s OR o.event_type = ANY(%(ordered_types)s))
-      AND NOT EXISTS (
-          SELECT 1 FROM {table} AS prev
-          WHERE prev.aggregate_id = o.aggregate_id
-            AND prev.id < o.id
-            AND prev.status IN ('pending', 'processing', 'dead')
-            AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s)))
-    ORDER BY o.id
-    LIMIT %(batch)s
     FOR UPDATE OF o SKIP LOCKED
 )
 UPDATE {table} AS o
@@ -258,6 +279,8 @@ WITH heads AS (
     SELECT t.id FROM {table} AS t
     WHERE t.id IN (SELECT id FROM followers WHERE contiguous)
       AND t.status = 'pending'
+    ORDER BY t.id          -- cutting at %(room)s keeps a prefix of every run
+    LIMIT %(room)s
     FOR UPDATE OF t SKIP LOCKED
 )
 UPDATE {table} AS o

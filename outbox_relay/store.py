@@ -44,6 +44,7 @@ class Claimed:
 class ClaimResult:
     rows: list[Claimed]
     reaped: list[tuple[int, int, str | None]] = field(default_factory=list)  # (id, version, owner)
+    ordered_after: str = ""  # where the next ordered claim should start (round-robin)
 
 
 @dataclass(slots=True)
@@ -227,6 +228,7 @@ class OutboxStore:
         max_attempts: int,
         ordered_types: Sequence[str] = (),
         run_length: int = 1,
+        ordered_after: str = "",
     ) -> ClaimResult:
         """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
         committed before this returns (so before any publish)."""
@@ -256,14 +258,25 @@ class OutboxStore:
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
+        next_after = ""
         with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
                 cur = conn.cursor()
                 reaped = cur.execute(self.sql.query("reap"), params).fetchall()
-                heads = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"), params).fetchall()]
+                # Round-robin over aggregates: start after where the last claim ended,
+                # wrap around to the beginning if that end of the range had too few.
+                heads = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
+                                                          dict(params, after=ordered_after)).fetchall()]
+                if len(heads) < batch and ordered_after:
+                    seen = {h.id for h in heads}
+                    heads.extend(Claimed(*r) for r in cur.execute(
+                        self.sql.query("claim_ordered_heads"), dict(params, after="", batch=batch - len(heads)))
+                        if r[0] not in seen)
+                if heads:
+                    next_after = max(h.aggregate_id for h in heads)
                 rows.extend(heads)
-                if heads and run_length > 1:
-                    run_params = dict(params, run_length=run_length - 1,
+                if heads and run_length > 1 and batch > len(heads):
+                    run_params = dict(params, run_length=run_length - 1, room=batch - len(heads),
                                       aggregate_ids=[h.aggregate_id for h in heads],
                                       head_ids=[h.id for h in heads])
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
@@ -272,7 +285,7 @@ class OutboxStore:
                     params["batch"] = room
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_unordered_only"), params))
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
-        return ClaimResult(rows=rows, reaped=[(r[0], r[1], r[2]) for r in reaped])
+        return ClaimResult(rows=rows, reaped=[(r[0], r[1], r[2]) for r in reaped], ordered_after=next_after)
 
     # --- fenced finalize -------------------------------------------------------------
     def mark_done(self, claims: Sequence[tuple[int, int]], *, strict: bool = False) -> set[int]:

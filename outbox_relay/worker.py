@@ -180,6 +180,7 @@ class Worker:
         # Publishers that accept cancel= stop waiting when the keeper finds the batch's lease lost.
         self._publisher_cancellable = bool(getattr(publisher, "supports_cancel", False))
         self._db_failures = 0
+        self._ordered_after = ""  # aggregate_id where the last ordered claim ended
         self.log = log.bind(worker=self.owner)
 
     # --- loop ------------------------------------------------------------------------
@@ -237,7 +238,8 @@ class Worker:
         cfg = self.cfg
         result = self.store.claim(owner=self.owner, batch=cfg.batch_size, lease_seconds=cfg.lease_seconds,
                                   max_attempts=cfg.max_attempts, ordered_types=cfg.ordered_types,
-                                  run_length=cfg.run_length)
+                                  run_length=cfg.run_length, ordered_after=self._ordered_after)
+        self._ordered_after = result.ordered_after
         for row_id, version, owner in result.reaped:
             self.log.warning("reaped: attempts used up without an outcome; row is dead",
                              outbox_id=row_id, lease_version=version, lease_owner=owner)
