@@ -144,10 +144,12 @@ def status(
     settings = _settings(config)
     with _store(settings) as store:
         store.require_table()
-        stats = store.stats(ordered_types=list(settings.relay.ordered_event_types))
+        stats = store.stats(ordered_types=list(settings.relay.ordered_event_types),
+                            count_cap=settings.metrics.exact_count_limit)
     doc = {
         "table": settings.database.table,
         "queue_depth": stats.queue_depth,
+        "queue_depth_estimated": stats.estimated_statuses,
         "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
         "expired_leases": stats.expired_leases,
         "attempts": {str(k): v for k, v in sorted(stats.attempts.items())},
@@ -159,7 +161,8 @@ def status(
     typer.echo(f"outbox {settings.database.table}")
     typer.echo(f"  {'status':<12}{'rows':>12}")
     for name, n in stats.queue_depth.items():
-        typer.echo(f"  {name:<12}{n:>12}")
+        note = "  (estimate)" if name in stats.estimated_statuses else ""
+        typer.echo(f"  {name:<12}{n:>12}{note}")
     typer.echo(f"  oldest pending age   {stats.oldest_pending_age_seconds:.1f}s")
     typer.echo(f"  expired leases       {stats.expired_leases}")
     if stats.attempts:

@@ -176,6 +176,10 @@ class MetricsSettings(_Section):
     port: int = Field(default=9464, ge=0, le=65535, description="Port of the metrics server (0 = any free port).")
     refresh_interval_seconds: float = Field(default=5.0, gt=0, description="How often gauges are read from the table.")
     query_timeout_ms: int = Field(default=2000, ge=1, description="statement_timeout of each gauge query.")
+    exact_count_limit: int = Field(
+        default=100_000, ge=1,
+        description="Rows per status counted exactly; above it the depth is the planner's estimate (bounded cost).",
+    )
 
 
 class HttpPublisherSettings(_Section):

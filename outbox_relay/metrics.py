@@ -87,12 +87,13 @@ class StatsRefresher:
     """Background thread: reads the table's gauges every interval. start/stop are idempotent."""
 
     def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
-                 timeout_ms: int, ordered_types: list[str]) -> None:
+                 timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000) -> None:
         self._store = store
         self._metrics = metrics
         self._interval = interval_seconds
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
+        self._count_cap = count_cap
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.last_success: float = 0.0
@@ -100,7 +101,8 @@ class StatsRefresher:
     def refresh_once(self) -> bool:
         m = self._metrics
         try:
-            stats = self._store.stats(ordered_types=self._ordered, timeout_ms=self._timeout_ms)
+            stats = self._store.stats(ordered_types=self._ordered, timeout_ms=self._timeout_ms,
+                                      count_cap=self._count_cap)
         except Exception as exc:  # any failure: do not leave stale values behind
             m.stats_refresh_errors_total.inc()
             m.oldest_pending_age_seconds.set(float("nan"))

@@ -334,9 +334,24 @@ WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version
 RETURNING o.id
 
 -- name: stats_depth
--- One row per status present. Counting done rows is a full scan of the table's
--- visibility map; the refresher runs it under a statement timeout.
-SELECT status, count(*) AS n FROM {table} GROUP BY status
+-- Rows per status, each counted exactly up to %(cap)s from its partial index (or the
+-- done index), so the cost is bounded however large the table grows. A status that
+-- reaches the cap is estimated from the planner's statistics (stats_status_estimate).
+SELECT 'pending' AS status, count(*) AS n FROM (SELECT 1 FROM {table} WHERE status = 'pending' LIMIT %(cap)s) AS p
+UNION ALL
+SELECT 'processing', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'processing' LIMIT %(cap)s) AS r
+UNION ALL
+SELECT 'dead', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'dead' LIMIT %(cap)s) AS d
+UNION ALL
+SELECT 'done', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'done' LIMIT %(cap)s) AS f
+
+-- name: stats_status_estimate
+-- Planner statistics (kept fresh by autovacuum's ANALYZE): rows per status value.
+SELECT v.status, (v.freq * greatest(c.reltuples, 0))::bigint AS n
+FROM pg_stats AS s
+JOIN pg_class AS c ON c.oid = %(table)s::regclass
+CROSS JOIN LATERAL unnest(s.most_common_vals::text::text[], s.most_common_freqs) AS v(status, freq)
+WHERE s.schemaname = coalesce(%(schema)s, current_schema()) AND s.tablename = %(name)s AND s.attname = 'status'
 
 -- name: stats_oldest
 -- Index read of the oldest unfinished row: cost independent of backlog size.
@@ -347,8 +362,15 @@ FROM {table} WHERE status IN ('pending', 'processing')
 SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until < now()
 
 -- name: stats_attempts
-SELECT attempts, count(*) AS n FROM {table}
-WHERE status IN ('pending', 'processing') GROUP BY attempts ORDER BY attempts
+-- Attempts used by the oldest %(cap)s unfinished rows (all of them below the cap),
+-- read in created_at order from {idx_unfinished_created}: bounded cost.
+SELECT attempts, count(*) AS n FROM (
+    SELECT attempts FROM {table}
+    WHERE status IN ('pending', 'processing')
+    ORDER BY created_at
+    LIMIT %(cap)s
+) AS oldest
+GROUP BY attempts ORDER BY attempts
 
 -- name: stats_blocked
 -- Aggregates whose earliest unfinished ordered row is dead (their followers wait).

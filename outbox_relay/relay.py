@@ -171,7 +171,8 @@ class Relay:
             self._refresher = StatsRefresher(self.store, self.metrics,
                                              interval_seconds=s.metrics.refresh_interval_seconds,
                                              timeout_ms=s.metrics.query_timeout_ms,
-                                             ordered_types=list(s.relay.ordered_event_types))
+                                             ordered_types=list(s.relay.ordered_event_types),
+                                             count_cap=s.metrics.exact_count_limit)
             self._refresher.start()
             self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
                                          healthy=self.health, ready=self.readiness)

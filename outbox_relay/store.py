@@ -63,6 +63,7 @@ class Stats:
     expired_leases: int
     attempts: dict[int, int]
     blocked_aggregates: list[tuple[str, int]]
+    estimated_statuses: list[str] = field(default_factory=list)  # counts above the exact-count cap
 
 
 _PASSWORD_RE = re.compile(r"(password\s*=\s*)(\S+)|(://[^:/@\s]*:)([^@\s]*)(@)", re.IGNORECASE)
@@ -337,6 +338,7 @@ class OutboxStore:
         ordered_types: Sequence[str] = (),
         timeout_ms: int | None = None,
         include_depth: bool = True,
+        count_cap: int = 100_000,
         blocked_limit: int = 100,
     ) -> Stats:
         """The monitoring queries of seed 000 section 6, in one read-only transaction."""
@@ -346,12 +348,23 @@ class OutboxStore:
             if timeout_ms:
                 conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
             depth = dict.fromkeys(STATUSES, 0)
+            estimated: list[str] = []
             if include_depth:
-                for status, n in conn.execute(self.sql.query("stats_depth")).fetchall():
+                for status, n in conn.execute(self.sql.query("stats_depth"), {"cap": count_cap}).fetchall():
                     depth[status] = int(n)
+                capped = [status for status, n in depth.items() if n >= count_cap]
+                if capped:
+                    rows = conn.execute(self.sql.query("stats_status_estimate"), {
+                        "table": self.sql.regclass_text, "schema": self.sql.schema_name,
+                        "name": self.sql.table_name}).fetchall()
+                    estimates = {status: int(n) for status, n in rows}
+                    for status in capped:
+                        depth[status] = max(count_cap, estimates.get(status, count_cap))
+                        estimated.append(status)
             oldest = conn.execute(self.sql.query("stats_oldest")).fetchone()
             expired = conn.execute(self.sql.query("stats_expired")).fetchone()
-            attempts = {int(a): int(n) for a, n in conn.execute(self.sql.query("stats_attempts")).fetchall()}
+            attempts = {int(a): int(n) for a, n in conn.execute(self.sql.query("stats_attempts"),
+                                                                   {"cap": count_cap}).fetchall()}
             blocked: list[tuple[str, int]] = []
             if ordered_types:
                 blocked = [(r[0], int(r[1])) for r in conn.execute(
@@ -359,6 +372,7 @@ class OutboxStore:
                     {"ordered_types": types, "all_ordered": all_ordered, "limit": blocked_limit}).fetchall()]
         return Stats(
             queue_depth=depth,
+            estimated_statuses=estimated,
             oldest_pending_age_seconds=float(oldest[0]) if oldest else 0.0,
             expired_leases=int(expired[0]) if expired else 0,
             attempts=attempts,
