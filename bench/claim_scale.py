@@ -36,6 +36,8 @@ from outbox_relay.store import OutboxStore, Reschedule
 
 DEFAULTS = load_settings(None)
 STATS = ("stats_oldest", "stats_expired", "stats_attempts", "stats_depth")
+# The refresher's bound on exact counts (metrics.exact_count_limit).
+STATS_PARAMS = {"cap": DEFAULTS.metrics.exact_count_limit}
 
 LOAD_SQL = """
 INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, created_at, status,
@@ -104,7 +106,7 @@ def time_stats(dsn: str, table: str, reps: int) -> dict[str, dict[str, Any]]:
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                conn.execute(stmt).fetchall()
+                conn.execute(stmt, STATS_PARAMS).fetchall()
                 times.append((time.perf_counter() - t0) * 1000)
             out[name] = {"median_ms": round(c.median(times), 2), "min_ms": round(min(times), 2), "reps": reps}
     return out
@@ -149,7 +151,7 @@ def measure(dsn: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
                                        claim_params("explain", args.batch_size, ordered=True)),
     }
     for name in STATS:
-        plans[name] = explain(dsn, table, name, None)
+        plans[name] = explain(dsn, table, name, STATS_PARAMS)
     return {"claim": claim, "claim_ordered_heads": ordered, **stats,
             "plans": plans, "plan_execution_ms": {k: plan_time(v) for k, v in plans.items()}}
 
