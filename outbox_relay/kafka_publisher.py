@@ -227,6 +227,11 @@ class KafkaPublisher:
                       cancel: threading.Event | None = None) -> list[Outcome]:
         """Produce the batch, wait for its reports until ``timeout_seconds``, a
         shutdown (``abort``) or ``cancel`` (the batch's leases were all lost)."""
+        return self.submit(messages, timeout_seconds=timeout_seconds).wait(cancel=cancel)
+
+    def submit(self, messages: Sequence[Message], *, timeout_seconds: float) -> InFlightBatch:
+        """Produce the batch and return at once; ``wait()`` collects the outcomes.
+        Lets a worker claim its next batch while this one is being delivered."""
         deadline = time.monotonic() + timeout_seconds
         waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages])
         producer = self._producer
@@ -256,27 +261,43 @@ class KafkaPublisher:
                 except (TypeError, ValueError) as exc:
                     waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
                     break
-        # Wait in slices so a shutdown (abort) can cut the wait short.
-        while not waiter.done.is_set() and not self.abort.is_set():
+        return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds)
+
+
+class InFlightBatch:
+    """A produced batch whose delivery reports are still arriving."""
+
+    def __init__(self, publisher: KafkaPublisher, waiter: _BatchWaiter, size: int, deadline: float,
+                 timeout_seconds: float) -> None:
+        self._publisher = publisher
+        self._waiter = waiter
+        self._size = size
+        self._deadline = deadline
+        self._timeout = timeout_seconds
+
+    def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
+        waiter, publisher = self._waiter, self._publisher
+        # Wait in slices so a shutdown (abort) or a lost lease (cancel) cuts it short.
+        while not waiter.done.is_set() and not publisher.abort.is_set():
             if cancel is not None and cancel.is_set():
-                for index in range(len(messages)):
+                for index in range(self._size):
                     waiter.settle(index, RetryableError("lease lost while waiting for delivery"))
                 break
-            remaining = deadline - time.monotonic()
+            remaining = self._deadline - time.monotonic()
             if remaining <= 0:
                 break
             waiter.done.wait(min(remaining, 0.1))
-        if self.abort.is_set() and not waiter.done.is_set():
-            for index in range(len(messages)):
+        if publisher.abort.is_set() and not waiter.done.is_set():
+            for index in range(self._size):
                 waiter.settle(index, NotDelivered("no delivery report before shutdown"))
         elif not waiter.done.is_set():
             # No report within the deadline: librdkafka's own message timeout should
             # have fired first, so this producer is stuck. Replace it; the purge
             # settles its messages as retryable, and so do we, right now.
-            self.request_replacement("delivery reports overdue")
-            for index in range(len(messages)):
+            publisher.request_replacement("delivery reports overdue")
+            for index in range(self._size):
                 waiter.settle(index, RetryableError(
-                    f"kafka: no delivery report within {timeout_seconds:.1f}s", transport=True))
+                    f"kafka: no delivery report within {self._timeout:.1f}s", transport=True))
         return list(waiter.outcomes)
 
 

@@ -41,9 +41,6 @@ CREATE INDEX IF NOT EXISTS {idx_pending} ON {table} (available_at, id) WHERE sta
 CREATE INDEX IF NOT EXISTS {idx_processing} ON {table} (lease_until) WHERE status = 'processing';
 -- Unfinished rows per aggregate: the ordered claim's "is there an earlier row?" probe.
 CREATE INDEX IF NOT EXISTS {idx_aggregate} ON {table} (aggregate_id, id) WHERE status IN ('pending', 'processing', 'dead');
--- Unfinished rows in id order: the ordered claim walks this instead of the primary
--- key, so done rows (however many) are never visited.
-CREATE INDEX IF NOT EXISTS {idx_unfinished_id} ON {table} (id) WHERE status IN ('pending', 'processing');
 -- Dead-letter listing.
 CREATE INDEX IF NOT EXISTS {idx_dead} ON {table} (id) WHERE status = 'dead';
 -- Retention: purge walks done rows by age.

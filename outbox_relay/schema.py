@@ -81,7 +81,6 @@ class TableSql:
             "idx_processing": sql.Identifier(_short(base, "processing_idx")),
             "idx_aggregate": sql.Identifier(_short(base, "aggregate_idx")),
             "idx_dead": sql.Identifier(_short(base, "dead_idx")),
-            "idx_unfinished_id": sql.Identifier(_short(base, "unfinished_id_idx")),
             "state_table": self._qualified(_short(base, "relay_state")),
             "idx_done": sql.Identifier(_short(base, "done_idx")),
             "idx_unfinished_created": sql.Identifier(_short(base, "unfinished_created_idx")),

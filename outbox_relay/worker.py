@@ -13,11 +13,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
 from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
-from .heartbeat import LeaseKeeper
+from .heartbeat import InFlight, LeaseKeeper
 from .metrics import RelayMetrics
 from .publisher import (
     Defer,
@@ -149,6 +150,19 @@ class CircuitBreaker:
 
 
 @dataclass
+class _Batch:
+    """A claimed batch between claim and finalize."""
+
+    rows: Sequence[Claimed]
+    started: float
+    outcomes: list[Outcome]
+    messages: list[Message] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    ticket: InFlight | None = None
+    handle: Any = None  # the publisher's in-flight batch (submit), if any
+
+
+@dataclass
 class BatchResult:
     claimed: int = 0
     done: int = 0
@@ -179,50 +193,77 @@ class Worker:
         self.keeper = keeper
         # Publishers that accept cancel= stop waiting when the keeper finds the batch's lease lost.
         self._publisher_cancellable = bool(getattr(publisher, "supports_cancel", False))
+        # Publishers with submit() (produce now, wait later) allow pipelining.
+        self._publisher_submits = callable(getattr(publisher, "submit", None))
         self._db_failures = 0
         self._ordered_after = ""  # aggregate_id where the last ordered claim ended
         self.log = log.bind(worker=self.owner)
 
     # --- loop ------------------------------------------------------------------------
     def run(self) -> None:
+        """Loop until stopped. With a publisher that can ``submit`` (Kafka), the next
+        batch is claimed and produced while the previous one is still being
+        delivered: batch N+1's claim overlaps batch N's wait for acknowledgements.
+        (Ordered rows are unaffected: a row behind an unfinished head is never claimable.)"""
         self.log.info("worker started")
+        pipelined = self._publisher_submits
+        pending: _Batch | None = None
         while not self.stop_event.is_set():
             if self.breaker is not None and self.breaker.is_open:
+                if pending is not None:
+                    self._complete(pending)
+                    pending = None
                 self.breaker.wait_closed(timeout=0.5)
                 continue
             try:
-                result = self.run_once()
-            except SchemaMissing as exc:
-                self.log.error("outbox table missing", error=str(exc))
-                self._sleep_db_backoff()
-                continue
-            except CommitOutcomeUnknown as exc:
-                # Never publish after an unknown commit outcome: if the claim committed,
-                # its lease expires and a later claim recovers the rows.
-                self.log.warning("claim commit outcome unknown; not publishing", error=str(exc))
-                self._sleep_db_backoff()
-                continue
+                rows = self.claim()
             except DatabaseError as exc:
-                self.log.warning("database unavailable; backing off", error=str(exc))
+                if pending is not None:
+                    self._complete(pending)
+                    pending = None
+                self._log_db_error(exc)
                 self._sleep_db_backoff()
                 continue
             self._db_failures = 0
-            if result.claimed >= self.cfg.batch_size:
+            if len(rows) >= self.cfg.batch_size:
                 self.wakeup.wake_one()  # a backlog: get another worker going
-            if result.claimed == 0 and self.cfg.listen_notify and not self.wakeup.relays_marked_idle:
+            if rows:
+                batch = self._start(rows)
+                if pipelined:
+                    if pending is not None:
+                        self._complete(pending)
+                    pending = batch
+                else:
+                    self._complete(batch)
+                continue
+            if pending is not None:
+                self._complete(pending)
+                pending = None
+                continue
+            if self.cfg.listen_notify and not self.wakeup.relays_marked_idle:
                 # Going idle: ask inserts to notify, then look once more, so a row
                 # inserted just before the flag was set is not left to the poll.
                 try:
                     self.store.mark_idle()
                     self.wakeup.relays_marked_idle = True
-                    result = self.run_once()
                 except DatabaseError as exc:
-                    self.log.warning("database unavailable; backing off", error=str(exc))
+                    self._log_db_error(exc)
                     self._sleep_db_backoff()
-                    continue
-            if result.claimed == 0:
-                self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+                continue
+            self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+        if pending is not None:
+            self._complete(pending)
         self.log.info("worker stopped")
+
+    def _log_db_error(self, exc: DatabaseError) -> None:
+        if isinstance(exc, SchemaMissing):
+            self.log.error("outbox table missing", error=str(exc))
+        elif isinstance(exc, CommitOutcomeUnknown):
+            # Never publish after an unknown commit outcome: if the claim committed,
+            # its lease expires and a later claim recovers the rows.
+            self.log.warning("claim commit outcome unknown; not publishing", error=str(exc))
+        else:
+            self.log.warning("database unavailable; backing off", error=str(exc))
 
     def _sleep_db_backoff(self) -> None:
         self._db_failures += 1
@@ -255,39 +296,54 @@ class Worker:
         return self.process(rows)
 
     def process(self, rows: Sequence[Claimed]) -> BatchResult:
-        started = time.monotonic()
+        """Publish and finalize one claimed batch (blocking)."""
+        return self._complete(self._start(rows))
+
+    def _start(self, rows: Sequence[Claimed]) -> _Batch:
+        """Build the messages and, if the publisher can, produce them now."""
         cfg = self.cfg
+        batch = _Batch(rows=rows, started=time.monotonic(), outcomes=[None] * len(rows))
         self.metrics.claim_batch_size.observe(len(rows))
-        outcomes: list[Outcome] = [None] * len(rows)
-        messages: list[Message] = []
-        positions: list[int] = []
         for i, row in enumerate(rows):
             try:
-                messages.append(build_message(row, cfg.topic_template))
-                positions.append(i)
+                batch.messages.append(build_message(row, cfg.topic_template))
+                batch.positions.append(i)
             except PermanentError as exc:
-                outcomes[i] = exc
+                batch.outcomes[i] = exc
             except ValueError as exc:  # headers column that is not valid JSON
-                outcomes[i] = PermanentError(f"bad headers: {exc}")
-        if messages:
-            in_flight = self.keeper.track(rows, self.owner) if self.keeper is not None else None
+                batch.outcomes[i] = PermanentError(f"bad headers: {exc}")
+        if batch.messages:
+            batch.ticket = self.keeper.track(rows, self.owner) if self.keeper is not None else None
+            if self._publisher_submits:
+                batch.handle = self.publisher.submit(  # type: ignore[attr-defined]
+                    batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
+        return batch
+
+    def _complete(self, batch: _Batch) -> BatchResult:
+        """Wait for (or perform) the publish, then finalize with fencing."""
+        cfg = self.cfg
+        if batch.messages:
+            cancel = batch.ticket.cancel if batch.ticket is not None else None
             try:
-                if in_flight is not None and self._publisher_cancellable:
+                if batch.handle is not None:
+                    published = batch.handle.wait(cancel=cancel)
+                elif cancel is not None and self._publisher_cancellable:
                     published = self.publisher.publish_batch(  # type: ignore[call-arg]
-                        messages, timeout_seconds=cfg.publish_timeout_seconds, cancel=in_flight.cancel)
+                        batch.messages, timeout_seconds=cfg.publish_timeout_seconds, cancel=cancel)
                 else:
-                    published = self.publisher.publish_batch(messages, timeout_seconds=cfg.publish_timeout_seconds)
+                    published = self.publisher.publish_batch(batch.messages,
+                                                             timeout_seconds=cfg.publish_timeout_seconds)
             finally:
-                if in_flight is not None:
-                    self.keeper.untrack(in_flight)
-            if len(published) != len(messages):
-                raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(messages)} messages")
-            for pos, outcome in zip(positions, published):
-                outcomes[pos] = outcome
+                if batch.ticket is not None and self.keeper is not None:
+                    self.keeper.untrack(batch.ticket)
+            if len(published) != len(batch.messages):
+                raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(batch.messages)} messages")
+            for pos, outcome in zip(batch.positions, published):
+                batch.outcomes[pos] = outcome
         if cfg.ordered_types:
-            self._stop_runs_at_failure(rows, outcomes)
-        result = self.finalize(rows, outcomes)
-        self.metrics.publish_latency_seconds.observe(time.monotonic() - started)
+            self._stop_runs_at_failure(batch.rows, batch.outcomes)
+        result = self.finalize(batch.rows, batch.outcomes)
+        self.metrics.publish_latency_seconds.observe(time.monotonic() - batch.started)
         return result
 
     def _is_ordered(self, row: Claimed) -> bool:
