@@ -122,3 +122,18 @@ def test_relay_drains_with_both_lease_policies(make_settings, store, pg_dsn, tab
     finally:
         relay.stop()
     assert relay.metrics.registry.get_sample_value("outbox_relay_published_total", {"outcome": "done"}) == 300
+
+
+def test_topic_the_broker_rejects_goes_dead_alone(make_settings, store, pg_dsn, table, broker):
+    settings = make_settings()
+    good = insert_rows(pg_dsn, table, 20)
+    bad = insert_rows(pg_dsn, table, 1, topic="not a valid topic!")[0]
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(lambda: statuses(pg_dsn, table) == {"done": 20, "dead": 1}, message="good done, bad dead")
+    finally:
+        relay.stop()
+    by_id = {r[0]: r for r in rows(pg_dsn, table)}
+    assert "TOPIC_EXCEPTION" in by_id[bad][4] and by_id[bad][2] == 1
+    assert all(by_id[i][1] == "done" for i in good)
