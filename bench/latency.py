@@ -361,35 +361,32 @@ class Listener:
 
 
 def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Insert throughput of the application in three set-ups, alternating rounds:
+    """The application's insert throughput with and without the NOTIFY trigger,
+    alternating rounds, nothing else running (on this 2-core machine a relay draining
+    the table would compete with the writers for CPU and blur what the trigger costs):
 
-    - no_trigger: no NOTIFY trigger; a relay drains the table by polling;
-    - trigger: the NOTIFY trigger and a relay with wake-ups draining the table (the
-      production set-up: writers notify only while the relay is idle);
-    - trigger_always_idle: the trigger with only a bare LISTEN session and no relay,
-      so the idle flag is never cleared and every insert notifies (the worst case,
-      equal to a plain per-statement NOTIFY trigger).
+    - no_trigger: ``migrate --no-notify-trigger``;
+    - trigger_relays_busy: the trigger, relays busy (idle flag false): the trigger
+      only reads the flag — the normal case under load;
+    - trigger_relays_idle: the trigger with the idle flag set and a LISTEN session
+      attached, so every insert NOTIFYs — the worst case, and what a plain
+      per-statement NOTIFY trigger would cost.
     """
     from outbox_relay.schema import TableSql
 
-    tables = {"no_trigger": c.new_table("ins_notrg"), "trigger": c.new_table("ins_trg"),
-              "trigger_always_idle": c.new_table("ins_trg_idle")}
+    del bootstrap
+    tables = {"no_trigger": c.new_table("ins_notrg"), "trigger_relays_busy": c.new_table("ins_busy"),
+              "trigger_relays_idle": c.new_table("ins_idle")}
     c.migrate(dsn, tables["no_trigger"], notify_trigger=False)
-    c.migrate(dsn, tables["trigger"], notify_trigger=True)
-    c.migrate(dsn, tables["trigger_always_idle"], notify_trigger=True)
-    listener = Listener(dsn, TableSql(tables["trigger_always_idle"]).channel)
-    relays = {
-        "no_trigger": c.RelayProcess(["--workers", str(args.workers)], c.relay_env(
-            dsn, tables["no_trigger"], bootstrap, "bench.ins.notrg",
-            OUTBOX_RELAY_RELAY__LISTEN_NOTIFY="false")),
-        "trigger": c.RelayProcess(["--workers", str(args.workers)], c.relay_env(
-            dsn, tables["trigger"], bootstrap, "bench.ins.trg")),
-    }
+    c.migrate(dsn, tables["trigger_relays_busy"], notify_trigger=True)
+    c.migrate(dsn, tables["trigger_relays_idle"], notify_trigger=True)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(TableSql(tables["trigger_relays_busy"]).query("mark_busy"))
+        conn.execute(TableSql(tables["trigger_relays_idle"]).query("mark_idle"))
+    listener = Listener(dsn, TableSql(tables["trigger_relays_idle"]).channel)
     totals = dict.fromkeys(tables, 0)
     per_round = args.insert_seconds / args.insert_rounds
     try:
-        for relay in relays.values():
-            relay.wait_started()
         keys = list(tables)
         for r in range(args.insert_rounds):
             order = keys if r % 2 == 0 else list(reversed(keys))
@@ -401,9 +398,6 @@ def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> d
                                             args.aggregates)
     finally:
         listener.close()
-        for relay in relays.values():
-            relay.stop()
-            relay.cleanup()
     seconds = per_round * args.insert_rounds
     rates = {k: v / seconds for k, v in totals.items()}
 
@@ -415,12 +409,12 @@ def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> d
         for table in tables.values():
             c.drop_schema(dsn, table)
     return {"writers": args.writers, "seconds_each": seconds, "rounds": args.insert_rounds,
-            "inserts_per_second_with_trigger": round(rates["trigger"], 1),
             "inserts_per_second_without_trigger": round(rates["no_trigger"], 1),
-            "inserts_per_second_trigger_always_idle": round(rates["trigger_always_idle"], 1),
-            "notifications_received_always_idle": listener.received,
-            "cost_percent": cost("trigger"),
-            "cost_percent_always_idle": cost("trigger_always_idle")}
+            "inserts_per_second_with_trigger": round(rates["trigger_relays_busy"], 1),
+            "inserts_per_second_trigger_relays_idle": round(rates["trigger_relays_idle"], 1),
+            "notifications_received_relays_idle": listener.received,
+            "cost_percent": cost("trigger_relays_busy"),
+            "cost_percent_relays_idle": cost("trigger_relays_idle")}
 
 
 def main() -> int:
@@ -484,13 +478,13 @@ def main() -> int:
     if not args.skip_insert_cost:
         ic = report["insert_cost"]
         lines.append(f"  insert throughput, {ic['writers']} writers, single-row transactions, "
-                     f"{ic['seconds_each']:g}s each: with trigger {ic['inserts_per_second_with_trigger']:,.0f}/s, "
-                     f"without {ic['inserts_per_second_without_trigger']:,.0f}/s -> cost {ic['cost_percent']}% "
-                     f"(relays draining both tables)")
-        lines.append(f"  worst case, trigger with the idle flag never cleared (every insert notifies): "
-                     f"{ic['inserts_per_second_trigger_always_idle']:,.0f}/s -> cost {ic['cost_percent_always_idle']}%")
-        targets["trigger_insert_cost"] = {"target": f"<= {args.target_cost_percent:g}%", "value": ic["cost_percent"],
-                                          "met": ic["cost_percent"] <= args.target_cost_percent}
+                     f"{ic['seconds_each']:g}s each: without trigger {ic['inserts_per_second_without_trigger']:,.0f}/s; "
+                     f"with trigger, relays busy {ic['inserts_per_second_with_trigger']:,.0f}/s "
+                     f"(cost {ic['cost_percent']}%); relays idle, every insert notifies "
+                     f"{ic['inserts_per_second_trigger_relays_idle']:,.0f}/s (cost {ic['cost_percent_relays_idle']}%)")
+        worst = max(ic["cost_percent"], ic["cost_percent_relays_idle"])
+        targets["trigger_insert_cost"] = {"target": f"<= {args.target_cost_percent:g}%", "value": worst,
+                                          "met": worst <= args.target_cost_percent}
     for key, t in targets.items():
         lines.append(f"  {key:<22} {t['value']!s:>8}   target {t['target']:<9} {'met' if t['met'] else 'NOT MET'}")
     report["targets"] = targets

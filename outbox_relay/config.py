@@ -69,6 +69,18 @@ class DatabaseSettings(_Section):
         description="statement_timeout of relay connections; bounds every claim/finalize (0 = none).",
     )
 
+    @field_validator("dsn")
+    @classmethod
+    def _check_dsn(cls, value: SecretStr) -> SecretStr:
+        import psycopg
+
+        try:
+            psycopg.conninfo.conninfo_to_dict(value.get_secret_value())
+        except psycopg.ProgrammingError:
+            # libpq's message quotes the offending fragment, often the password: never echo it.
+            raise ValueError("invalid connection string (check quoting and %-encoding; value not shown)") from None
+        return value
+
     @field_validator("table")
     @classmethod
     def _check_table(cls, value: str) -> str:

@@ -33,6 +33,9 @@ class InFlight:
     lost: set[int] = field(default_factory=set)
     cancel: threading.Event = field(default_factory=threading.Event)
     extensions: int = 0
+    # Never extend past this (monotonic): a batch whose worker died or hangs must not
+    # keep its rows leased forever; after it, lease expiry recovers them.
+    extend_until: float = float("inf")
 
 
 class LeaseKeeper:
@@ -45,8 +48,10 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def track(self, rows: Sequence[Claimed], owner: str) -> InFlight:
+    def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> InFlight:
         batch = InFlight(claims=[(r.id, r.lease_version) for r in rows], owner=owner)
+        if max_seconds is not None:
+            batch.extend_until = time.monotonic() + max_seconds
         with self._lock:
             self._batches.add(batch)
         return batch
@@ -59,7 +64,8 @@ class LeaseKeeper:
         """Extend every batch that is due; called by the thread, callable from tests."""
         now = time.monotonic()
         with self._lock:
-            due = [b for b in self._batches if now - b.extended_at >= self._after and not b.cancel.is_set()]
+            due = [b for b in self._batches
+                   if now - b.extended_at >= self._after and not b.cancel.is_set() and now < b.extend_until]
         for batch in due:
             owned = [c for c in batch.claims if c[0] not in batch.lost]
             try:

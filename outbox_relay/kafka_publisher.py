@@ -31,14 +31,17 @@ E = KafkaError
 TRANSPORT_CODES = frozenset({
     E._MSG_TIMED_OUT, E._TRANSPORT, E._ALL_BROKERS_DOWN, E._TIMED_OUT, E.REQUEST_TIMED_OUT,
     E.NETWORK_EXCEPTION, E._PURGE_QUEUE, E._PURGE_INFLIGHT, E._RESOLVE, E._DESTROY,
+    # Authorization and authentication fail for every message alike: usually an ACL or
+    # credential mistake during a deploy. Treated as an outage (breaker, attempts
+    # refunded) rather than dead-lettering the whole backlog.
+    E.CLUSTER_AUTHORIZATION_FAILED, E.SASL_AUTHENTICATION_FAILED, E._AUTHENTICATION,
 })
 # The message itself can never be accepted.
 PERMANENT_CODES = frozenset({
     E.MSG_SIZE_TOO_LARGE, E._MSG_SIZE_TOO_LARGE if hasattr(E, "_MSG_SIZE_TOO_LARGE") else E.MSG_SIZE_TOO_LARGE,
-    E.INVALID_RECORD, E.TOPIC_EXCEPTION, E.TOPIC_AUTHORIZATION_FAILED, E.CLUSTER_AUTHORIZATION_FAILED,
+    E.INVALID_RECORD, E.TOPIC_EXCEPTION, E.TOPIC_AUTHORIZATION_FAILED,
     E.RECORD_LIST_TOO_LARGE, E._INVALID_ARG, E.INVALID_REQUIRED_ACKS, E.POLICY_VIOLATION, E._BAD_MSG,
-    E._KEY_SERIALIZATION, E._VALUE_SERIALIZATION, E.UNSUPPORTED_VERSION, E.INVALID_TXN_STATE,
-    E.SASL_AUTHENTICATION_FAILED, E._AUTHENTICATION,
+    E._KEY_SERIALIZATION, E._VALUE_SERIALIZATION,
 } | ({E.CORRUPT_MESSAGE} if hasattr(E, "CORRUPT_MESSAGE") else set()))
 # The producer's idempotence state is broken: replace the producer.
 REPLACE_CODES = frozenset({
@@ -161,8 +164,13 @@ class KafkaPublisher:
         elif code not in (E._TRANSPORT, E._ALL_BROKERS_DOWN):
             log.warning("kafka producer error", error=err.str(), code=err.name())
 
-    def request_replacement(self, reason: str) -> None:
+    def request_replacement(self, reason: str, generation: int | None = None) -> None:
+        """Ask the poll thread for a fresh producer. With ``generation``, only if that
+        producer is still the current one (a batch produced into an already replaced
+        producer must not get the healthy new one replaced too)."""
         with self._lock:
+            if generation is not None and generation != self.generation:
+                return
             if self._replace_reason is None:
                 self._replace_reason = reason
 
@@ -190,19 +198,27 @@ class KafkaPublisher:
     # --- poll thread -----------------------------------------------------------------
     def _poll_loop(self) -> None:
         while not self._stopping.is_set():
-            producer = self._producer
-            if producer is None:
-                time.sleep(0.05)
-                continue
-            producer.poll(0.05)
-            if self._replace_reason is not None:
-                self._replace()
+            try:
+                producer = self._producer
+                if producer is None:
+                    time.sleep(0.05)
+                    continue
+                producer.poll(0.05)
+                if self._replace_reason is not None:
+                    self._replace()
+            except Exception:  # this thread serves every delivery report: never let it die
+                log.exception("kafka poll loop error; continuing")
+                time.sleep(0.5)
+
+    def poll_thread_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def _replace(self) -> None:
+        new = self._new_producer()  # may raise: the reason stays set and we retry
         with self._lock:
             reason, self._replace_reason = self._replace_reason, None
             old = self._producer
-            self._producer = self._new_producer()
+            self._producer = new
             self.generation += 1
             self.replacements += 1
         log.warning("replacing kafka producer", reason=reason, generation=self.generation)
@@ -234,7 +250,8 @@ class KafkaPublisher:
         Lets a worker claim its next batch while this one is being delivered."""
         deadline = time.monotonic() + timeout_seconds
         waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages])
-        producer = self._producer
+        with self._lock:
+            producer, generation = self._producer, self.generation
         if producer is None:
             raise RuntimeError("KafkaPublisher.start() was not called")
         for index, message in enumerate(messages):
@@ -251,6 +268,9 @@ class KafkaPublisher:
                     break
                 except BufferError:
                     # Local queue full: let the poll thread drain it a little.
+                    if self.abort.is_set() or self._stopping.is_set():
+                        waiter.settle(index, NotDelivered("shutting down before it could be produced"))
+                        break
                     if time.monotonic() > deadline:
                         waiter.settle(index, RetryableError("kafka: local producer queue full", transport=True))
                         break
@@ -261,14 +281,15 @@ class KafkaPublisher:
                 except (TypeError, ValueError) as exc:
                     waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
                     break
-        return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds)
+        return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds, generation)
 
 
 class InFlightBatch:
     """A produced batch whose delivery reports are still arriving."""
 
     def __init__(self, publisher: KafkaPublisher, waiter: _BatchWaiter, size: int, deadline: float,
-                 timeout_seconds: float) -> None:
+                 timeout_seconds: float, generation: int) -> None:
+        self._generation = generation
         self._publisher = publisher
         self._waiter = waiter
         self._size = size
@@ -294,7 +315,7 @@ class InFlightBatch:
             # No report within the deadline: librdkafka's own message timeout should
             # have fired first, so this producer is stuck. Replace it; the purge
             # settles its messages as retryable, and so do we, right now.
-            publisher.request_replacement("delivery reports overdue")
+            publisher.request_replacement("delivery reports overdue", generation=self._generation)
             for index in range(self._size):
                 waiter.settle(index, RetryableError(
                     f"kafka: no delivery report within {self._timeout:.1f}s", transport=True))

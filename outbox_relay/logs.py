@@ -42,6 +42,19 @@ def configure_logging(level: str = "INFO", fmt: str = "auto", secrets: list[str]
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    # librdkafka and psycopg_pool log through the stdlib: keep them quiet unless asked.
+    # librdkafka and psycopg_pool log through the stdlib: keep them quiet unless asked,
+    # and scrub the same secrets from their lines.
     logging.basicConfig(level=logging.WARNING if level.upper() != "DEBUG" else logging.DEBUG, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    class _Scrub(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            if any(secret in message for secret in secret_values):
+                for secret in secret_values:
+                    message = message.replace(secret, "***")
+                record.msg, record.args = message, None
+            return True
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_Scrub())

@@ -125,7 +125,11 @@ class Relay:
         self.store.require_table()
         start = getattr(self.publisher, "start", None)
         if callable(start):
-            start()
+            try:
+                start()
+            except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
+                self.store.close()
+                raise ConfigError(f"cannot create the publisher: {exc}") from None
         probe = getattr(self.publisher, "probe", None)
         if callable(probe) and not probe(timeout_seconds=s.database.connect_timeout_seconds + 5):
             self._close_publisher()
@@ -174,8 +178,18 @@ class Relay:
                                              ordered_types=list(s.relay.ordered_event_types),
                                              count_cap=s.metrics.exact_count_limit)
             self._refresher.start()
-            self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
-                                         healthy=self.health, ready=self.readiness)
+            try:
+                self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
+                                             healthy=self.health, ready=self.readiness)
+            except OSError as exc:
+                self._stop_claiming.set()
+                self._refresher.stop()
+                if self.keeper is not None:
+                    self.keeper.stop()
+                self._close_publisher()
+                self.store.close()
+                raise ConfigError(f"metrics.port {s.metrics.port}: cannot listen on "
+                                  f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}") from None
             self._server.start()
         for thread in self._threads:
             thread.start()
@@ -213,12 +227,15 @@ class Relay:
                 conn = self.store.listen_connection()
                 failures = 0
                 while not self._stop_claiming.is_set():
-                    for _notify in conn.notifies(timeout=1.0, stop_after=1):
+                    # Drain the generator before using the connection again: notifies()
+                    # holds the connection's lock while it is suspended.
+                    received = list(conn.notifies(timeout=1.0, stop_after=1))
+                    if received:
                         self.wakeup.wake_one()
                         # A worker is awake: inserts can stop notifying until a worker
                         # finds nothing to claim and marks the relays idle again.
-                        conn.execute(self.store.sql.query("mark_busy"))
                         self.wakeup.relays_marked_idle = False
+                        conn.execute(self.store.sql.query("mark_busy"))
             except (DatabaseError, Exception) as exc:  # noqa: BLE001 - the listener must survive
                 failures += 1
                 if not self._stop_claiming.is_set():
@@ -234,6 +251,9 @@ class Relay:
     # --- health ----------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
         alive = sum(1 for t in self._threads if t.is_alive())
+        poll_alive = getattr(self.publisher, "poll_thread_alive", None)
+        if callable(poll_alive) and self._started and not poll_alive():
+            return False, "unhealthy: the Kafka poll thread died"
         if self._started and alive == len(self._threads) and alive > 0:
             return True, f"ok: {alive} workers alive"
         return False, f"unhealthy: {alive}/{len(self._threads)} workers alive"

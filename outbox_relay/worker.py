@@ -313,7 +313,10 @@ class Worker:
             except ValueError as exc:  # headers column that is not valid JSON
                 batch.outcomes[i] = PermanentError(f"bad headers: {exc}")
         if batch.messages:
-            batch.ticket = self.keeper.track(rows, self.owner) if self.keeper is not None else None
+            # Heartbeat for at most the publish timeout plus one lease.
+            batch.ticket = (self.keeper.track(rows, self.owner,
+                                              max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds)
+                            if self.keeper is not None else None)
             if self._publisher_submits:
                 batch.handle = self.publisher.submit(  # type: ignore[attr-defined]
                     batch.messages, timeout_seconds=cfg.publish_timeout_seconds)

@@ -1,0 +1,50 @@
+"""LISTEN/NOTIFY wake-ups: with polling effectively off, only notifications can make
+idle workers claim; they must keep working notification after notification."""
+
+from __future__ import annotations
+
+import time
+
+import psycopg
+
+from outbox_relay.relay import Relay
+from tests.conftest import insert_rows
+from tests.integration.test_relay_faults import statuses, wait_for
+
+
+def _flag(dsn, table):
+    schema, name = table.split(".")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(f'SELECT relays_idle FROM "{schema}"."{name}_relay_state"').fetchone()[0]
+
+
+def test_notifications_wake_idle_workers_again_and_again(make_settings, store, pg_dsn, table, broker):
+    settings = make_settings(relay={"poll_interval_seconds": 600, "workers": 2})
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(lambda: _flag(pg_dsn, table) is True, message="relays marked idle")
+        for round_number in range(1, 4):
+            insert_rows(pg_dsn, table, 5)
+            # The poll interval is 10 minutes: only a notification can get these done.
+            wait_for(lambda n=round_number: statuses(pg_dsn, table).get("done") == 5 * n, timeout=60,
+                     message=f"round {round_number} done")
+            wait_for(lambda: _flag(pg_dsn, table) is True, message="idle again")
+            time.sleep(0.2)
+        assert relay._listener is not None and relay._listener.is_alive()
+    finally:
+        relay.stop()
+
+
+def test_busy_flag_means_inserts_do_not_notify(store, pg_dsn, table):
+    schema, name = table.split(".")
+    with psycopg.connect(pg_dsn, autocommit=True) as listener:
+        listener.execute(f'LISTEN "{store.sql.channel}"')
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(store.sql.query("mark_busy"))
+        insert_rows(pg_dsn, table, 3)
+        assert list(listener.notifies(timeout=0.5)) == []
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(store.sql.query("mark_idle"))
+        insert_rows(pg_dsn, table, 3)  # one statement per row, one transaction: folded
+        assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1
