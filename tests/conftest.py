@@ -159,3 +159,25 @@ def cli_env(dsn: str, table: str, bootstrap: str = "127.0.0.1:1", **more: str) -
     }
     env.update(more)
     return env
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 90, interval: float = 0.1,
+             message: str = "condition") -> Any:
+    """Poll until ``predicate()`` is truthy (bounded); a correctness wait, not a timing assertion."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {message}")
+
+
+def statuses(dsn: str, table: str) -> dict[str, int]:
+    """Row count per status."""
+    out: dict[str, int] = {}
+    for r in rows(dsn, table):
+        out[r[1]] = out.get(r[1], 0) + 1
+    return out

@@ -23,7 +23,7 @@ from outbox_relay.metrics import RelayMetrics
 from outbox_relay.publisher import Message, NotDelivered, RetryableError
 from outbox_relay.relay import Relay
 from outbox_relay.worker import Worker, WorkerConfig
-from tests.conftest import ROOT, cli, cli_env, insert_rows
+from tests.conftest import ROOT, cli, cli_env, insert_rows, wait_for
 from tests.helpers.http_target import HttpTarget, Step
 
 
@@ -33,14 +33,6 @@ def target():
         yield t
 
 
-def wait_for(predicate, timeout: float = 30, interval: float = 0.1, message: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {message}")
 
 
 def state(dsn: str, table: str, row_id: int) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import psycopg
 import pytest
@@ -11,18 +10,10 @@ import pytest
 from outbox_relay import enqueue
 from outbox_relay.errors import ConfigError, PublisherLoadError
 from outbox_relay.relay import Relay, load_publisher
-from tests.conftest import ROOT, cli, cli_env, insert_rows, rows
+from tests.conftest import ROOT, cli, cli_env, insert_rows, rows, wait_for
 from tests.helpers import custom_publisher
 
 
-def wait_for(predicate, timeout: float = 30, interval: float = 0.1, message: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {message}")
 
 
 def by_status(dsn: str, table: str) -> dict[str, int]:

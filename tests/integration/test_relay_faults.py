@@ -7,27 +7,13 @@ import time
 import psycopg
 import pytest
 
-from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows, rows
+from tests.conftest import insert_rows, rows, statuses, wait_for
 
 
-def wait_for(predicate, timeout: float = 90, interval: float = 0.2, message: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {message}")
 
 
-def statuses(dsn, table):
-    out: dict[str, int] = {}
-    for r in rows(dsn, table):
-        out[r[1]] = out.get(r[1], 0) + 1
-    return out
 
 
 def test_oversized_and_malformed_rows_go_dead_and_block_nothing(make_settings, store, pg_dsn, table, broker,

@@ -24,7 +24,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import psycopg
-import pytest
 from psycopg import sql
 
 from outbox_relay.metrics import RelayMetrics
