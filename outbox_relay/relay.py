@@ -234,8 +234,9 @@ class Relay:
                         self.wakeup.wake_one()
                         # A worker is awake: inserts can stop notifying until a worker
                         # finds nothing to claim and marks the relays idle again.
-                        self.wakeup.relays_marked_idle = False
-                        conn.execute(self.store.sql.query("mark_busy"))
+                        with self.wakeup.flag_lock:
+                            conn.execute(self.store.sql.query("mark_busy"))
+                            self.wakeup.relays_marked_idle = False
             except (DatabaseError, Exception) as exc:  # noqa: BLE001 - the listener must survive
                 failures += 1
                 if not self._stop_claiming.is_set():

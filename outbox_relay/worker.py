@@ -73,6 +73,11 @@ class Wakeup:
         self._generation = 0
         self._tokens = 0
         self.relays_marked_idle = False
+        # Held while the idle flag is changed in the table *and* mirrored here, so the
+        # last writer leaves both in the same state (otherwise a worker marking idle
+        # and the listener marking busy could interleave into "busy in the table,
+        # idle here": no notifications and nobody re-arming them).
+        self.flag_lock = threading.Lock()
 
     def wait(self, timeout: float) -> None:
         with self._cond:
@@ -244,8 +249,9 @@ class Worker:
                 # Going idle: ask inserts to notify, then look once more, so a row
                 # inserted just before the flag was set is not left to the poll.
                 try:
-                    self.store.mark_idle()
-                    self.wakeup.relays_marked_idle = True
+                    with self.wakeup.flag_lock:
+                        self.store.mark_idle()
+                        self.wakeup.relays_marked_idle = True
                 except DatabaseError as exc:
                     self._log_db_error(exc)
                     self._sleep_db_backoff()
