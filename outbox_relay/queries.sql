@@ -423,6 +423,9 @@ RETURNING id
 -- name: status_of
 SELECT id, status FROM {table} WHERE id = ANY(%(ids)s)
 
+-- name: state_of
+SELECT id, status, lease_version FROM {table} WHERE id = ANY(%(ids)s)
+
 -- name: count_dead
 SELECT count(*) FROM {table} WHERE status = 'dead'
 

@@ -400,6 +400,12 @@ class OutboxStore:
         with self._mapped("look up rows"), self._pool.connection() as conn:
             return {r[0]: r[1] for r in conn.execute(self.sql.query("status_of"), {"ids": list(ids)}).fetchall()}
 
+    def states(self, ids: Sequence[int]) -> dict[int, tuple[str, int]]:
+        """id -> (status, lease_version)."""
+        with self._mapped("look up rows"), self._pool.connection() as conn:
+            return {r[0]: (r[1], r[2]) for r in
+                    conn.execute(self.sql.query("state_of"), {"ids": list(ids)}).fetchall()}
+
     def dead_retry(self, ids: Sequence[int]) -> set[int]:
         with self._mapped("dead retry"), self._pool.connection() as conn:
             return {r[0] for r in conn.execute(self.sql.query("dead_retry"), {"ids": list(ids)}).fetchall()}

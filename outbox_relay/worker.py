@@ -427,18 +427,30 @@ class Worker:
 
         accepted: set[int] = set()
         unfinalized: set[int] = set()
-        for ids, operation in (
-            ([i for i, _ in done], lambda: self.store.mark_done(done, strict=cfg.strict_lease)),
-            ([r.id for r in reschedule], lambda: self.store.reschedule(reschedule, strict=cfg.strict_lease)),
-            ([i for i, _, _ in dead], lambda: self.store.mark_dead(dead, strict=cfg.strict_lease)),
+        versions = {row.id: row.lease_version for row in rows}
+        for ids, target, operation in (
+            ([i for i, _ in done], "done", lambda: self.store.mark_done(done, strict=cfg.strict_lease)),
+            ([r.id for r in reschedule], "pending",
+             lambda: self.store.reschedule(reschedule, strict=cfg.strict_lease)),
+            ([i for i, _, _ in dead], "dead", lambda: self.store.mark_dead(dead, strict=cfg.strict_lease)),
         ):
             if not ids:
                 continue
-            finalized = self._with_db_retry(operation)
+            finalized, retried = self._with_db_retry(operation)
             if finalized is None:
                 unfinalized.update(ids)
-            else:
-                accepted |= finalized
+                continue
+            accepted |= finalized
+            missing = [i for i in ids if i not in finalized]
+            if retried and missing:
+                # An earlier try may have committed before its connection broke: rows
+                # that carry our outcome and our (unchanged) version were ours.
+                try:
+                    for row_id, (status, version) in self.store.states(missing).items():
+                        if status == target and version == versions[row_id]:
+                            accepted.add(row_id)
+                except DatabaseError:
+                    pass
 
         result = BatchResult(claimed=len(rows))
         counted = {"done": 0, "retry": 0, "defer": 0, "dead": 0, "release": 0}
@@ -466,18 +478,19 @@ class Worker:
         result.dead, result.released = counted["dead"], counted["release"]
         return result
 
-    def _with_db_retry(self, operation) -> set[int] | None:
+    def _with_db_retry(self, operation) -> tuple[set[int] | None, bool]:
         """A finalize that fails on the database is retried briefly (it is fenced, so
-        repeating it is safe); past the lease there is no point: the rows are reclaimed."""
+        repeating it is safe); past the lease there is no point: the rows are reclaimed.
+        Returns (finalized ids or None if it never succeeded, whether it was retried)."""
         deadline = time.monotonic() + self.cfg.lease_seconds * 0.5
         attempt = 0
         while True:
             try:
-                return operation()
+                return operation(), attempt > 0
             except DatabaseError as exc:
                 attempt += 1
                 if time.monotonic() > deadline:
                     self.log.error("finalize failed; rows will be reclaimed after their lease", error=str(exc))
-                    return None
+                    return None, True
                 self.log.warning("finalize failed; retrying", error=str(exc), attempt=attempt)
                 time.sleep(full_jitter_backoff(attempt, base=0.05, cap=2.0) + 0.02)

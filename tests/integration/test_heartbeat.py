@@ -7,7 +7,7 @@ import psycopg
 
 from outbox_relay.relay import Relay
 from tests.conftest import insert_rows, rows
-from tests.integration.test_relay_faults import statuses, wait_for
+from tests.conftest import statuses, wait_for
 
 
 def _lease_until(dsn, table):

@@ -10,7 +10,7 @@ from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
 from tests.conftest import rows
-from tests.integration.test_relay_faults import statuses, wait_for
+from tests.conftest import statuses, wait_for
 
 ALL = ["*"]
 

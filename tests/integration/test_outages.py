@@ -8,8 +8,7 @@ import time
 import psycopg
 
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows, rows
-from tests.integration.test_relay_faults import statuses, wait_for
+from tests.conftest import insert_rows, rows, statuses, wait_for
 
 
 def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table, own_broker):
@@ -71,3 +70,45 @@ def test_terminated_backends_make_workers_reconnect(make_settings, store, pg_dsn
         relay.stop()
     assert killed[0] > 0
     assert statuses(pg_dsn, table) == {"done": 2000}
+
+
+def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, table, store):
+    """The first finalize commits but its connection breaks before the reply (simulated
+    by a store that raises after committing); the fenced retry matches nothing, and the
+    worker must recognise its own outcome instead of reporting lost leases."""
+    from outbox_relay.errors import DatabaseUnavailable
+    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.publisher import SimplePublisher
+    from outbox_relay.store import OutboxStore
+    from outbox_relay.worker import Worker, WorkerConfig
+
+    class ReplyLostOnce(OutboxStore):
+        failed = False
+
+        def mark_done(self, claims, *, strict=False):
+            result = super().mark_done(claims, strict=strict)
+            if not self.failed:
+                self.failed = True
+                raise DatabaseUnavailable("finalize done: server closed the connection unexpectedly")
+            return result
+
+    class Ok(SimplePublisher):
+        def publish(self, message):
+            return None
+
+    flaky = ReplyLostOnce(pg_dsn, table, pool_size=2)
+    flaky.open()
+    try:
+        insert_rows(pg_dsn, table, 5)
+        metrics = RelayMetrics()
+        cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=[],
+                           run_length=1, strict_lease=False, topic_template="t.{aggregate_type}",
+                           poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
+                           publish_timeout_seconds=5)
+        result = Worker(0, flaky, Ok(), cfg, metrics).run_once()
+    finally:
+        flaky.close()
+    assert flaky.failed
+    assert result.done == 5 and result.lost == []
+    assert metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 0
+    assert statuses(pg_dsn, table) == {"done": 5}

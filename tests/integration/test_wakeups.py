@@ -9,7 +9,7 @@ import psycopg
 
 from outbox_relay.relay import Relay
 from tests.conftest import insert_rows
-from tests.integration.test_relay_faults import statuses, wait_for
+from tests.conftest import statuses, wait_for
 
 
 def _flag(dsn, table):
