@@ -125,3 +125,31 @@ def test_run_against_unreachable_database_hides_password(table):
     assert result.returncode == 1
     assert "cannot connect to the database" in result.stderr
     assert "s3cretpw" not in result.stderr + result.stdout and "Traceback" not in result.stderr
+
+
+def test_sasl_password_never_printed(pg_dsn, table):
+    secret = "kafka-s3cret-pw"
+    # A validation error elsewhere in the kafka section...
+    bad = cli("run", env=cli_env(pg_dsn, table, OUTBOX_RELAY_KAFKA__SASL_PASSWORD=secret,
+                                 OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="bogus"))
+    assert bad.returncode == 2 and "kafka.security_protocol" in bad.stderr
+    # ...and a start-up failure against an unreachable SASL broker.
+    unreachable = cli("run", env=cli_env(pg_dsn, table, "127.0.0.1:1", OUTBOX_RELAY_METRICS__PORT="0",
+                                         OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
+                                         OUTBOX_RELAY_KAFKA__SASL_MECHANISM="PLAIN",
+                                         OUTBOX_RELAY_KAFKA__SASL_USERNAME="relay",
+                                         OUTBOX_RELAY_KAFKA__SASL_PASSWORD=secret,
+                                         OUTBOX_RELAY_LOG__LEVEL="DEBUG"), timeout=90)
+    assert unreachable.returncode in (1, 2)
+    for result in (bad, unreachable):
+        assert secret not in result.stdout + result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_kafka_property_typo_is_a_config_error(pg_dsn, table, broker):
+    env = cli_env(pg_dsn, table, broker.bootstrap_servers, OUTBOX_RELAY_METRICS__PORT="0",
+                  OUTBOX_RELAY_KAFKA__EXTRA='{"linger.msec": "5"}')
+    assert cli("migrate", env=env).returncode == 0
+    result = cli("run", env=env, timeout=60)
+    assert result.returncode == 2
+    assert "linger.msec" in result.stderr and "Traceback" not in result.stderr
