@@ -70,6 +70,11 @@ def enqueue(
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
         ):
             raise TypeError("headers must be a mapping of str to str")
+        from .publisher import RESERVED_HEADERS
+
+        reserved = RESERVED_HEADERS.intersection(headers)
+        if reserved:
+            raise ValueError(f"headers {sorted(reserved)} are reserved: the relay sets them")
     for name, value in (("aggregate_type", aggregate_type), ("aggregate_id", aggregate_id),
                         ("event_type", event_type)):
         if not isinstance(value, str) or not value:

@@ -320,9 +320,22 @@ def demo(
 
 def main() -> None:
     try:
-        app()
+        result = app(standalone_mode=False)
     except KeyboardInterrupt:
         sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:
+        # Usage errors of the (vendored) click layer carry format_message/exit_code:
+        # print them as one line, exit 2. Anything else is a bug and keeps its traceback.
+        if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+            raise
+        message = " ".join(str(exc.format_message()).split())
+        typer.echo(f"outbox-relay: error: {message} (see --help)", err=True)
+        sys.exit(exc.exit_code or 2)
+    sys.exit(result if isinstance(result, int) else 0)
 
 
 if __name__ == "__main__":

@@ -337,5 +337,30 @@ def describe_validation_error(exc: Exception) -> str:
             msg = msg.removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)
         return "invalid configuration: " + "; ".join(parts)
+    complex_env = _unparsable_complex_env()
+    if complex_env:
+        return (f"invalid configuration: {complex_env} must be JSON "
+                '(a list such as ["OrderCreated", "OrderPaid"] or an object such as {"key": "value"})')
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"invalid configuration: {text}"
+
+
+def _unparsable_complex_env() -> str | None:
+    """The OUTBOX_RELAY_* variable of a list/dict setting whose value is not JSON, if any."""
+    import json
+
+    for section_name, section_field in Settings.model_fields.items():
+        model = section_field.annotation
+        for name, field in getattr(model, "model_fields", {}).items():
+            origin = getattr(field.annotation, "__origin__", None)
+            if origin not in (list, dict):
+                continue
+            env = f"OUTBOX_RELAY_{section_name.upper()}__{name.upper()}"
+            raw = os.environ.get(env)
+            if raw is None:
+                continue
+            try:
+                json.loads(raw)
+            except ValueError:
+                return env
+    return None

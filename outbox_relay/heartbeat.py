@@ -39,8 +39,10 @@ class InFlight:
 
 
 class LeaseKeeper:
-    def __init__(self, store: OutboxStore, *, lease_seconds: float, extend_after_fraction: float = 0.5) -> None:
+    def __init__(self, store: OutboxStore, *, lease_seconds: float, extend_after_fraction: float = 0.5,
+                 strict: bool = False) -> None:
         self._store = store
+        self._strict = strict
         self._lease = lease_seconds
         self._after = lease_seconds * extend_after_fraction
         self._lock = threading.Lock()
@@ -69,7 +71,7 @@ class LeaseKeeper:
         for batch in due:
             owned = [c for c in batch.claims if c[0] not in batch.lost]
             try:
-                kept = self._store.extend_lease(owned, self._lease)
+                kept = self._store.extend_lease(owned, self._lease, strict=self._strict)
             except DatabaseError as exc:
                 log.warning("lease extension failed", error=str(exc), lease_owner=batch.owner)
                 continue

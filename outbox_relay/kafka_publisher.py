@@ -254,7 +254,12 @@ class KafkaPublisher:
             producer, generation = self._producer, self.generation
         if producer is None:
             raise RuntimeError("KafkaPublisher.start() was not called")
+        failed_groups: set[object] = set()  # ordered runs stop at a row produce() refused
         for index, message in enumerate(messages):
+            group = message.extra.get("order_group") if message.extra else None
+            if group is not None and group in failed_groups:
+                waiter.settle(index, NotDelivered("released: an earlier row of this aggregate was refused"))
+                continue
             callback = partial(waiter.on_delivery, index)
             while True:
                 try:
@@ -277,9 +282,13 @@ class KafkaPublisher:
                     time.sleep(0.005)
                 except KafkaException as exc:
                     waiter.settle(index, classify(exc.args[0]))
+                    if group is not None:
+                        failed_groups.add(group)
                     break
                 except (TypeError, ValueError) as exc:
                     waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
+                    if group is not None:
+                        failed_groups.add(group)
                     break
         return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds, generation)
 

@@ -109,6 +109,8 @@ class StatsRefresher:
             m.expired_leases.set(float("nan"))
             for status in STATUSES:
                 m.queue_depth.labels(status=status).set(float("nan"))
+            m.attempts.clear()
+            m.blocked_aggregates.set(float("nan"))
             log.warning("metrics refresh failed", error=str(exc))
             return False
         m.oldest_pending_age_seconds.set(stats.oldest_pending_age_seconds)

@@ -144,6 +144,10 @@ class MessageFormatError(PermanentError):
     """The row cannot be turned into a message (bad headers, bad topic template)."""
 
 
+# The contract's headers; a row may not set them (a second message_id would break dedup).
+RESERVED_HEADERS = frozenset({"message_id", "event_type", "aggregate_type", "aggregate_id"})
+
+
 def build_message(row: Claimed, topic_template: str) -> Message:
     """Row -> message: topic routing, key, value and headers of the contract."""
     topic = row.topic or topic_template.format(aggregate_type=row.aggregate_type, event_type=row.event_type)
@@ -161,6 +165,8 @@ def build_message(row: Claimed, topic_template: str) -> Message:
                     f"headers must be a JSON object of string values, got {type(extra).__name__}"
                 )
             for name, value in extra.items():
+                if name in RESERVED_HEADERS:
+                    raise MessageFormatError(f"header {name!r} is reserved for the relay's own headers")
                 if not isinstance(value, str):
                     raise MessageFormatError(
                         f"header {name!r} must be a string, got {type(value).__name__}"

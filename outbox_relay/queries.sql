@@ -323,11 +323,12 @@ WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {s
 RETURNING o.id
 
 -- name: extend_lease
--- Heartbeat: push the deadline of rows this claim still owns.
+-- Heartbeat: push the deadline of rows this claim still owns. {strict}: under the
+-- strict policy an expired lease is not revived (the owner could then finalize).
 UPDATE {table} AS o
 SET lease_until = now() + make_interval(secs => %(lease_seconds)s)
 FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
-WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version
+WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
 RETURNING o.id
 
 -- name: stats_depth

@@ -160,7 +160,8 @@ class Relay:
             listen_notify=s.relay.listen_notify,
         )
         self.keeper = LeaseKeeper(self.store, lease_seconds=s.relay.lease_seconds,
-                                  extend_after_fraction=s.relay.heartbeat_after_fraction)
+                                  extend_after_fraction=s.relay.heartbeat_after_fraction,
+                                  strict=s.relay.strict_lease)
         self.keeper.start()
         for index in range(s.relay.workers):
             worker = Worker(index, self.store, self.publisher, cfg, self.metrics, wakeup=self.wakeup,

@@ -264,20 +264,28 @@ class OutboxStore:
             with conn.transaction():
                 cur = conn.cursor()
                 reaped = cur.execute(self.sql.query("reap"), params).fetchall()
+                if not all_ordered:
+                    # Unordered rows get up to half of every batch first, so a large
+                    # ordered backlog can never starve them (and vice versa).
+                    rows.extend(Claimed(*r) for r in cur.execute(
+                        self.sql.query("claim_unordered_only"), dict(params, batch=max(1, batch // 2))))
+                head_room = batch - len(rows)
+                params = dict(params, batch=head_room)
                 # Round-robin over aggregates: start after where the last claim ended,
                 # wrap around to the beginning if that end of the range had too few.
-                heads = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
-                                                          dict(params, after=ordered_after)).fetchall()]
-                if len(heads) < batch and ordered_after:
+                heads = [] if head_room <= 0 else [
+                    Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
+                                                     dict(params, after=ordered_after)).fetchall()]
+                if head_room > 0 and len(heads) < head_room and ordered_after:
                     seen = {h.id for h in heads}
                     heads.extend(Claimed(*r) for r in cur.execute(
-                        self.sql.query("claim_ordered_heads"), dict(params, after="", batch=batch - len(heads)))
+                        self.sql.query("claim_ordered_heads"), dict(params, after="", batch=head_room - len(heads)))
                         if r[0] not in seen)
                 if heads:
                     next_after = max(h.aggregate_id for h in heads)
                 rows.extend(heads)
-                if heads and run_length > 1 and batch > len(heads):
-                    run_params = dict(params, run_length=run_length - 1, room=batch - len(heads),
+                if heads and run_length > 1 and batch > len(rows):
+                    run_params = dict(params, run_length=run_length - 1, room=batch - len(rows),
                                       aggregate_ids=[h.aggregate_id for h in heads],
                                       head_ids=[h.id for h in heads])
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
@@ -322,12 +330,13 @@ class OutboxStore:
                                {"ids": list(ids), "versions": list(versions), "errors": list(errs)})
             return {r[0] for r in cur.fetchall()}
 
-    def extend_lease(self, claims: Sequence[tuple[int, int]], lease_seconds: float) -> set[int]:
+    def extend_lease(self, claims: Sequence[tuple[int, int]], lease_seconds: float, *,
+                     strict: bool = False) -> set[int]:
         if not claims:
             return set()
         ids, versions = zip(*claims)
         with self._mapped("extend lease"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("extend_lease"),
+            cur = conn.execute(self.sql.query("extend_lease", strict=strict),
                                {"ids": list(ids), "versions": list(versions), "lease_seconds": float(lease_seconds)})
             return {r[0] for r in cur.fetchall()}
 

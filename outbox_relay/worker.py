@@ -310,14 +310,27 @@ class Worker:
         cfg = self.cfg
         batch = _Batch(rows=rows, started=time.monotonic(), outcomes=[None] * len(rows))
         self.metrics.claim_batch_size.observe(len(rows))
+        failed_aggregates: set[str] = set()  # ordered aggregates whose run stopped here
         for i, row in enumerate(rows):
+            ordered = bool(cfg.ordered_types) and self._is_ordered(row)
+            if ordered and row.aggregate_id in failed_aggregates:
+                # Never produce a row after a failed row of its ordered run.
+                batch.outcomes[i] = NotDelivered("released: an earlier row of this aggregate did not succeed")
+                continue
             try:
-                batch.messages.append(build_message(row, cfg.topic_template))
-                batch.positions.append(i)
+                message = build_message(row, cfg.topic_template)
             except PermanentError as exc:
                 batch.outcomes[i] = exc
             except ValueError as exc:  # headers column that is not valid JSON
                 batch.outcomes[i] = PermanentError(f"bad headers: {exc}")
+            else:
+                if ordered:
+                    message.extra["order_group"] = row.aggregate_id
+                batch.messages.append(message)
+                batch.positions.append(i)
+                continue
+            if ordered:
+                failed_aggregates.add(row.aggregate_id)
         if batch.messages:
             # Heartbeat for at most the publish timeout plus one lease.
             batch.ticket = (self.keeper.track(rows, self.owner,

@@ -153,3 +153,17 @@ def test_kafka_property_typo_is_a_config_error(pg_dsn, table, broker):
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 2
     assert "linger.msec" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_usage_errors_are_one_line_exit_2(pg_dsn, table):
+    for args in (("dead", "retry", "abc"), ("purge",), ("status", "--bogus"), ("bogus",)):
+        result = cli(*args, env=cli_env(pg_dsn, table))
+        assert result.returncode == 2, args
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("outbox-relay: error:"), (args, result.stderr)
+
+
+def test_non_json_list_setting_names_its_variable(pg_dsn, table):
+    result = cli("status", env=cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES="A,B"))
+    assert result.returncode == 2
+    assert "OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES must be JSON" in result.stderr

@@ -6,8 +6,7 @@ from __future__ import annotations
 import psycopg
 
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows, rows
-from tests.conftest import statuses, wait_for
+from tests.conftest import insert_rows, rows, statuses, wait_for
 
 
 def _lease_until(dsn, table):
@@ -58,3 +57,22 @@ def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn,
     # The stale worker wrote nothing: the successor's claim is intact.
     assert {(r[1], r[3]) for r in rows(pg_dsn, table)} == {("processing", 2)}
     assert {r[0] for r in rows(pg_dsn, table, "lease_owner")} == {"successor"}
+
+
+def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn, table):
+    from outbox_relay.heartbeat import LeaseKeeper
+
+    insert_rows(pg_dsn, table, 2)
+    claimed = store.claim(owner="A", batch=10, lease_seconds=0.2, max_attempts=5).rows
+    strict = LeaseKeeper(store, lease_seconds=30, extend_after_fraction=0.01, strict=True)
+    lenient = LeaseKeeper(store, lease_seconds=30, extend_after_fraction=0.01, strict=False)
+    wait_for(lambda: all(r[1] < r[2] for r in rows(pg_dsn, table, "id, lease_until, now()")),
+             message="leases expired")
+    batch = strict.track(claimed, "A")
+    batch.extended_at -= 60  # due for an extension now
+    strict.tick()
+    assert batch.lost == {c.id for c in claimed} and batch.cancel.is_set()
+    batch = lenient.track(claimed, "A")
+    batch.extended_at -= 60
+    lenient.tick()
+    assert batch.lost == set() and batch.extensions == 1  # default policy: nobody reclaimed, keep going

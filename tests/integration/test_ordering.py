@@ -182,3 +182,43 @@ def test_without_the_write_side_lock_ids_and_commits_can_disagree(pg_dsn, table,
                                           between=lambda: claimed.extend(c.id for c in _claim(store)))
     assert commits == ["t2", "t1"] and t1 < t2
     assert claimed == [t2]  # delivered before t1, though t1 has the lower id
+
+
+def test_ordered_backlog_does_not_starve_unordered_rows(store, pg_dsn, table):
+    _insert(pg_dsn, table, [(f"agg-{i}", "Ordered") for i in range(50)])
+    notes = _insert(pg_dsn, table, [("agg-x", "Note")] * 10)
+    claimed = _claim(store, batch=10, types=["Ordered"])
+    assert len(claimed) == 10
+    assert {c.id for c in claimed} & set(notes)  # unordered rows got their share
+
+
+def test_run_stops_before_producing_after_a_row_that_cannot_be_built(store, pg_dsn, table):
+    """A row of a run that fails before reaching the broker (bad headers) must not be
+    overtaken: the rows behind it are released unproduced, the rest of the batch goes."""
+    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.publisher import SimplePublisher
+    from outbox_relay.worker import Worker, WorkerConfig
+
+    x1, x2, x3, y1 = _insert(pg_dsn, table, [("X", "E"), ("X", "E"), ("X", "E"), ("Y", "E")])
+    schema, name = table.split(".")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'UPDATE "{schema}"."{name}" SET headers = \'{{"n": 1}}\' WHERE id = %s', (x1,))
+
+    published: list[int] = []
+
+    class Recorder(SimplePublisher):
+        def publish(self, message):
+            published.append(message.id)
+
+    cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=ALL,
+                       run_length=10, strict_lease=False, topic_template="t.{aggregate_type}",
+                       poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
+                       publish_timeout_seconds=5)
+    result = Worker(0, store, Recorder(), cfg, RelayMetrics()).run_once()
+    assert published == [y1]
+    assert result.dead == 1 and result.released == 2 and result.done == 1
+    state = {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)}
+    assert state[x1][0] == "dead"
+    assert state[x2] == ("pending", 0) and state[x3] == ("pending", 0)  # attempts refunded
+    # X is now blocked behind its dead head; Y is done.
+    assert store.stats(ordered_types=ALL).blocked_aggregates == [("X", x1)]

@@ -123,3 +123,13 @@ def test_topic_the_broker_rejects_goes_dead_alone(make_settings, store, pg_dsn, 
     by_id = {r[0]: r for r in rows(pg_dsn, table)}
     assert "TOPIC_EXCEPTION" in by_id[bad][4] and by_id[bad][2] == 1
     assert all(by_id[i][1] == "done" for i in good)
+
+
+def test_reserved_header_names_are_refused(store, pg_dsn, table):
+    import pytest as _pytest
+
+    from outbox_relay import enqueue
+
+    with psycopg.connect(pg_dsn) as conn, _pytest.raises(ValueError, match="reserved"):
+        enqueue(conn, aggregate_type="a", aggregate_id="1", event_type="E", payload={},
+                headers={"message_id": "forged"}, table=table)
