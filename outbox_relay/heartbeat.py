@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from .errors import DatabaseError
+from .service import PeriodicService
 from .store import Claimed, OutboxStore
 
 log = structlog.get_logger("outbox_relay.heartbeat")
@@ -38,17 +39,18 @@ class InFlight:
     extend_until: float = float("inf")
 
 
-class LeaseKeeper:
+class LeaseKeeper(PeriodicService):
+    thread_name = "lease-keeper"
+
     def __init__(self, store: OutboxStore, *, lease_seconds: float, extend_after_fraction: float = 0.5,
                  strict: bool = False) -> None:
+        super().__init__(max(0.05, min(1.0, lease_seconds / 10)))
         self._store = store
         self._strict = strict
         self._lease = lease_seconds
         self._after = lease_seconds * extend_after_fraction
         self._lock = threading.Lock()
         self._batches: set[InFlight] = set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> InFlight:
         batch = InFlight(claims=[(r.id, r.lease_version) for r in rows], owner=owner)
@@ -87,19 +89,5 @@ class LeaseKeeper:
             if len(batch.lost) == len(batch.claims):
                 batch.cancel.set()
 
-    def _run(self) -> None:
-        interval = max(0.05, min(1.0, self._lease / 10))
-        while not self._stop.wait(interval):
-            self.tick()
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5)
+    def step(self) -> None:
+        self.tick()

@@ -19,6 +19,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .service import PeriodicService
 from .store import STATUSES, OutboxStore
 
 log = structlog.get_logger("outbox_relay.metrics")
@@ -83,19 +84,19 @@ class RelayMetrics:
         return generate_latest(self.registry)
 
 
-class StatsRefresher:
+class StatsRefresher(PeriodicService):
     """Background thread: reads the table's gauges every interval. start/stop are idempotent."""
+
+    thread_name = "metrics-refresh"
 
     def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
                  timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000) -> None:
+        super().__init__(interval_seconds, run_first=True)
         self._store = store
         self._metrics = metrics
-        self._interval = interval_seconds
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
         self._count_cap = count_cap
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.last_success: float = 0.0
 
     def refresh_once(self) -> bool:
@@ -124,22 +125,8 @@ class StatsRefresher:
         self.last_success = time.monotonic()
         return True
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.refresh_once()
-            self._stop.wait(self._interval)
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._run, name="metrics-refresh", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5)
+    def step(self) -> None:
+        self.refresh_once()
 
 
 class MetricsServer:
