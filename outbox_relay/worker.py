@@ -465,6 +465,7 @@ class Worker:
                 except DatabaseError:
                     pass
 
+        dead_reasons = {row_id: reason for row_id, _, reason in dead}
         result = BatchResult(claimed=len(rows))
         counted = {"done": 0, "retry": 0, "defer": 0, "dead": 0, "release": 0}
         for row in rows:
@@ -475,7 +476,7 @@ class Worker:
                 counted[kind] += 1
                 if kind == "dead":
                     self.log.warning("row is dead", outbox_id=row.id, lease_version=row.lease_version,
-                                     lease_owner=self.owner, reason=next(e for i, _, e in dead if i == row.id))
+                                     lease_owner=self.owner, reason=dead_reasons[row.id])
             else:
                 result.lost.append(row.id)
                 self.log.warning("lost lease: finalize rejected, row belongs to a newer claim",
