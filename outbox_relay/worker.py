@@ -391,23 +391,26 @@ class Worker:
         reschedule: list[Reschedule] = []
         dead: list[tuple[int, int, str]] = []
         kinds: dict[int, str] = {}
-        transport_failures = 0
-        successes = 0
+        # A batch in which nothing was delivered and every failure was a transport
+        # failure means the broker is unreachable as a whole: release those rows with
+        # the attempt refunded (even on their last attempt) and open the breaker,
+        # instead of burning attempts toward dead.
+        failures = [o for o in outcomes if o is not None and not isinstance(o, NotDelivered)]
+        outage = (self.breaker is not None and bool(failures) and all(o is not None for o in outcomes)
+                  and all(isinstance(o, RetryableError) and o.transport for o in failures))
         for row, outcome in zip(rows, outcomes):
             if outcome is None:
                 done.append((row.id, row.lease_version))
                 kinds[row.id] = "done"
-                successes += 1
-            elif isinstance(outcome, NotDelivered):
-                reschedule.append(Reschedule(row.id, row.lease_version, 0.0, None, True))
+            elif isinstance(outcome, NotDelivered) or (outage and isinstance(outcome, RetryableError)):
+                error = None if isinstance(outcome, NotDelivered) else truncate(outcome.reason, cfg.max_error_chars)
+                reschedule.append(Reschedule(row.id, row.lease_version, 0.0, error, True))
                 kinds[row.id] = "release"
             elif isinstance(outcome, Defer):
                 reschedule.append(Reschedule(row.id, row.lease_version, outcome.delay,
                                              truncate(f"deferred: {outcome.reason}", cfg.max_error_chars), True))
                 kinds[row.id] = "defer"
             elif isinstance(outcome, RetryableError):
-                if outcome.transport:
-                    transport_failures += 1
                 if row.attempts >= cfg.max_attempts:
                     dead.append((row.id, row.lease_version,
                                  truncate(f"retries exhausted after {row.attempts} attempts: {outcome.reason}",
@@ -427,16 +430,8 @@ class Worker:
             else:
                 raise TypeError(f"publisher returned {outcome!r}, not an outcome")
 
-        # A batch that failed only on transport with nothing delivered means the broker
-        # is unreachable as a whole: refund the attempts and open the breaker.
-        if self.breaker is not None and successes == 0 and transport_failures and transport_failures == sum(
-                1 for k in kinds.values() if k == "retry") and not any(k == "dead" for k in kinds.values()):
-            reschedule = [Reschedule(r.id, r.lease_version, 0.0, r.error, True) if kinds[r.id] == "retry" else r
-                          for r in reschedule]
-            for rid, kind in list(kinds.items()):
-                if kind == "retry":
-                    kinds[rid] = "release"
-            self.breaker.trip(f"{transport_failures} transport failures in one batch")
+        if outage and self.breaker is not None:
+            self.breaker.trip(f"{len(failures)} transport failures and no delivery in one batch")
 
         accepted: set[int] = set()
         unfinalized: set[int] = set()

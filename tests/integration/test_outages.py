@@ -112,3 +112,28 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
     assert result.done == 5 and result.lost == []
     assert metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 0
     assert statuses(pg_dsn, table) == {"done": 5}
+
+
+def test_outage_batch_on_its_last_attempt_is_released_not_dead(pg_dsn, table, store):
+    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.publisher import RetryableError, SimplePublisher
+    from outbox_relay.worker import CircuitBreaker, Worker, WorkerConfig
+
+    ids = insert_rows(pg_dsn, table, 3)
+    schema, name = table.split(".")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'UPDATE "{schema}"."{name}" SET attempts = 2')  # the next claim is the last of 3
+
+    class Unreachable(SimplePublisher):
+        def publish(self, message):
+            raise RetryableError("kafka: _ALL_BROKERS_DOWN", transport=True)
+
+    breaker = CircuitBreaker(lambda: True, initial_backoff=0.01)
+    cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=[],
+                       run_length=1, strict_lease=False, topic_template="t.{aggregate_type}",
+                       poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
+                       publish_timeout_seconds=5)
+    result = Worker(0, store, Unreachable(), cfg, RelayMetrics(), breaker=breaker).run_once()
+    assert result.released == 3 and result.dead == 0
+    assert breaker.opened_count == 1
+    assert {(r[0], r[1], r[2]) for r in rows(pg_dsn, table)} == {(i, "pending", 2) for i in ids}
