@@ -137,3 +137,40 @@ def test_outage_batch_on_its_last_attempt_is_released_not_dead(pg_dsn, table, st
     assert result.released == 3 and result.dead == 0
     assert breaker.opened_count == 1
     assert {(r[0], r[1], r[2]) for r in rows(pg_dsn, table)} == {(i, "pending", 2) for i in ids}
+
+
+def test_database_restart_workers_reconnect_and_drain(tmp_path, broker, topic_prefix):
+    """Stop and start the database under a running relay (its own server: the session's
+    is shared): workers back off while it is down, reconnect, and drain what was
+    written before and after the restart."""
+    from outbox_relay.config import load_settings
+    from outbox_relay.embedded import EmbeddedPostgres
+    from outbox_relay.store import OutboxStore
+
+    pg = EmbeddedPostgres(base_dir=tmp_path).start()
+    try:
+        with OutboxStore(pg.dsn, "outbox", pool_size=1) as setup:
+            setup.migrate()
+        settings = load_settings(None, database={"dsn": pg.dsn, "table": "public.outbox"},
+                                 kafka={"bootstrap_servers": broker.bootstrap_servers,
+                                        "topic_template": topic_prefix + ".{aggregate_type}"},
+                                 relay={"workers": 4, "lease_seconds": 10, "poll_interval_seconds": 0.2},
+                                 metrics={"enabled": False}, log={"level": "WARNING", "format": "json"})
+        relay = Relay(settings)
+        relay.start()
+        try:
+            insert_rows(pg.dsn, "public.outbox", 100)
+            wait_for(lambda: statuses(pg.dsn, "public.outbox").get("done") == 100, message="first rows")
+            pg.stop_server()
+            time.sleep(2)  # workers hit the dead server and back off
+            pg.start_server()
+            insert_rows(pg.dsn, "public.outbox", 100)
+            wait_for(lambda: statuses(pg.dsn, "public.outbox").get("done") == 200, timeout=120,
+                     message="rows written after the restart")
+            healthy, why = relay.health()
+            assert healthy, why
+        finally:
+            relay.stop()
+        assert statuses(pg.dsn, "public.outbox") == {"done": 200}
+    finally:
+        pg.stop()
