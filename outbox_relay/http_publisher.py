@@ -57,9 +57,11 @@ by ``timeout_seconds``: a request still without a response then is a
 ``RetryableError`` (it may have landed: the idempotency key covers it), a request
 never started is ``NotDelivered`` (released, attempt refunded).
 
-There is no ``probe()``: an HTTP target has no cheap, meaningful liveness check
-distinct from the requests themselves, so the relay's circuit breaker stays off
-and unreachable targets consume attempts with backoff like any retryable failure.
+``probe()`` opens a TCP connection to the target's host and port (when the host
+part of the template has no placeholders): the relay's circuit breaker uses it, so
+a batch in which every request failed to connect (target down as a whole) releases
+its rows with the attempt refunded and pauses claiming until the target accepts
+connections again, instead of burning attempts toward dead.
 """
 
 from __future__ import annotations
@@ -425,6 +427,25 @@ class HttpPublisher:
                         outcomes[i] = RetryableError(
                             f"HTTP timeout: no response within the batch deadline ({timeout_seconds:.3g}s)")
             return list(outcomes)
+
+    def probe(self, timeout_seconds: float = 2.0) -> bool:
+        """True if the target accepts a TCP connection (or cannot be probed statically)."""
+        import socket
+        from urllib.parse import urlsplit
+
+        scheme_host = self.url_template.split("/", 3)[:3]  # "http:", "", "host:port"
+        authority = scheme_host[2] if len(scheme_host) == 3 else ""
+        if "{" in authority:
+            return True  # the host depends on the row: nothing to probe ahead of time
+        parts = urlsplit("/".join(scheme_host))
+        if not parts.hostname:
+            return True
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            with socket.create_connection((parts.hostname, port), timeout=timeout_seconds):
+                return True
+        except OSError:
+            return False
 
     def close(self) -> None:
         if self._closed:

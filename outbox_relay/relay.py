@@ -131,7 +131,10 @@ class Relay:
                 self.store.close()
                 raise ConfigError(f"cannot create the publisher: {exc}") from None
         probe = getattr(self.publisher, "probe", None)
-        if callable(probe) and not probe(timeout_seconds=s.database.connect_timeout_seconds + 5):
+        # Kafka must answer at start-up (a clear error beats a relay that only retries);
+        # other publishers' targets may come and go: their probe only drives the breaker.
+        if s.relay.publisher == "kafka" and callable(probe) and not probe(
+                timeout_seconds=s.database.connect_timeout_seconds + 5):
             self._close_publisher()
             self.store.close()
             servers = getattr(s.kafka, "bootstrap_servers", "?")

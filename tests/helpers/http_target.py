@@ -54,8 +54,9 @@ class Recorded:
 
 
 class HttpTarget:
-    def __init__(self, default: Step | None = None) -> None:
+    def __init__(self, default: Step | None = None, port: int = 0) -> None:
         self.default = default or Step(200)
+        self._listen_port = port
         self.requests: list[Recorded] = []
         self._by_path: dict[str, list[Step]] = {}
         self._by_id: dict[int, list[Step]] = {}
@@ -141,7 +142,7 @@ class HttpTarget:
             def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - silence
                 return
 
-        self._server = Server(("127.0.0.1", 0), Handler)
+        self._server = Server(("127.0.0.1", self._listen_port), Handler)
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
                                         name="http-target", daemon=True)
         self._thread.start()

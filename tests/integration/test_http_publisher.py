@@ -378,3 +378,28 @@ def test_retry_after_parsing_edge_cases():
     assert parse_retry_after("999999999999") == 86400.0  # capped to a day
     assert parse_retry_after(formatdate(now - 60, usegmt=True), now=now) == 0.0  # a past date: now
     assert 9 <= parse_retry_after(formatdate(now + 10, usegmt=True), now=now) <= 10
+
+
+def test_unreachable_target_opens_the_breaker_instead_of_burning_attempts(make_settings, store, pg_dsn, table):
+    from outbox_relay.embedded import free_port
+
+    port = free_port()
+    down = HttpTarget(port=port)  # not started yet: connections are refused
+    settings = make_settings(relay={"publisher": "http", "backoff_base_seconds": 0.05, "backoff_cap_seconds": 0.2,
+                                    "max_attempts": 3, "workers": 2},
+                             http={"url_template": f"http://127.0.0.1:{port}/e/{{event_type}}"})
+    relay = Relay(settings)
+    relay.start()  # an HTTP target may be down at start-up: the relay starts anyway
+    try:
+        ids = [add_row(pg_dsn, table, "Ok", aggregate_id=f"a{i}") for i in range(10)]
+        wait_for(lambda: relay.breaker is not None and relay.breaker.is_open, message="breaker open")
+        assert not relay.readiness()[0]
+        time.sleep(1.0)  # several probe rounds while the target is down
+        assert all(state(pg_dsn, table, i)["status"] != "dead" for i in ids)
+        down.start()
+        wait_for(lambda: all(state(pg_dsn, table, i)["status"] == "done" for i in ids), message="all done")
+    finally:
+        relay.stop()
+        down.stop()
+    assert relay.breaker.opened_count >= 1
+    assert all(state(pg_dsn, table, i)["attempts"] < settings.relay.max_attempts for i in ids)
