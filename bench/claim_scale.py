@@ -77,7 +77,7 @@ def load(dsn: str, table: str, *, done: int, pending: int, aggregates: int, pad:
 def claim_params(owner: str, batch: int, *, ordered: bool) -> dict[str, Any]:
     r = DEFAULTS.relay
     return {"owner": owner, "batch": batch, "lease_seconds": float(r.lease_seconds), "max_attempts": r.max_attempts,
-            "ordered_types": [], "all_ordered": ordered, "after": ""}
+            "ordered_types": [], "all_ordered": ordered, "after": "", "excluded_types": []}
 
 
 def time_claims(store: OutboxStore, *, batch: int, reps: int, ordered: bool) -> dict[str, Any]:

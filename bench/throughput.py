@@ -221,6 +221,17 @@ def _unfinished(conn: psycopg.Connection[Any], table: str) -> bool:
     return bool(conn.execute(stmt).fetchone()[0])
 
 
+def _run_threads(target: Any, count: int) -> float:
+    """Start ``count`` threads of ``target(i)`` together; seconds until all finished."""
+    threads = [threading.Thread(target=target, args=(i,)) for i in range(count)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.monotonic() - started
+
+
 def run_seed(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, Any]:
     table = c.new_table("seed")
     topic = f"bench.{c.RUN_ID}.seed"
@@ -251,13 +262,7 @@ def run_seed(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, An
 
     c.checkpoint(dsn)
     c.say(f"(a) seed dispatcher: draining {args.events} events ...")
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.workers)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
+    elapsed = _run_threads(worker, args.workers)
     for p in publishers:
         p.close()
     for cn in conns:
@@ -315,13 +320,7 @@ def run_db_bound(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
 
     c.checkpoint(dsn)
     c.say(f"(b) database-only bound: draining {args.events} events (batch {args.batch_size}) ...")
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.workers)]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
+    elapsed = _run_threads(worker, args.workers)
     store.close()
     for probe in probes:
         probe.close()

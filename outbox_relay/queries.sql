@@ -119,6 +119,7 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- order and cut by LIMIT, so the cost does not grow with the backlog. SKIP LOCKED
 -- makes concurrent claims take disjoint rows; the UPDATE makes ownership durable:
 -- owner, deadline and a new fencing token. Reaped rows come back with reaped = true.
+-- %(excluded_types)s: event types left to the ordered claim (empty: none).
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
@@ -135,12 +136,14 @@ WITH victims AS (
 ), expired AS (
     SELECT id FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+      AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY lease_until
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
 ), due AS (
     SELECT id FROM {table}
     WHERE status = 'pending' AND available_at <= now()
+      AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY available_at, id
     LIMIT %(batch)s
     FOR UPDATE SKIP LOCKED
@@ -164,37 +167,6 @@ UNION ALL
 SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
        NULL::text, NULL::text, NULL::timestamptz, reaped.lease_owner
 FROM reaped
-
--- name: claim_unordered_only
--- As claim, but leaves rows of ordered event types to claim_ordered_heads.
-WITH expired AS (
-    SELECT id FROM {table}
-    WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
-      AND NOT (event_type = ANY(%(ordered_types)s))
-    ORDER BY lease_until
-    LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
-), due AS (
-    SELECT id FROM {table}
-    WHERE status = 'pending' AND available_at <= now()
-      AND NOT (event_type = ANY(%(ordered_types)s))
-    ORDER BY available_at, id
-    LIMIT %(batch)s
-    FOR UPDATE SKIP LOCKED
-), picked AS (
-    SELECT id FROM (SELECT id FROM expired UNION ALL SELECT id FROM due) AS both_kinds
-    LIMIT %(batch)s
-)
-UPDATE {table} AS o
-SET status = 'processing',
-    lease_owner = %(owner)s,
-    lease_until = now() + make_interval(secs => %(lease_seconds)s),
-    lease_version = o.lease_version + 1,
-    attempts = o.attempts + 1
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first

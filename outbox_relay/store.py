@@ -250,12 +250,7 @@ class OutboxStore:
         if not ordered_types:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
-                reaped = []
-                for record in conn.execute(self.sql.query("claim"), params).fetchall():
-                    if record[0]:
-                        reaped.append((record[1], record[2], record[11]))
-                    else:
-                        rows.append(Claimed(*record[1:11]))
+                reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows)
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
@@ -263,12 +258,13 @@ class OutboxStore:
         with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
                 cur = conn.cursor()
-                reaped = cur.execute(self.sql.query("reap"), params).fetchall()
-                if not all_ordered:
+                unordered = dict(params, excluded_types=types)
+                if all_ordered:
+                    reaped = [(r[0], r[1], r[2]) for r in cur.execute(self.sql.query("reap"), params).fetchall()]
+                else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
-                    rows.extend(Claimed(*r) for r in cur.execute(
-                        self.sql.query("claim_unordered_only"), dict(params, batch=max(1, batch // 2))))
+                    reaped = self._plain_claim(cur, dict(unordered, batch=max(1, batch // 2)), rows)
                 head_room = batch - len(rows)
                 params = dict(params, batch=head_room)
                 # Round-robin over aggregates: start after where the last claim ended,
@@ -291,10 +287,19 @@ class OutboxStore:
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
                 room = batch - len(rows)
                 if not all_ordered and room > 0:
-                    params["batch"] = room
-                    rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_unordered_only"), params))
+                    reaped += self._plain_claim(cur, dict(unordered, batch=room), rows)
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
-        return ClaimResult(rows=rows, reaped=[(r[0], r[1], r[2]) for r in reaped], ordered_after=next_after)
+        return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
+
+    def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed]) -> list[tuple[int, int, str | None]]:
+        """Run the reap + claim statement; append claimed rows, return reaped ones."""
+        reaped: list[tuple[int, int, str | None]] = []
+        for record in cur.execute(self.sql.query("claim"), params).fetchall():
+            if record[0]:
+                reaped.append((record[1], record[2], record[11]))
+            else:
+                rows.append(Claimed(*record[1:11]))
+        return reaped
 
     # --- fenced finalize -------------------------------------------------------------
     def mark_done(self, claims: Sequence[tuple[int, int]], *, strict: bool = False) -> set[int]:
