@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Optional, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -29,7 +29,7 @@ app = typer.Typer(
 dead_app = typer.Typer(help="Inspect and repair dead rows.", no_args_is_help=True)
 app.add_typer(dead_app, name="dead")
 
-ConfigOpt = Annotated[Optional[str], typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
+ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
 T = TypeVar("T")
 
 
@@ -53,7 +53,7 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
         password = psycopg.conninfo.conninfo_to_dict(secrets[0]).get("password")
         if password:
             secrets.append(str(password))
-    except Exception:  # noqa: BLE001 - an unparsable DSN fails later with its own message
+    except Exception:
         pass
     if settings.kafka.sasl_password is not None:
         secrets.append(settings.kafka.sasl_password.get_secret_value())
@@ -109,7 +109,7 @@ def _progress(total: int, label: str) -> Callable[[int], None]:
 # --- run / migrate ---------------------------------------------------------------------
 @app.command()
 def run(
-    workers: Annotated[Optional[int], typer.Option("--workers", "-w", min=1, help="Worker threads.")] = None,
+    workers: Annotated[int | None, typer.Option("--workers", "-w", min=1, help="Worker threads.")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Run the relay in the foreground until SIGTERM/SIGINT."""
@@ -124,8 +124,8 @@ def run(
 @app.command()
 def migrate(
     config: ConfigOpt = None,
-    no_notify_trigger: Annotated[bool, typer.Option("--no-notify-trigger",
-                                                    help="Do not install (and drop) the LISTEN/NOTIFY trigger.")] = False,
+    no_notify_trigger: Annotated[bool, typer.Option(
+        "--no-notify-trigger", help="Do not install (and drop) the LISTEN/NOTIFY trigger.")] = False,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger (idempotent)."""
     settings = _settings(config)
@@ -166,7 +166,8 @@ def status(
     typer.echo(f"  oldest pending age   {stats.oldest_pending_age_seconds:.1f}s")
     typer.echo(f"  expired leases       {stats.expired_leases}")
     if stats.attempts:
-        typer.echo("  attempts (pending+processing): " + ", ".join(f"{k}: {v}" for k, v in sorted(stats.attempts.items())))
+        attempts = ", ".join(f"{k}: {v}" for k, v in sorted(stats.attempts.items()))
+        typer.echo(f"  attempts (pending+processing): {attempts}")
     if settings.relay.ordered_event_types:
         typer.echo(f"  blocked aggregates   {len(stats.blocked_aggregates)}")
         for aggregate, dead_id in stats.blocked_aggregates[:20]:
@@ -178,8 +179,8 @@ def status(
 def dead_list(
     json_out: Annotated[bool, typer.Option("--json", help="JSON array output.")] = False,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many rows.")] = 100,
-    event_type: Annotated[Optional[str], typer.Option("--event-type", help="Only this event type.")] = None,
-    aggregate_id: Annotated[Optional[str], typer.Option("--aggregate-id", help="Only this aggregate.")] = None,
+    event_type: Annotated[str | None, typer.Option("--event-type", help="Only this event type.")] = None,
+    aggregate_id: Annotated[str | None, typer.Option("--aggregate-id", help="Only this aggregate.")] = None,
     config: ConfigOpt = None,
 ) -> None:
     """List dead rows, oldest first."""
@@ -221,7 +222,7 @@ def _chunks(ids: list[int], size: int) -> Iterator[list[int]]:
 
 @dead_app.command("retry")
 def dead_retry(
-    ids: Annotated[Optional[list[int]], typer.Argument(help="Dead row ids.")] = None,
+    ids: Annotated[list[int] | None, typer.Argument(help="Dead row ids.")] = None,
     all_rows: Annotated[bool, typer.Option("--all", help="Every dead row.")] = False,
     chunk_size: Annotated[int, typer.Option("--chunk-size", min=1, help="Rows per transaction.")] = 1000,
     config: ConfigOpt = None,

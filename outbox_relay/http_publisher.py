@@ -47,7 +47,7 @@ quoted in ``last_error`` as one line of at most 300 characters; the URL in an
 error names scheme, host and path only (no credentials, no query string).
 
 Concurrency and time: one ``httpx.Client`` (thread-safe, keep-alive pool sized
-``max_concurrency × workers``) serves all workers. A batch sends at most
+``max_concurrency x workers``) serves all workers. A batch sends at most
 ``http.max_concurrency`` requests at a time. Rows of an *ordered* event type
 (``relay.ordered_event_types``) are sent one after another per aggregate, and
 after a failure the rest of that aggregate's run is not sent (``NotDelivered``).
@@ -73,15 +73,19 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from string import Formatter
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import quote, urlsplit
 
 import httpx
 
 from .errors import ConfigError
-from .publisher import Defer, Message, NotDelivered, Outcome, PermanentError, RetryableError
+from .ordering import RELEASED_AFTER_FAILURE, chains
+from .publisher import Defer, Message, NotDelivered, Outcome, PermanentError, Publisher, RetryableError
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 URL_FIELDS = ("aggregate_type", "aggregate_id", "event_type", "topic", "id")
 HEADER_PREFIX = "X-Outbox-"
@@ -121,11 +125,9 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
             when = email.utils.parsedate_to_datetime(text)
         except (TypeError, ValueError, IndexError):
             return None
-        if when is None:
-            return None
         if when.tzinfo is None:
-            when = when.replace(tzinfo=timezone.utc)
-        current = datetime.now(timezone.utc).timestamp() if now is None else now
+            when = when.replace(tzinfo=UTC)
+        current = datetime.now(UTC).timestamp() if now is None else now
         return min(MAX_RETRY_AFTER_SECONDS, max(0.0, when.timestamp() - current))
     if not math.isfinite(seconds) or seconds < 0:
         return None
@@ -150,8 +152,14 @@ def _check_header(name: str, value: str, what: str) -> str | None:
     return None
 
 
-class HttpPublisher:
+class HttpPublisher(Publisher):
     """POSTs each message to a URL; see the module docstring for the exact contract."""
+
+    name: ClassVar[str] = "http"
+    # probe() opens a TCP connection to the target: the circuit breaker can use it.
+    can_probe: ClassVar[bool] = True
+    # The target may come and go; a relay starts without it (the breaker waits).
+    must_answer_at_start: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -163,7 +171,6 @@ class HttpPublisher:
         defer_statuses: Iterable[int] = (),
         defer_seconds: float = 30.0,
         headers: Mapping[str, str] | None = None,
-        ordered_event_types: Iterable[str] = (),
         max_connections: int | None = None,
         user_agent: str = "outbox-relay",
         transport: httpx.BaseTransport | None = None,
@@ -184,9 +191,6 @@ class HttpPublisher:
             if not 100 <= status <= 599:
                 raise ConfigError(f"http status {status} in done_statuses/defer_statuses is not an HTTP status")
         self.defer_seconds = float(defer_seconds)
-        ordered = list(ordered_event_types)
-        self._ordered_all = "*" in ordered
-        self._ordered = frozenset(ordered)
 
         base = {"Content-Type": "application/json", "User-Agent": user_agent, "Accept": "*/*"}
         for name, value in (headers or {}).items():
@@ -211,17 +215,24 @@ class HttpPublisher:
             transport=transport,
         )
         self._closed = False
-        # Set by Relay.stop() at the shutdown deadline: stop waiting, release what has no answer.
-        self.abort = threading.Event()
+        # Set by abort() at the shutdown deadline: stop waiting, release what has no answer.
+        self.aborting = threading.Event()
+
+    def abort(self) -> None:
+        self.aborting.set()
+
+    def describe_target(self) -> str:
+        parts = urlsplit(self.url_template.format(**{f: "x" for f in URL_FIELDS}))
+        return f"the HTTP target {parts.scheme}://{parts.netloc.rpartition('@')[2]}"  # never credentials
 
     @classmethod
-    def from_settings(cls, settings: Any) -> HttpPublisher:
+    def from_settings(cls, settings: Settings) -> HttpPublisher:
         h = settings.http
         try:
             from importlib.metadata import version
 
             agent = f"outbox-relay/{version('outbox-relay')}"
-        except Exception:  # noqa: BLE001 - not installed as a distribution
+        except Exception:
             agent = "outbox-relay"
         return cls(
             h.url_template,
@@ -231,7 +242,6 @@ class HttpPublisher:
             defer_statuses=h.defer_statuses,
             defer_seconds=h.defer_seconds,
             headers=h.headers,
-            ordered_event_types=settings.relay.ordered_event_types,
             max_connections=h.max_concurrency * settings.relay.workers,
             user_agent=agent,
         )
@@ -276,9 +286,6 @@ class HttpPublisher:
             headers[http_name] = value
         headers["Idempotency-Key"] = idempotency_key(message)
         return headers
-
-    def _is_ordered(self, message: Message) -> bool:
-        return self._ordered_all or message.event_type in self._ordered
 
     # --- one request -----------------------------------------------------------------
     def send(self, message: Message, *, timeout_seconds: float | None = None) -> Outcome:
@@ -348,8 +355,9 @@ class HttpPublisher:
                                   + (f" (Location: {location[:200]})" if location else "") + f": {where}")
         return PermanentError(detail())
 
-    # --- the Publisher protocol ------------------------------------------------------
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]:
+    # --- the Publisher contract ------------------------------------------------------
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
+                      cancel: threading.Event | None = None) -> list[Outcome]:
         if self._closed:
             raise RuntimeError("HttpPublisher is closed")
         deadline = time.monotonic() + max(0.0, timeout_seconds)
@@ -361,29 +369,20 @@ class HttpPublisher:
         lock = threading.Lock()
         stop = threading.Event()
 
-        # Unordered rows are independent; rows of an ordered aggregate form one chain.
-        chains: list[list[int]] = []
-        by_aggregate: dict[str, list[int]] = {}
-        for i, message in enumerate(messages):
-            if self._is_ordered(message):
-                chain = by_aggregate.get(message.aggregate_id)
-                if chain is None:
-                    chain = by_aggregate[message.aggregate_id] = []
-                    chains.append(chain)
-                chain.append(i)
-            else:
-                chains.append([i])
+        # Unordered rows are independent; rows of an ordered aggregate form one chain,
+        # sent in sequence and stopped at its first failure.
+        batch_chains = chains(messages)
 
         def run_chain(chain: list[int]) -> None:
             failed = False
             for i in chain:
                 remaining = deadline - time.monotonic()
-                if failed or stop.is_set() or self.abort.is_set() or remaining <= 0.01:
+                if (failed or stop.is_set() or self.aborting.is_set() or remaining <= 0.01
+                        or (cancel is not None and cancel.is_set())):
                     with lock:
                         if outcomes[i] is _PENDING:
-                            outcomes[i] = NotDelivered(
-                                "not sent: an earlier row of this aggregate did not succeed" if failed
-                                else "not sent before the batch deadline")
+                            outcomes[i] = NotDelivered(RELEASED_AFTER_FAILURE if failed
+                                                       else "not sent before the batch deadline")
                     continue
                 with lock:
                     if outcomes[i] is not _PENDING:  # the batch already gave up on it
@@ -395,12 +394,12 @@ class HttpPublisher:
                         outcomes[i] = outcome
                 failed = outcome is not None
 
-        executor = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(chains)),
+        executor = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(batch_chains)),
                                       thread_name_prefix="http-publish")
-        futures = [executor.submit(run_chain, chain) for chain in chains]
+        futures = [executor.submit(run_chain, chain) for chain in batch_chains]
         executor.shutdown(wait=False)  # threads exit once their (deadline-bounded) chains finish
         try:
-            while not self.abort.is_set():
+            while not self.aborting.is_set():
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -421,7 +420,7 @@ class HttpPublisher:
                 if outcomes[i] is _PENDING:
                     if not started[i]:
                         outcomes[i] = NotDelivered("not sent before the batch deadline")
-                    elif self.abort.is_set():
+                    elif self.aborting.is_set():
                         outcomes[i] = NotDelivered("no HTTP response before shutdown")
                     else:
                         outcomes[i] = RetryableError(
@@ -431,7 +430,6 @@ class HttpPublisher:
     def probe(self, timeout_seconds: float = 2.0) -> bool:
         """True if the target accepts a TCP connection (or cannot be probed statically)."""
         import socket
-        from urllib.parse import urlsplit
 
         scheme_host = self.url_template.split("/", 3)[:3]  # "http:", "", "host:port"
         authority = scheme_host[2] if len(scheme_host) == 3 else ""
@@ -452,3 +450,8 @@ class HttpPublisher:
             return
         self._closed = True
         self._client.close()
+
+
+def from_settings(settings: Settings) -> HttpPublisher:
+    """The ``http`` built-in (``relay.publisher = "http"``)."""
+    return HttpPublisher.from_settings(settings)

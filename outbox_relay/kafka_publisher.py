@@ -16,12 +16,16 @@ import threading
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from .publisher import Message, NotDelivered, Outcome, PermanentError, RetryableError
+from .ordering import RELEASED_AFTER_FAILURE, RunGuard
+from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, RetryableError
+
+if TYPE_CHECKING:
+    from .config import Settings
 
 log = structlog.get_logger("outbox_relay.kafka")
 
@@ -65,7 +69,7 @@ def classify(err: KafkaError) -> Outcome:
 class _BatchWaiter:
     """Collects the delivery reports of one batch (called from the poll thread)."""
 
-    __slots__ = ("outcomes", "remaining", "done", "_lock", "_owner", "_created")
+    __slots__ = ("_created", "_lock", "_owner", "done", "outcomes", "remaining")
 
     _UNSET: Any = object()
 
@@ -90,9 +94,7 @@ class _BatchWaiter:
 
     def on_delivery(self, index: int, err: KafkaError | None, _msg: Any) -> None:
         if err is None:
-            observe = self._owner.observe_end_to_end
-            if observe is not None:
-                observe(time.time() - self._created[index])
+            self._owner.observer.message_acknowledged(time.time() - self._created[index])
             self.settle(index, None)
             return
         if err.code() in REPLACE_CODES:
@@ -100,26 +102,26 @@ class _BatchWaiter:
         self.settle(index, classify(err))
 
 
-class KafkaPublisher:
+class KafkaPublisher(Publisher):
     """Publisher on confluent-kafka; see the module docstring."""
 
-    def __init__(self, config: dict[str, Any], *, name: str = "outbox-relay") -> None:
+    name: ClassVar[str] = "kafka"
+    can_probe: ClassVar[bool] = True
+    must_answer_at_start: ClassVar[bool] = True
+    pipelines: ClassVar[bool] = True
+
+    def __init__(self, config: dict[str, Any]) -> None:
         self._config = dict(config)
-        self._name = name
         self._lock = threading.Lock()
         self._producer: Producer | None = None
         self.generation = 0
         self._replace_reason: str | None = None
         self._stopping = threading.Event()
         # Set at the shutdown deadline: batches stop waiting and report NotDelivered.
-        self.abort = threading.Event()
+        self.aborting = threading.Event()
         self._thread: threading.Thread | None = None
         self.replacements = 0
-        self._all_brokers_down = False
         self._last_probe: tuple[float, bool] = (0.0, False)
-        self.on_replace: list[Any] = []  # callbacks(reason) for metrics
-        # Called from the poll thread with created_at -> broker ack, in seconds.
-        self.observe_end_to_end: Any = None
 
     # --- lifecycle -------------------------------------------------------------------
     def _new_producer(self) -> Producer:
@@ -135,6 +137,18 @@ class KafkaPublisher:
             self._thread = threading.Thread(target=self._poll_loop, name="kafka-poll", daemon=True)
             self._thread.start()
 
+    def describe_target(self) -> str:
+        return f"the Kafka cluster at {self._config.get('bootstrap.servers', '?')}"
+
+    def publish_timeout_seconds(self, lease_seconds: float) -> float:
+        """The producer's delivery timeout (message.timeout.ms) plus a grace period for
+        the last report to arrive, still strictly inside the lease."""
+        delivery = float(self._config["message.timeout.ms"]) / 1000.0
+        return delivery + min(5.0, (lease_seconds - delivery) / 2)
+
+    def abort(self) -> None:
+        self.aborting.set()
+
     def close(self, timeout_seconds: float = 5.0) -> None:
         """Flush what is queued (bounded), stop the poll thread. Safe to call twice."""
         self._stopping.set()
@@ -144,7 +158,7 @@ class KafkaPublisher:
         with self._lock:
             producer, self._producer = self._producer, None
         if producer is not None:
-            if self.abort.is_set():
+            if self.aborting.is_set():
                 # Rows of unreported messages were released to other relays; do not
                 # also send what has not left this process yet.
                 try:
@@ -156,8 +170,6 @@ class KafkaPublisher:
     # --- health ----------------------------------------------------------------------
     def _on_error(self, err: KafkaError) -> None:
         code = err.code()
-        if code == E._ALL_BROKERS_DOWN:
-            self._all_brokers_down = True
         if err.fatal():
             log.error("kafka producer fatal error", error=err.str(), code=err.name())
             self.request_replacement(f"fatal error {err.name()}")
@@ -184,7 +196,6 @@ class KafkaPublisher:
         except KafkaException:
             self._last_probe = (time.monotonic(), False)
             return False
-        self._all_brokers_down = False
         self._last_probe = (time.monotonic(), True)
         return True
 
@@ -210,8 +221,10 @@ class KafkaPublisher:
                 log.exception("kafka poll loop error; continuing")
                 time.sleep(0.5)
 
-    def poll_thread_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def check_alive(self) -> str | None:
+        if self._thread is None or not self._thread.is_alive():
+            return "the Kafka poll thread died"
+        return None
 
     def _replace(self) -> None:
         new = self._new_producer()  # may raise: the reason stays set and we retry
@@ -222,8 +235,7 @@ class KafkaPublisher:
             self.generation += 1
             self.replacements += 1
         log.warning("replacing kafka producer", reason=reason, generation=self.generation)
-        for callback in self.on_replace:
-            callback(reason)
+        self.observer.client_replaced(reason or "")
         if old is not None:
             # Everything the old producer still holds gets a _PURGE_* report, i.e. a
             # retryable outcome; serve those reports now, then let it go.
@@ -237,8 +249,6 @@ class KafkaPublisher:
             old.poll(0)
 
     # --- publishing ------------------------------------------------------------------
-    supports_cancel = True
-
     def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
                       cancel: threading.Event | None = None) -> list[Outcome]:
         """Produce the batch, wait for its reports until ``timeout_seconds``, a
@@ -254,26 +264,26 @@ class KafkaPublisher:
             producer, generation = self._producer, self.generation
         if producer is None:
             raise RuntimeError("KafkaPublisher.start() was not called")
-        failed_groups: set[object] = set()  # ordered runs stop at a row produce() refused
+        runs = RunGuard()  # an ordered run stops at a row produce() refused
         for index, message in enumerate(messages):
-            group = message.extra.get("order_group") if message.extra else None
-            if group is not None and group in failed_groups:
-                waiter.settle(index, NotDelivered("released: an earlier row of this aggregate was refused"))
+            if runs.stopped(message.order_key):
+                waiter.settle(index, NotDelivered(RELEASED_AFTER_FAILURE))
                 continue
             callback = partial(waiter.on_delivery, index)
+            wire_headers: list[tuple[str, str | bytes | None]] = list(message.headers)
             while True:
                 try:
                     producer.produce(
                         message.topic,
                         value=message.value,
                         key=message.key,
-                        headers=message.headers,
+                        headers=wire_headers,
                         on_delivery=callback,
                     )
                     break
                 except BufferError:
                     # Local queue full: let the poll thread drain it a little.
-                    if self.abort.is_set() or self._stopping.is_set():
+                    if self.aborting.is_set() or self._stopping.is_set():
                         waiter.settle(index, NotDelivered("shutting down before it could be produced"))
                         break
                     if time.monotonic() > deadline:
@@ -282,18 +292,16 @@ class KafkaPublisher:
                     time.sleep(0.005)
                 except KafkaException as exc:
                     waiter.settle(index, classify(exc.args[0]))
-                    if group is not None:
-                        failed_groups.add(group)
+                    runs.record(message.order_key, failed=True)
                     break
                 except (TypeError, ValueError) as exc:
                     waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
-                    if group is not None:
-                        failed_groups.add(group)
+                    runs.record(message.order_key, failed=True)
                     break
         return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds, generation)
 
 
-class InFlightBatch:
+class InFlightBatch(PendingBatch):
     """A produced batch whose delivery reports are still arriving."""
 
     def __init__(self, publisher: KafkaPublisher, waiter: _BatchWaiter, size: int, deadline: float,
@@ -308,7 +316,7 @@ class InFlightBatch:
     def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
         waiter, publisher = self._waiter, self._publisher
         # Wait in slices so a shutdown (abort) or a lost lease (cancel) cuts it short.
-        while not waiter.done.is_set() and not publisher.abort.is_set():
+        while not waiter.done.is_set() and not publisher.aborting.is_set():
             if cancel is not None and cancel.is_set():
                 for index in range(self._size):
                     waiter.settle(index, RetryableError("lease lost while waiting for delivery"))
@@ -317,7 +325,7 @@ class InFlightBatch:
             if remaining <= 0:
                 break
             waiter.done.wait(min(remaining, 0.1))
-        if publisher.abort.is_set() and not waiter.done.is_set():
+        if publisher.aborting.is_set() and not waiter.done.is_set():
             for index in range(self._size):
                 waiter.settle(index, NotDelivered("no delivery report before shutdown"))
         elif not waiter.done.is_set():
@@ -331,7 +339,12 @@ class InFlightBatch:
         return list(waiter.outcomes)
 
 
-def producer_config(settings: Any) -> dict[str, Any]:
+def from_settings(settings: Settings) -> KafkaPublisher:
+    """The ``kafka`` built-in (``relay.publisher = "kafka"``, the default)."""
+    return KafkaPublisher(producer_config(settings))
+
+
+def producer_config(settings: Settings) -> dict[str, Any]:
     """librdkafka properties from Settings (secrets included: never log the result)."""
     k = settings.kafka
     conf: dict[str, Any] = {

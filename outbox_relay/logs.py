@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -16,7 +17,7 @@ import structlog
 def configure_logging(level: str = "INFO", fmt: str = "auto", secrets: list[str] | None = None) -> None:
     secret_values = [s for s in (secrets or []) if s and len(s) >= 3]
 
-    def scrub(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    def scrub(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         if not secret_values:
             return event
         for key, value in event.items():

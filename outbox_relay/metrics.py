@@ -13,14 +13,19 @@ import threading
 import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .decision import Kind
+from .publisher import PublisherObserver
 from .service import PeriodicService
-from .store import STATUSES, OutboxStore
+from .store import STATUSES, ClaimResult, OutboxStore
+
+if TYPE_CHECKING:
+    from .finalizer import BatchResult
 
 log = structlog.get_logger("outbox_relay.metrics")
 
@@ -28,8 +33,13 @@ OUTCOMES = ("done", "retry", "defer", "dead")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
 
 
-class RelayMetrics:
-    """Every metric of one relay process, on its own registry."""
+class RelayMetrics(PublisherObserver):
+    """Every metric of one relay process, on its own registry.
+
+    The relay loop does not touch individual metrics: it hands what happened to
+    ``record_claim`` and ``record_batch``, and the publisher reports through the
+    ``PublisherObserver`` hooks, so a new metric is a change to this module only.
+    """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -79,6 +89,32 @@ class RelayMetrics:
     def published(self, outcome: str, count: int = 1) -> None:
         if count:
             self._published[outcome].inc(count)
+
+    # --- lifecycle hooks ----------------------------------------------------------------
+    def record_claim(self, result: ClaimResult) -> None:
+        if result.rows:
+            self.claim_batch_size.observe(len(result.rows))
+        if result.reaped:
+            self.reaped_total.inc(len(result.reaped))
+            self.published("dead", len(result.reaped))
+
+    def record_batch(self, result: BatchResult) -> None:
+        for kind in (Kind.DONE, Kind.RETRY, Kind.DEFER, Kind.DEAD):
+            self.published(kind.value, result.count(kind))
+        released = result.count(Kind.RELEASE)
+        if released:
+            self.released_total.inc(released)
+        if result.lost:
+            self.lost_leases_total.inc(len(result.lost))
+        if result.elapsed_seconds is not None:
+            self.publish_latency_seconds.observe(result.elapsed_seconds)
+
+    # --- PublisherObserver ----------------------------------------------------------------
+    def message_acknowledged(self, seconds_since_created: float) -> None:
+        self.end_to_end_latency_seconds.observe(seconds_since_created)
+
+    def client_replaced(self, reason: str) -> None:
+        self.producer_replacements_total.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -138,7 +174,7 @@ class MetricsServer:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server API
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._send(200, outer._metrics.render(), CONTENT_TYPE_LATEST)

@@ -1,8 +1,8 @@
-"""Publishers: the boundary between the relay loop and the outside world.
+"""The publisher contract: the boundary between the relay loop and the outside world.
 
-The contract of a publisher is its outcomes. For each message it reports exactly one of:
+A publisher turns messages into one outcome each. For every message it reports:
 
-- success (``None``): the target has the message, the row becomes ``done``;
+- success (``None``): the target has the message; the row becomes ``done``;
 - ``RetryableError``: a technical failure (timeout, connection, 5xx, throttling);
   the row goes back to ``pending`` with full-jitter backoff, consuming an attempt,
   and ``dead`` once ``max_attempts`` is used up;
@@ -13,6 +13,12 @@ The contract of a publisher is its outcomes. For each message it reports exactly
 Any other exception escaping a publisher is a bug: it is not swallowed as
 retryable. The batch's lease runs out and the attempt budget decides.
 
+``Publisher`` below lists every hook the relay calls, each with a default, so a
+plug-in implements only what it needs: usually just ``publish`` on
+``SimplePublisher``. Built-in publishers (``kafka``, ``http``), installed plug-ins
+(entry point group ``outbox_relay.publishers``) and ``package.module:factory``
+references are all loaded by ``load_publisher``.
+
 Delivery is **at least once**: a message can be published and its row not yet
 finalized when a worker dies, and a stale owner's in-flight publish can land after
 its successor's. Every message carries a stable ``message_id`` (the outbox id) so
@@ -22,17 +28,28 @@ consumers can deduplicate.
 from __future__ import annotations
 
 import abc
+import importlib
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from datetime import timedelta
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from .errors import ConfigError, PublisherLoadError
 
 if TYPE_CHECKING:
+    from .config import Settings
+    from .ordering import OrderingRule
     from .store import Claimed
 
 
+# --- outcomes ------------------------------------------------------------------------------
 class PublishOutcome(Exception):
     """Base of the outcome exceptions a publisher may report."""
+
+    reason: str
 
 
 class RetryableError(PublishOutcome):
@@ -67,15 +84,16 @@ class PermanentError(PublishOutcome):
 class Defer(PublishOutcome):
     """Not yet: reschedule after ``delay`` seconds without consuming an attempt."""
 
-    def __init__(self, delay: float, reason: str) -> None:
+    def __init__(self, delay: float | timedelta, reason: str) -> None:
         super().__init__(reason)
-        self.delay = float(delay.total_seconds() if hasattr(delay, "total_seconds") else delay)
+        self.delay = float(delay.total_seconds() if isinstance(delay, timedelta) else delay)
         self.reason = reason
 
 
 Outcome = PublishOutcome | None
 
 
+# --- messages ------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Message:
     """What gets published for one outbox row (the contract's message format)."""
@@ -91,53 +109,15 @@ class Message:
     attempts: int = 0
     lease_version: int = 0
     created_at_epoch: float = 0.0
-    extra: dict[str, object] = field(default_factory=dict)
+    #: The aggregate id when the event type is ordered (``relay.ordered_event_types``),
+    #: else None. Messages with the same key form a run: a publisher must not send a
+    #: message after a failed one of the same key (see ``outbox_relay.ordering``).
+    order_key: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)  # free for plug-ins' own use
 
     @property
     def message_id(self) -> str:
         return str(self.id)
-
-
-@runtime_checkable
-class Publisher(Protocol):
-    """Publishes a batch and reports one outcome per message, in order.
-
-    ``timeout_seconds`` is the time left before the batch's lease is at risk; a
-    publisher must return by then, reporting unfinished messages as
-    ``RetryableError``. It must be safe to call from several worker threads at once.
-    """
-
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]: ...
-
-    def close(self) -> None: ...
-
-
-class SimplePublisher(abc.ABC):
-    """Base for a plug-in that publishes one message at a time: implement ``publish``.
-
-    ``publish`` returns normally on success and raises ``RetryableError``,
-    ``PermanentError`` or ``Defer`` otherwise.
-    """
-
-    @abc.abstractmethod
-    def publish(self, message: Message) -> None:
-        """Publish one message or raise an outcome exception."""
-
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]:
-        outcomes: list[Outcome] = []
-        for message in messages:
-            try:
-                self.publish(message)
-                outcomes.append(None)
-            except PublishOutcome as outcome:
-                outcomes.append(outcome)
-        return outcomes
-
-    def close(self) -> None:
-        return None
-
-    def healthy(self) -> bool:
-        return True
 
 
 class MessageFormatError(PermanentError):
@@ -148,8 +128,13 @@ class MessageFormatError(PermanentError):
 RESERVED_HEADERS = frozenset({"message_id", "event_type", "aggregate_type", "aggregate_id"})
 
 
-def build_message(row: Claimed, topic_template: str) -> Message:
-    """Row -> message: topic routing, key, value and headers of the contract."""
+def build_message(row: Claimed, topic_template: str, ordering: OrderingRule | None = None) -> Message:
+    """Row -> message: topic routing, key, value and headers of the contract.
+
+    Raises ``MessageFormatError`` (a ``PermanentError``) for a row that cannot be
+    sent: headers that are not a JSON object of strings or use a reserved name, an
+    empty topic.
+    """
     topic = row.topic or topic_template.format(aggregate_type=row.aggregate_type, event_type=row.event_type)
     headers = [
         ("message_id", str(row.id)),
@@ -158,7 +143,10 @@ def build_message(row: Claimed, topic_template: str) -> Message:
         ("aggregate_id", row.aggregate_id),
     ]
     if row.headers is not None:
-        extra = json.loads(row.headers)
+        try:
+            extra = json.loads(row.headers)
+        except ValueError as exc:
+            raise MessageFormatError(f"bad headers: {exc}") from None
         if extra is not None:
             if not isinstance(extra, dict):
                 raise MessageFormatError(
@@ -186,4 +174,278 @@ def build_message(row: Claimed, topic_template: str) -> Message:
         attempts=row.attempts,
         lease_version=row.lease_version,
         created_at_epoch=row.created_at.timestamp(),
+        order_key=ordering.order_key(row.event_type, row.aggregate_id) if ordering is not None else None,
     )
+
+
+# --- the contract --------------------------------------------------------------------------
+class PendingBatch(abc.ABC):
+    """A submitted batch whose outcomes are collected by ``wait``."""
+
+    @abc.abstractmethod
+    def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
+        """Block until every message has an outcome, the deadline given to ``submit``
+        passes, or ``cancel`` is set (the batch's leases were all lost); return one
+        outcome per message, in order."""
+
+
+class _PublishOnWait(PendingBatch):
+    """The default ``submit``: nothing happens until ``wait`` publishes the batch."""
+
+    def __init__(self, publisher: Publisher, messages: Sequence[Message], timeout_seconds: float) -> None:
+        self._publisher = publisher
+        self._messages = messages
+        self._timeout_seconds = timeout_seconds
+
+    def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
+        return self._publisher.publish_batch(self._messages, timeout_seconds=self._timeout_seconds, cancel=cancel)
+
+
+class PublisherObserver:
+    """What a publisher reports besides outcomes. The relay attaches its metrics
+    (``RelayMetrics`` implements this); the default does nothing. Called from any
+    thread, so implementations must be thread-safe and quick."""
+
+    def message_acknowledged(self, seconds_since_created: float) -> None:
+        """The target acknowledged a message ``seconds_since_created`` after its row was written."""
+
+    def client_replaced(self, reason: str) -> None:
+        """The publisher replaced its client (e.g. a fatally failed Kafka producer)."""
+
+    def messages_isolated(self, count: int) -> None:
+        """``count`` messages rejected together were re-sent one by one to find the bad ones."""
+
+
+class Publisher(abc.ABC):
+    """Every hook the relay uses, with defaults. Only ``publish_batch`` is required
+    (``SimplePublisher`` implements it on top of a one-message ``publish``).
+
+    Thread safety: one publisher serves all worker threads of a process, so
+    ``publish_batch``/``submit`` are called concurrently.
+    """
+
+    #: Shown in logs.
+    name: ClassVar[str] = "custom"
+    #: True if ``probe()`` really checks the target. Enables the circuit breaker: a
+    #: batch that failed only on transport then releases its rows (attempt refunded)
+    #: and claiming pauses until ``probe()`` succeeds again.
+    can_probe: ClassVar[bool] = False
+    #: True if the relay must refuse to start while ``probe()`` fails.
+    must_answer_at_start: ClassVar[bool] = False
+    #: True if ``submit()`` returns before delivery, so a worker may claim and submit
+    #: its next batch while this one is being acknowledged (pipelining).
+    pipelines: ClassVar[bool] = False
+
+    #: Receives acknowledgements and client replacements (metrics). Set by the relay.
+    observer: PublisherObserver = PublisherObserver()
+
+    def start(self) -> None:
+        """Open clients and threads. An exception here refuses the start (exit 2)."""
+        return None
+
+    def close(self) -> None:
+        """Release everything; called once at shutdown (must tolerate a second call)."""
+        return None
+
+    def describe_target(self) -> str:
+        """Where messages go, for error messages (never include credentials)."""
+        return f"the target of {type(self).__name__}"
+
+    def probe(self, timeout_seconds: float) -> bool:
+        """Does the target answer now? Only called when ``can_probe`` is true."""
+        return True
+
+    def healthy(self) -> bool:
+        """Cheap readiness check for ``/readyz`` (may use a cached probe)."""
+        return True
+
+    def check_alive(self) -> str | None:
+        """None while the publisher's own background threads run, else why not (``/healthz``)."""
+        return None
+
+    def abort(self) -> None:
+        """The shutdown deadline passed: stop waiting now and report every message
+        without an outcome as ``NotDelivered`` (its row is released to another relay)."""
+        return None
+
+    def publish_timeout_seconds(self, lease_seconds: float) -> float:
+        """How long a batch may take before its outcomes are due: comfortably inside
+        the lease, so a row is not reclaimed while its outcome is still coming."""
+        return lease_seconds * 0.8
+
+    def submit(self, messages: Sequence[Message], *, timeout_seconds: float) -> PendingBatch:
+        """Start publishing and return at once (pipelining publishers override this);
+        the default publishes when ``wait()`` is called."""
+        return _PublishOnWait(self, messages, timeout_seconds)
+
+    @abc.abstractmethod
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
+                      cancel: threading.Event | None = None) -> list[Outcome]:
+        """Publish and return one outcome per message, in order, by ``timeout_seconds``.
+        Rows with the same ``order_key`` must be sent in order, stopping at a failure.
+        ``cancel`` is set when every lease of the batch was lost: stop early."""
+
+
+class SimplePublisher(Publisher):
+    """Base for a plug-in that publishes one message at a time: implement ``publish``.
+
+    ``publish`` returns normally on success and raises ``RetryableError``,
+    ``PermanentError`` or ``Defer`` otherwise. Messages are published in order; after
+    a failure the rest of that message's ordered run is not published (released).
+    """
+
+    @abc.abstractmethod
+    def publish(self, message: Message) -> None:
+        """Publish one message or raise an outcome exception."""
+
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
+                      cancel: threading.Event | None = None) -> list[Outcome]:
+        from .ordering import RELEASED_AFTER_FAILURE, RunGuard
+
+        outcomes: list[Outcome] = []
+        runs = RunGuard()
+        for message in messages:
+            if cancel is not None and cancel.is_set():
+                outcomes.append(RetryableError("lease lost before this message was published"))
+                continue
+            if runs.stopped(message.order_key):
+                outcomes.append(NotDelivered(RELEASED_AFTER_FAILURE))
+                continue
+            outcome: Outcome = None
+            try:
+                self.publish(message)
+            except PublishOutcome as exc:
+                outcome = exc
+            runs.record(message.order_key, outcome is not None)
+            outcomes.append(outcome)
+        return outcomes
+
+
+# --- loading -------------------------------------------------------------------------------
+#: The built-in publishers: ``relay.publisher`` name -> factory reference.
+BUILTIN_PUBLISHERS: dict[str, str] = {
+    "kafka": "outbox_relay.kafka_publisher:from_settings",
+    "http": "outbox_relay.http_publisher:from_settings",
+}
+ENTRY_POINT_GROUP = "outbox_relay.publishers"
+
+Factory = Callable[["Settings"], object]
+
+
+@runtime_checkable
+class _BatchShaped(Protocol):
+    """A plug-in object written against the earlier protocol (not a Publisher subclass)."""
+
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]: ...
+
+
+@runtime_checkable
+class _PublishShaped(Protocol):
+    def publish(self, message: Message) -> None: ...
+
+
+class _BatchAdapter(Publisher):
+    """Wraps an object with ``publish_batch(messages, *, timeout_seconds)`` (and optionally ``close()``)."""
+
+    def __init__(self, inner: _BatchShaped) -> None:
+        self._inner = inner
+
+    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
+                      cancel: threading.Event | None = None) -> list[Outcome]:
+        return self._inner.publish_batch(messages, timeout_seconds=timeout_seconds)
+
+    def close(self) -> None:
+        _close_if_possible(self._inner)
+
+
+class _SequentialAdapter(SimplePublisher):
+    """Wraps an object that only has ``publish(message)`` (and optionally ``close()``)."""
+
+    def __init__(self, inner: _PublishShaped) -> None:
+        self._inner = inner
+
+    def publish(self, message: Message) -> None:
+        self._inner.publish(message)
+
+    def close(self) -> None:
+        _close_if_possible(self._inner)
+
+
+@runtime_checkable
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _close_if_possible(obj: object) -> None:
+    if isinstance(obj, _Closable):  # close() is optional on these older plug-in shapes
+        obj.close()
+
+
+def _resolve_reference(setting: str, reference: str) -> Factory:
+    """``package.module:attribute`` -> the attribute (a dotted attribute path is allowed)."""
+    module_name, _, attr_path = reference.partition(":")
+    if not module_name or not attr_path:
+        raise PublisherLoadError(
+            f"relay.publisher {setting!r} is not 'kafka', 'http' or 'package.module:factory', "
+            f"nor an installed plug-in (entry point group {ENTRY_POINT_GROUP})")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, but also a SyntaxError or a crash at import
+        raise PublisherLoadError(
+            f"relay.publisher {setting!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+    for attr in attr_path.split("."):
+        try:
+            target = getattr(target, attr)
+        except AttributeError:
+            raise PublisherLoadError(
+                f"relay.publisher {setting!r}: {module_name!r} has no attribute {attr_path!r}") from None
+    return target  # type: ignore[no-any-return]  # checked by the caller: callable or a publisher
+
+
+def _find_factory(setting: str) -> Factory | object:
+    if setting in BUILTIN_PUBLISHERS:
+        return _resolve_reference(setting, BUILTIN_PUBLISHERS[setting])
+    if ":" not in setting:
+        matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == setting]
+        if matches:
+            try:
+                loaded: object = matches[0].load()
+            except Exception as exc:
+                raise PublisherLoadError(
+                    f"relay.publisher {setting!r}: the installed plug-in {matches[0].value!r} cannot be loaded: "
+                    f"{type(exc).__name__}: {exc}") from None
+            return loaded
+    return _resolve_reference(setting, setting)
+
+
+def load_publisher(settings: Settings) -> Publisher:
+    """``relay.publisher`` -> a started-not-yet ``Publisher``.
+
+    Accepted: a built-in name (``kafka``, ``http``), the name of an entry point in the
+    group ``outbox_relay.publishers`` (a plug-in installed as a package), or
+    ``package.module:factory``. A factory is called with the ``Settings`` and returns
+    a ``Publisher`` (or, for plug-ins written before the base class existed, an object
+    with ``publish_batch(messages, *, timeout_seconds)`` or ``publish(message)``).
+    Anything else raises ``PublisherLoadError`` (a start-up error, exit 2)."""
+    setting = settings.relay.publisher
+    found = _find_factory(setting)
+    if isinstance(found, Publisher):
+        return found
+    if callable(found):
+        try:
+            obj = found(settings)
+        except ConfigError:  # a setting the publisher refused: already one readable line
+            raise
+        except Exception as exc:
+            raise PublisherLoadError(
+                f"relay.publisher {setting!r}: the factory failed: {type(exc).__name__}: {exc}") from None
+    else:
+        obj = found
+    if isinstance(obj, Publisher):
+        return obj
+    if isinstance(obj, _BatchShaped):
+        return _BatchAdapter(obj)
+    if isinstance(obj, _PublishShaped):
+        return _SequentialAdapter(obj)
+    raise PublisherLoadError(
+        f"relay.publisher {setting!r} returned {type(obj).__name__}, which has neither publish_batch() nor publish()")

@@ -263,34 +263,26 @@ WHERE o.id = locked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
 
--- name: finalize_done
--- Fenced: only the claim that still holds lease_version may write an outcome.
+-- name: finalize
+-- Every outcome of a batch in ONE fenced statement (one round trip): the decisions
+-- come in as parallel arrays (decision.py decides, this only writes). Only the claim
+-- that still holds lease_version may write; rows that do not match are lost leases.
 -- {strict} is either empty or "AND o.lease_until > now()" (strict lease policy).
+--   done:    done_at = now(), last_error cleared
+--   pending: due after delay_seconds; a NULL error keeps the previous last_error
+--            (a release is not a failure); refund = 1 gives the claim's attempt back
+--   dead:    last_error = the reason
 UPDATE {table} AS o
-SET status = 'done', done_at = now(), last_error = NULL, lease_owner = NULL, lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
-WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
-RETURNING o.id
-
--- name: finalize_reschedule
--- Back to pending after a delay: retry (attempt kept) or defer/release (attempt
--- refunded). A NULL error keeps the previous last_error (release is not a failure).
-UPDATE {table} AS o
-SET status = 'pending',
-    available_at = now() + make_interval(secs => f.delay_seconds),
+SET status = f.status,
+    done_at = CASE WHEN f.status = 'done' THEN now() ELSE o.done_at END,
+    available_at = CASE WHEN f.status = 'pending' THEN now() + make_interval(secs => f.delay_seconds)
+                        ELSE o.available_at END,
     attempts = greatest(o.attempts - f.refund, 0),
-    last_error = coalesce(f.error, o.last_error),
+    last_error = CASE WHEN f.status = 'done' THEN NULL ELSE coalesce(f.error, o.last_error) END,
     lease_owner = NULL,
     lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(delays)s::float8[], %(errors)s::text[],
-            %(refunds)s::int[]) AS f(id, version, delay_seconds, error, refund)
-WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
-RETURNING o.id
-
--- name: finalize_dead
-UPDATE {table} AS o
-SET status = 'dead', last_error = f.error, lease_owner = NULL, lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(errors)s::text[]) AS f(id, version, error)
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[], %(delays)s::float8[],
+            %(errors)s::text[], %(refunds)s::int[]) AS f(id, version, status, delay_seconds, error, refund)
 WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
 RETURNING o.id
 

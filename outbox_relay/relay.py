@@ -9,9 +9,7 @@ so another replica takes it at once. Every service tolerates a double stop.
 
 from __future__ import annotations
 
-import importlib
 import os
-import random
 import signal
 import threading
 import time
@@ -19,18 +17,21 @@ from typing import Any
 
 import structlog
 
+from .breaker import CircuitBreaker
 from .config import Settings
-from .errors import BrokerUnavailable, ConfigError, DatabaseError, PublisherLoadError
+from .errors import BrokerUnavailable, ConfigError
 from .heartbeat import LeaseKeeper
 from .metrics import MetricsServer, RelayMetrics, StatsRefresher
-from .publisher import Publisher, SimplePublisher
+from .publisher import Publisher, load_publisher
 from .store import OutboxStore
-from .worker import CircuitBreaker, Wakeup, Worker, WorkerConfig
+from .wakeup import NotificationListener, Wakeup
+from .worker import Worker, WorkerConfig
 
 log = structlog.get_logger("outbox_relay.relay")
 
 
-def make_store(settings: Settings, *, pool_size: int | None = None, application_name: str = "outbox-relay") -> OutboxStore:
+def make_store(settings: Settings, *, pool_size: int | None = None,
+               application_name: str = "outbox-relay") -> OutboxStore:
     return OutboxStore(
         settings.database.dsn.get_secret_value(),
         settings.database.table,
@@ -41,74 +42,20 @@ def make_store(settings: Settings, *, pool_size: int | None = None, application_
     )
 
 
-class _SequentialAdapter(SimplePublisher):
-    """Wraps a plug-in object that only has ``publish(message)``."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def publish(self, message):  # type: ignore[override]
-        self._inner.publish(message)
-
-    def close(self) -> None:
-        close = getattr(self._inner, "close", None)
-        if callable(close):
-            close()
-
-
-def load_publisher(settings: Settings) -> Any:
-    """``relay.publisher``: "kafka", "http", or "package.module:factory".
-
-    A factory is called with the Settings and must return an object with
-    ``publish_batch(messages, *, timeout_seconds)`` (see ``Publisher``) or a plain
-    ``publish(message)``. Anything else is a start-up error (exit 2)."""
-    reference = settings.relay.publisher
-    if reference == "kafka":
-        from .kafka_publisher import KafkaPublisher, producer_config
-
-        return KafkaPublisher(producer_config(settings))
-    if reference == "http":
-        from .http_publisher import HttpPublisher
-
-        return HttpPublisher.from_settings(settings)
-    module_name, _, attr = reference.partition(":")
-    if not module_name or not attr:
-        raise PublisherLoadError(
-            f"relay.publisher {reference!r} is not 'kafka', 'http' or 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, but also a SyntaxError or a crash at import
-        raise PublisherLoadError(
-            f"relay.publisher {reference!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    factory = getattr(module, attr, None)
-    if factory is None:
-        raise PublisherLoadError(f"relay.publisher {reference!r}: {module_name!r} has no attribute {attr!r}")
-    try:
-        obj = factory(settings) if callable(factory) and not hasattr(factory, "publish_batch") else factory
-    except Exception as exc:
-        raise PublisherLoadError(
-            f"relay.publisher {reference!r}: the factory failed: {type(exc).__name__}: {exc}") from None
-    if hasattr(obj, "publish_batch") and callable(obj.publish_batch):
-        return obj
-    if hasattr(obj, "publish") and callable(obj.publish):
-        return _SequentialAdapter(obj)
-    raise PublisherLoadError(
-        f"relay.publisher {reference!r} returned {type(obj).__name__}, which has neither publish_batch() nor publish()")
-
-
 class Relay:
     def __init__(self, settings: Settings, *, publisher: Publisher | None = None,
                  metrics: RelayMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
         self.store = make_store(settings)
-        self.publisher: Any = publisher
+        self._given_publisher = publisher
+        self.publisher: Publisher = publisher if publisher is not None else _NotLoaded()
         self.wakeup = Wakeup()
         self.workers: list[Worker] = []
         self._threads: list[threading.Thread] = []
         self._stop_claiming = threading.Event()
         self._stopped = threading.Event()
-        self._listener: threading.Thread | None = None
+        self._listener: NotificationListener | None = None
         self._server: MetricsServer | None = None
         self._refresher: StatsRefresher | None = None
         self.breaker: CircuitBreaker | None = None
@@ -119,49 +66,26 @@ class Relay:
     # --- start -----------------------------------------------------------------------
     def start(self) -> None:
         s = self.settings
-        if self.publisher is None:
+        if self._given_publisher is None:
             self.publisher = load_publisher(s)
+        publisher = self.publisher
         self.store.open()
         self.store.require_table()
-        start = getattr(self.publisher, "start", None)
-        if callable(start):
-            try:
-                start()
-            except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
-                self.store.close()
-                raise ConfigError(f"cannot create the publisher: {exc}") from None
-        probe = getattr(self.publisher, "probe", None)
-        # Kafka must answer at start-up (a clear error beats a relay that only retries);
-        # other publishers' targets may come and go: their probe only drives the breaker.
-        if s.relay.publisher == "kafka" and callable(probe) and not probe(
+        try:
+            publisher.start()
+        except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
+            self.store.close()
+            raise ConfigError(f"cannot create the publisher: {exc}") from None
+        if publisher.must_answer_at_start and not publisher.probe(
                 timeout_seconds=s.database.connect_timeout_seconds + 5):
             self._close_publisher()
             self.store.close()
-            servers = getattr(s.kafka, "bootstrap_servers", "?")
-            raise BrokerUnavailable(f"cannot reach the Kafka cluster at {servers}: no broker answered")
-        if hasattr(self.publisher, "on_replace"):
-            self.publisher.on_replace.append(lambda _reason: self.metrics.producer_replacements_total.inc())
-        if hasattr(self.publisher, "observe_end_to_end"):
-            self.publisher.observe_end_to_end = self.metrics.end_to_end_latency_seconds.observe
-        self.breaker = CircuitBreaker(self._probe_publisher, self.metrics) if callable(probe) else None
-
-        cfg = WorkerConfig(
-            owner=s.relay.owner,
-            batch_size=s.relay.batch_size,
-            lease_seconds=s.relay.lease_seconds,
-            max_attempts=s.relay.max_attempts,
-            ordered_types=list(s.relay.ordered_event_types),
-            run_length=s.relay.max_run_length,
-            strict_lease=s.relay.strict_lease,
-            topic_template=s.kafka.topic_template,
-            poll_interval_seconds=s.relay.poll_interval_seconds,
-            backoff_base_seconds=s.relay.backoff_base_seconds,
-            backoff_cap_seconds=s.relay.backoff_cap_seconds,
-            publish_timeout_seconds=s.delivery_wait_seconds if s.relay.publisher == "kafka"
-            else s.relay.lease_seconds * 0.8,
-            max_error_chars=s.relay.max_error_chars,
-            listen_notify=s.relay.listen_notify,
-        )
+            raise BrokerUnavailable(f"cannot reach {publisher.describe_target()}: no broker answered")
+        publisher.observer = self.metrics
+        if publisher.can_probe:
+            self.breaker = CircuitBreaker(lambda: publisher.probe(timeout_seconds=2.0),
+                                          self.metrics.circuit_breaker_open)
+        cfg = WorkerConfig.from_settings(s, publisher)
         self.keeper = LeaseKeeper(self.store, lease_seconds=s.relay.lease_seconds,
                                   extend_after_fraction=s.relay.heartbeat_after_fraction,
                                   strict=s.relay.strict_lease)
@@ -173,7 +97,7 @@ class Relay:
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)
         if s.relay.listen_notify:
-            self._listener = threading.Thread(target=self._listen_loop, name="listen", daemon=True)
+            self._listener = NotificationListener(self.store, self.wakeup, self._stop_claiming)
             self._listener.start()
         if s.metrics.enabled:
             self._refresher = StatsRefresher(self.store, self.metrics,
@@ -218,47 +142,12 @@ class Relay:
         finally:
             self.metrics.worker_threads_alive.dec()
 
-    def _probe_publisher(self) -> bool:
-        probe = getattr(self.publisher, "probe", None)
-        return bool(probe(timeout_seconds=2.0)) if callable(probe) else True
-
-    # --- wake-ups --------------------------------------------------------------------
-    def _listen_loop(self) -> None:
-        failures = 0
-        while not self._stop_claiming.is_set():
-            conn = None
-            try:
-                conn = self.store.listen_connection()
-                failures = 0
-                while not self._stop_claiming.is_set():
-                    # Drain the generator before using the connection again: notifies()
-                    # holds the connection's lock while it is suspended.
-                    received = list(conn.notifies(timeout=1.0, stop_after=1))
-                    if received:
-                        self.wakeup.wake_one()
-                        # A worker is awake: inserts can stop notifying until a worker
-                        # finds nothing to claim and marks the relays idle again.
-                        with self.wakeup.flag_lock:
-                            conn.execute(self.store.sql.query("mark_busy"))
-                            self.wakeup.relays_marked_idle = False
-            except (DatabaseError, Exception) as exc:  # noqa: BLE001 - the listener must survive
-                failures += 1
-                if not self._stop_claiming.is_set():
-                    log.warning("listen connection lost; polling until it is back", error=self.store.redact(str(exc)))
-                self._stop_claiming.wait(min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0))
-            finally:
-                if conn is not None:
-                    try:
-                        conn.close()
-                    except Exception:  # noqa: BLE001
-                        pass
-
     # --- health ----------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
         alive = sum(1 for t in self._threads if t.is_alive())
-        poll_alive = getattr(self.publisher, "poll_thread_alive", None)
-        if callable(poll_alive) and self._started and not poll_alive():
-            return False, "unhealthy: the Kafka poll thread died"
+        problem = self.publisher.check_alive() if self._started else None
+        if problem is not None:
+            return False, f"unhealthy: {problem}"
         if self._started and alive == len(self._threads) and alive > 0:
             return True, f"ok: {alive} workers alive"
         return False, f"unhealthy: {alive}/{len(self._threads)} workers alive"
@@ -268,8 +157,7 @@ class Relay:
             return False, "not ready: database unreachable"
         if self.breaker is not None and self.breaker.is_open:
             return False, "not ready: broker circuit breaker open"
-        healthy = getattr(self.publisher, "healthy", None)
-        if callable(healthy) and not healthy():
+        if not self.publisher.healthy():
             return False, "not ready: broker unreachable"
         return True, "ready"
 
@@ -286,10 +174,8 @@ class Relay:
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if any(t.is_alive() for t in self._threads):
-            abort = getattr(self.publisher, "abort", None)
-            if abort is not None:
-                log.warning("shutdown deadline reached: releasing unacknowledged rows")
-                abort.set()
+            log.warning("shutdown deadline reached: releasing unacknowledged rows")
+            self.publisher.abort()
             for thread in self._threads:
                 thread.join(timeout=10)
         if self._listener is not None:
@@ -306,9 +192,7 @@ class Relay:
         log.info("relay stopped")
 
     def _close_publisher(self) -> None:
-        close = getattr(self.publisher, "close", None)
-        if callable(close):
-            close()
+        self.publisher.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
@@ -334,6 +218,8 @@ class Relay:
             pass
 
 
-def check_config_consistency(settings: Settings) -> None:
-    if settings.relay.publisher not in ("kafka", "http") and ":" not in settings.relay.publisher:
-        raise ConfigError(f"relay.publisher {settings.relay.publisher!r} is not 'kafka', 'http' or 'module:factory'")
+class _NotLoaded(Publisher):
+    """Stands in until ``start()`` loads the configured publisher."""
+
+    def publish_batch(self, messages: Any, *, timeout_seconds: float, cancel: Any = None) -> Any:
+        raise RuntimeError("Relay.start() was not called")

@@ -22,7 +22,7 @@ def _load_sections() -> dict[str, str]:
     text = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
     sections: dict[str, str] = {}
     matches = list(_SECTION_RE.finditer(text))
-    for match, following in zip(matches, matches[1:] + [None]):
+    for match, following in zip(matches, [*matches[1:], None], strict=True):
         end = following.start() if following else len(text)
         body = text[match.end():end].strip()
         sections[match.group(1)] = body
@@ -95,13 +95,13 @@ class TableSql:
         names = dict(self._names)
         if strict:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
-        return sql.SQL(QUERIES[name]).format(**names)  # type: ignore[arg-type]
+        return sql.SQL(QUERIES[name]).format(**names)
 
     def statements(self, name: str) -> list[sql.Composed]:
         """A multi-statement section split on ';' at line ends (DDL sections)."""
         body = QUERIES[name]
         parts = [p.strip() for p in re.split(r";\s*\n", body) if p.strip()]
-        return [sql.SQL(_strip_comments(p)).format(**self._names) for p in parts]  # type: ignore[arg-type]
+        return [sql.SQL(_strip_comments(p)).format(**self._names) for p in parts]
 
 
 def _strip_comments(text: str) -> str:

@@ -17,8 +17,10 @@ from typing import Any
 import psycopg
 import psycopg_pool
 from psycopg import errors as pg_errors
+from psycopg import sql
 
 from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseUnavailable, SchemaMissing
+from .ordering import OrderingRule
 from .schema import TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
@@ -45,6 +47,18 @@ class ClaimResult:
     rows: list[Claimed]
     reaped: list[tuple[int, int, str | None]] = field(default_factory=list)  # (id, version, owner)
     ordered_after: str = ""  # where the next ordered claim should start (round-robin)
+
+
+@dataclass(frozen=True, slots=True)
+class FinalizeItem:
+    """One row's decision as the fenced finalize writes it (see decision.Decision)."""
+
+    id: int
+    lease_version: int
+    status: str  # done | pending | dead
+    delay_seconds: float = 0.0
+    error: str | None = None
+    refund_attempt: bool = False
 
 
 @dataclass(slots=True)
@@ -106,7 +120,7 @@ class OutboxStore:
         options = f"-c statement_timeout={int(statement_timeout_ms)}"
         self._conn_kwargs: dict[str, Any] = {
             "autocommit": True,
-            "connect_timeout": max(1, int(round(connect_timeout_seconds))),
+            "connect_timeout": max(1, round(connect_timeout_seconds)),
             "application_name": application_name,
             "options": options,
         }
@@ -166,7 +180,8 @@ class OutboxStore:
                 f"table {self.table!r} does not exist: run `outbox-relay migrate` first"
             ) from exc
         except psycopg_pool.PoolTimeout as exc:
-            raise DatabaseUnavailable(f"{what}: no database connection available (pool exhausted or server down)") from exc
+            raise DatabaseUnavailable(
+                f"{what}: no database connection available (pool exhausted or server down)") from exc
         except psycopg.OperationalError as exc:
             message = f"{what}: {self.redact(_first_line(exc))}"
             if commit_unknown and not isinstance(exc, pg_errors.QueryCanceled):
@@ -186,10 +201,9 @@ class OutboxStore:
         """Create table, indexes and the wake-up trigger; safe to run again."""
         with self._mapped("migrate"), self._pool.connection() as conn, conn.transaction():
             # Serialise concurrent migrations (several replicas starting at once).
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))", ("outbox-relay-migrate:" + self.table,))
+            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
+                         ("outbox-relay-migrate:" + self.table,))
             if self.sql.schema_name:
-                from psycopg import sql
-
                 conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.sql.schema_name)))
             conn.execute(self.sql.query("create_table"))
             conn.execute(self.sql.query("add_dedup_key"))
@@ -206,7 +220,7 @@ class OutboxStore:
                     conn.execute(statement)
 
     def mark_idle(self) -> None:
-        """Ask the next insert to NOTIFY (see create_notify_function)."""
+        """Ask inserts to NOTIFY (see create_notify_function): the relays are idle."""
         with self._mapped("mark idle"), self._pool.connection() as conn:
             conn.execute(self.sql.query("mark_idle"))
 
@@ -233,8 +247,9 @@ class OutboxStore:
     ) -> ClaimResult:
         """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
         committed before this returns (so before any publish)."""
-        all_ordered = "*" in ordered_types
-        types = [t for t in ordered_types if t != "*"]
+        ordering = OrderingRule.of(ordered_types)
+        all_ordered = ordering.all_types
+        types = ordering.explicit_types
         params: dict[str, Any] = {
             "owner": owner,
             "batch": batch,
@@ -247,7 +262,7 @@ class OutboxStore:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (seed 002).
         rows: list[Claimed] = []
-        if not ordered_types:
+        if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
                 reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows)
@@ -302,44 +317,41 @@ class OutboxStore:
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------
-    def mark_done(self, claims: Sequence[tuple[int, int]], *, strict: bool = False) -> set[int]:
-        """(id, lease_version) pairs -> ids actually finalized (the rest lost their lease)."""
-        if not claims:
-            return set()
-        ids, versions = zip(*claims)
-        with self._mapped("finalize done"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("finalize_done", strict=strict),
-                               {"ids": list(ids), "versions": list(versions)})
-            return {r[0] for r in cur.fetchall()}
-
-    def reschedule(self, items: Sequence[Reschedule], *, strict: bool = False) -> set[int]:
+    def finalize(self, items: Sequence[FinalizeItem], *, strict: bool = False) -> set[int]:
+        """Write every decision of a batch in one fenced statement; return the ids it
+        accepted (the others lost their lease to a newer claim)."""
         if not items:
             return set()
         params = {
             "ids": [i.id for i in items],
             "versions": [i.lease_version for i in items],
+            "statuses": [i.status for i in items],
             "delays": [max(0.0, float(i.delay_seconds)) for i in items],
             "errors": [i.error for i in items],
             "refunds": [1 if i.refund_attempt else 0 for i in items],
         }
-        with self._mapped("finalize reschedule"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("finalize_reschedule", strict=strict), params)
+        with self._mapped("finalize"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("finalize", strict=strict), params)
             return {r[0] for r in cur.fetchall()}
 
+    # Conveniences over finalize() for scripts, benchmarks and tests.
+    def mark_done(self, claims: Sequence[tuple[int, int]], *, strict: bool = False) -> set[int]:
+        """(id, lease_version) pairs -> ids actually finalized (the rest lost their lease)."""
+        return self.finalize([FinalizeItem(i, v, "done") for i, v in claims], strict=strict)
+
+    def reschedule(self, items: Sequence[Reschedule], *, strict: bool = False) -> set[int]:
+        return self.finalize([FinalizeItem(i.id, i.lease_version, "pending", i.delay_seconds, i.error,
+                                           i.refund_attempt) for i in items], strict=strict)
+
     def mark_dead(self, items: Sequence[tuple[int, int, str]], *, strict: bool = False) -> set[int]:
-        if not items:
-            return set()
-        ids, versions, errs = zip(*items)
-        with self._mapped("finalize dead"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("finalize_dead", strict=strict),
-                               {"ids": list(ids), "versions": list(versions), "errors": list(errs)})
-            return {r[0] for r in cur.fetchall()}
+        return self.finalize([FinalizeItem(i, v, "dead", 0.0, e) for i, v, e in items], strict=strict)
 
     def extend_lease(self, claims: Sequence[tuple[int, int]], lease_seconds: float, *,
                      strict: bool = False) -> set[int]:
         if not claims:
             return set()
-        ids, versions = zip(*claims)
+        ids = [row_id for row_id, _ in claims]
+        versions = [version for _, version in claims]
         with self._mapped("extend lease"), self._pool.connection() as conn:
             cur = conn.execute(self.sql.query("extend_lease", strict=strict),
                                {"ids": list(ids), "versions": list(versions), "lease_seconds": float(lease_seconds)})
@@ -356,8 +368,7 @@ class OutboxStore:
         blocked_limit: int = 100,
     ) -> Stats:
         """The monitoring queries of seed 000 section 6, in one read-only transaction."""
-        all_ordered = "*" in ordered_types
-        types = [t for t in ordered_types if t != "*"]
+        ordering = OrderingRule.of(ordered_types)
         with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
@@ -380,10 +391,11 @@ class OutboxStore:
             attempts = {int(a): int(n) for a, n in conn.execute(self.sql.query("stats_attempts"),
                                                                    {"cap": count_cap}).fetchall()}
             blocked: list[tuple[str, int]] = []
-            if ordered_types:
+            if ordering.enabled:
                 blocked = [(r[0], int(r[1])) for r in conn.execute(
                     self.sql.query("stats_blocked"),
-                    {"ordered_types": types, "all_ordered": all_ordered, "limit": blocked_limit}).fetchall()]
+                    {"ordered_types": ordering.explicit_types, "all_ordered": ordering.all_types,
+                     "limit": blocked_limit}).fetchall()]
         return Stats(
             queue_depth=depth,
             estimated_statuses=estimated,
@@ -408,7 +420,7 @@ class OutboxStore:
             cur = conn.execute(self.sql.query("dead_list"),
                                {"limit": limit, "event_type": event_type, "aggregate_id": aggregate_id})
             names = [d.name for d in cur.description or ()]
-            return [dict(zip(names, row)) for row in cur.fetchall()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
     def statuses(self, ids: Sequence[int]) -> dict[int, str]:
         with self._mapped("look up rows"), self._pool.connection() as conn:
@@ -452,11 +464,34 @@ class OutboxStore:
             return cur.rowcount
 
     # --- wake-ups --------------------------------------------------------------------
-    def listen_connection(self) -> psycopg.Connection[Any]:
+    def open_listener(self) -> Listener:
         """A dedicated (non-pooled) autocommit connection LISTENing on the table's channel."""
-        from psycopg import sql
-
         with self._mapped("listen"):
             conn = psycopg.connect(self._dsn, **self._conn_kwargs)
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
-            return conn
+            try:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
+            except BaseException:
+                conn.close()
+                raise
+            return Listener(conn, self.sql)
+
+
+class Listener:
+    """The LISTEN connection of one relay process (see create_notify_function)."""
+
+    def __init__(self, conn: psycopg.Connection[Any], table_sql: TableSql) -> None:
+        self._conn = conn
+        self._sql = table_sql
+
+    def wait(self, timeout_seconds: float) -> bool:
+        """True if a notification arrived within the timeout."""
+        # Drain the generator before using the connection again: notifies() holds the
+        # connection's lock while it is suspended.
+        return bool(list(self._conn.notifies(timeout=timeout_seconds, stop_after=1)))
+
+    def mark_busy(self) -> None:
+        """Inserts need not notify until a worker finds nothing to claim again."""
+        self._conn.execute(self._sql.query("mark_busy"))
+
+    def close(self) -> None:
+        self._conn.close()

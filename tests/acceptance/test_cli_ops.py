@@ -12,7 +12,7 @@ import psycopg
 import pytest
 
 from outbox_relay.store import STATUSES
-from tests.conftest import cli, cli_env
+from tests.helpers.cli import cli, cli_env
 
 pytestmark = pytest.mark.timeout(300)
 

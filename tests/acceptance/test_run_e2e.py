@@ -13,7 +13,8 @@ import psycopg
 
 from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
-from tests.conftest import cli, cli_env, rows
+from tests.helpers.cli import cli, cli_env
+from tests.helpers.db import rows
 
 
 def _wait_all_done(dsn: str, table: str, n: int, timeout: float = 120) -> None:

@@ -39,7 +39,8 @@ import pytest
 
 from outbox_relay.embedded import EmbeddedBroker, read_messages
 from outbox_relay.store import OutboxStore
-from tests.conftest import ROOT, cli_env, insert_rows
+from tests.helpers.cli import ROOT, cli_env
+from tests.helpers.db import insert_rows
 
 pytestmark = pytest.mark.chaos
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows, rows, statuses, wait_for
+from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
 
 def _lease_until(dsn, table):
@@ -70,9 +70,9 @@ def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn,
              message="leases expired")
     batch = strict.track(claimed, "A")
     batch.extended_at -= 60  # due for an extension now
-    strict.tick()
+    strict.step()
     assert batch.lost == {c.id for c in claimed} and batch.cancel.is_set()
     batch = lenient.track(claimed, "A")
     batch.extended_at -= 60
-    lenient.tick()
+    lenient.step()
     assert batch.lost == set() and batch.extensions == 1  # default policy: nobody reclaimed, keep going

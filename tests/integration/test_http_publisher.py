@@ -23,7 +23,8 @@ from outbox_relay.metrics import RelayMetrics
 from outbox_relay.publisher import Message, NotDelivered, RetryableError
 from outbox_relay.relay import Relay
 from outbox_relay.worker import Worker, WorkerConfig
-from tests.conftest import ROOT, cli, cli_env, insert_rows, wait_for
+from tests.helpers.cli import ROOT, cli, cli_env
+from tests.helpers.db import insert_rows, wait_for
 from tests.helpers.http_target import HttpTarget, Step
 
 
@@ -62,18 +63,13 @@ def http_settings(make_settings, target: HttpTarget, *, relay: dict | None = Non
 
 def worker_for(settings, store, publisher, *, owner: str = "test", lease_seconds: float | None = None,
                publish_timeout_seconds: float | None = None) -> Worker:
-    """A Worker configured the way Relay.start() configures it for a non-Kafka publisher."""
-    s = settings
-    lease = lease_seconds if lease_seconds is not None else s.relay.lease_seconds
-    cfg = WorkerConfig(
-        owner=owner, batch_size=s.relay.batch_size, lease_seconds=lease, max_attempts=s.relay.max_attempts,
-        ordered_types=list(s.relay.ordered_event_types), run_length=s.relay.max_run_length,
-        strict_lease=s.relay.strict_lease, topic_template=s.kafka.topic_template,
-        poll_interval_seconds=s.relay.poll_interval_seconds, backoff_base_seconds=s.relay.backoff_base_seconds,
-        backoff_cap_seconds=s.relay.backoff_cap_seconds,
-        publish_timeout_seconds=publish_timeout_seconds if publish_timeout_seconds is not None else lease * 0.8,
-        max_error_chars=s.relay.max_error_chars,
-    )
+    """A Worker configured the way Relay.start() configures it (WorkerConfig.from_settings)."""
+    overrides: dict[str, Any] = {"owner": owner}
+    if lease_seconds is not None:
+        overrides["lease_seconds"] = lease_seconds
+    if publish_timeout_seconds is not None:
+        overrides["publish_timeout_seconds"] = publish_timeout_seconds
+    cfg = WorkerConfig.from_settings(settings, publisher, **overrides)
     return Worker(0, store, publisher, cfg, RelayMetrics())
 
 

@@ -35,7 +35,7 @@ from outbox_relay.embedded import EmbeddedPostgres
 from outbox_relay.metrics import MetricsServer, RelayMetrics, StatsRefresher
 from outbox_relay.relay import Relay
 from outbox_relay.store import STATUSES, Claimed, OutboxStore
-from tests.conftest import insert_rows, rows
+from tests.helpers.db import insert_rows, rows
 
 pytestmark = pytest.mark.timeout(300)
 

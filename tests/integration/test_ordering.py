@@ -9,8 +9,8 @@ import psycopg
 from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
-from tests.conftest import rows
-from tests.conftest import statuses, wait_for
+from tests.helpers.db import rows
+from tests.helpers.db import statuses, wait_for
 
 ALL = ["*"]
 

@@ -8,7 +8,7 @@ import time
 import psycopg
 
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows, rows, statuses, wait_for
+from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
 
 def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table, own_broker):
@@ -85,8 +85,8 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
     class ReplyLostOnce(OutboxStore):
         failed = False
 
-        def mark_done(self, claims, *, strict=False):
-            result = super().mark_done(claims, strict=strict)
+        def finalize(self, items, *, strict=False):
+            result = super().finalize(items, strict=strict)
             if not self.failed:
                 self.failed = True
                 raise DatabaseUnavailable("finalize done: server closed the connection unexpectedly")
@@ -117,7 +117,8 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
 def test_outage_batch_on_its_last_attempt_is_released_not_dead(pg_dsn, table, store):
     from outbox_relay.metrics import RelayMetrics
     from outbox_relay.publisher import RetryableError, SimplePublisher
-    from outbox_relay.worker import CircuitBreaker, Worker, WorkerConfig
+    from outbox_relay.breaker import CircuitBreaker
+    from outbox_relay.worker import Worker, WorkerConfig
 
     ids = insert_rows(pg_dsn, table, 3)
     schema, name = table.split(".")

@@ -9,8 +9,10 @@ import pytest
 
 from outbox_relay import enqueue
 from outbox_relay.errors import ConfigError, PublisherLoadError
-from outbox_relay.relay import Relay, load_publisher
-from tests.conftest import ROOT, cli, cli_env, insert_rows, rows, wait_for
+from outbox_relay.publisher import load_publisher
+from outbox_relay.relay import Relay
+from tests.helpers.cli import ROOT, cli, cli_env
+from tests.helpers.db import insert_rows, rows, wait_for
 from tests.helpers import custom_publisher
 
 

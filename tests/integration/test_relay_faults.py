@@ -9,7 +9,7 @@ import pytest
 
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows, rows, statuses, wait_for
+from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
 
 

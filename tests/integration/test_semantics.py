@@ -30,7 +30,8 @@ from outbox_relay.metrics import RelayMetrics
 from outbox_relay.publisher import Defer, Message, PermanentError, RetryableError, SimplePublisher
 from outbox_relay.store import OutboxStore, Reschedule
 from outbox_relay.worker import Worker, WorkerConfig
-from tests.conftest import ROOT, insert_rows, rows
+from tests.helpers.cli import ROOT
+from tests.helpers.db import insert_rows, rows, run_sql
 
 CHILD = Path(__file__).resolve().parent.parent / "helpers" / "claim_child.py"
 
@@ -77,16 +78,8 @@ def worker_config(**overrides: object) -> WorkerConfig:
     return WorkerConfig(**values)  # type: ignore[arg-type]
 
 
-def execute(dsn: str, table: str, query: str, params: Sequence[object] | dict[str, object] = ()) -> list[tuple]:
-    """Run one statement on the test table (``{t}`` = the table) in autocommit."""
-    ident = sql.Identifier(*table.split("."))
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        cur = conn.execute(sql.SQL(query).format(t=ident), params)  # type: ignore[arg-type]
-        return cur.fetchall() if cur.description else []
-
-
 def row_state(dsn: str, table: str, row_id: int) -> dict[str, object]:
-    [r] = execute(dsn, table, "SELECT status, attempts, lease_version, lease_owner, lease_until, last_error, "
+    [r] = run_sql(dsn, table, "SELECT status, attempts, lease_version, lease_owner, lease_until, last_error, "
                               "done_at FROM {t} WHERE id = %s", (row_id,))
     keys = ("status", "attempts", "lease_version", "lease_owner", "lease_until", "last_error", "done_at")
     return dict(zip(keys, r))
@@ -96,7 +89,7 @@ def wait_leases_expired(dsn: str, table: str, ids: Sequence[int], timeout: float
     """Sleep until the database's own clock says every lease of ``ids`` has expired."""
     deadline = time.monotonic() + timeout
     while True:
-        [(expired,)] = execute(dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
+        [(expired,)] = run_sql(dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
                                (list(ids),))
         if expired:
             return
@@ -105,7 +98,7 @@ def wait_leases_expired(dsn: str, table: str, ids: Sequence[int], timeout: float
 
 
 def make_due(dsn: str, table: str) -> None:
-    execute(dsn, table, "UPDATE {t} SET available_at = now() WHERE status = 'pending'")
+    run_sql(dsn, table, "UPDATE {t} SET available_at = now() WHERE status = 'pending'")
 
 
 # --- seed 000, section 7 -------------------------------------------------------------
@@ -260,7 +253,7 @@ def test_defer_returns_to_pending_with_attempt_refunded(pg_dsn, table, store):
     state = row_state(pg_dsn, table, row_id)
     assert (state["status"], state["attempts"], state["lease_until"]) == ("pending", 0, None)
     assert "customer account not created yet" in str(state["last_error"])
-    [(delay,)] = execute(pg_dsn, table, "SELECT extract(epoch FROM available_at - now())::float8 FROM {t} "
+    [(delay,)] = run_sql(pg_dsn, table, "SELECT extract(epoch FROM available_at - now())::float8 FROM {t} "
                                         "WHERE id = %s", (row_id,))
     assert 100 < delay <= 120  # moved forward by ~the delay (minus the seconds this test took)
     assert worker.claim() == []  # not due yet
@@ -358,7 +351,7 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
     """
     ident = sql.Identifier(*table.split("."))
     broken_ids = insert_rows(pg_dsn, table, 3, aggregate_type="broken")
-    bodies = {r[0]: r for r in execute(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, event_type, "
+    bodies = {r[0]: r for r in run_sql(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, event_type, "
                                                       "payload::text FROM {t}")}
 
     def message_for(row_id: int) -> Message:
@@ -391,7 +384,7 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
 
     # The same interleaving with the real lease-writing claim and fenced finalize.
     leased_ids = insert_rows(pg_dsn, table, 3, aggregate_type="leased")
-    bodies.update({r[0]: r for r in execute(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, "
+    bodies.update({r[0]: r for r in run_sql(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, "
                                                            "event_type, payload::text FROM {t}")})
     finalized: dict[str, set[int]] = {}
 
@@ -440,7 +433,7 @@ def test_sigkilled_child_leaves_committed_claim_recovered_after_lease(pg_dsn, ta
     assert store.claim(owner="next", batch=10, lease_seconds=30, max_attempts=3).rows == []
 
     # Test fixture instead of a 30 s wait: the lease has run out.
-    execute(pg_dsn, table, "UPDATE {t} SET lease_until = now() - interval '1 second' WHERE id = %s", (ids[0],))
+    run_sql(pg_dsn, table, "UPDATE {t} SET lease_until = now() - interval '1 second' WHERE id = %s", (ids[0],))
     [again] = store.claim(owner="next", batch=10, lease_seconds=30, max_attempts=3).rows
     assert (again.id, again.lease_version, again.attempts) == (ids[0], 2, 2)
     assert store.mark_done([(ids[0], 1)]) == set()  # the dead child's generation stays fenced
@@ -476,7 +469,7 @@ def test_stale_success_and_stale_retry_are_rejected(pg_dsn, table, store):
     assert old.lease_version == 1
     # A newer live generation, built directly so the fencing is tested independently
     # of the reclaim query (as in seed 001).
-    execute(pg_dsn, table, "UPDATE {t} SET lease_version = lease_version + 1, attempts = attempts + 1, "
+    run_sql(pg_dsn, table, "UPDATE {t} SET lease_version = lease_version + 1, attempts = attempts + 1, "
                            "lease_owner = 'B', lease_until = now() + interval '30 seconds' WHERE id = %s",
             (row_id,))
     before = row_state(pg_dsn, table, row_id)

@@ -1,4 +1,4 @@
-from tests.conftest import insert_rows, rows
+from tests.helpers.db import insert_rows, rows
 
 
 def test_claim_and_finalize_round_trip(store, pg_dsn, table):

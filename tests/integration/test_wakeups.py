@@ -8,8 +8,8 @@ import time
 import psycopg
 
 from outbox_relay.relay import Relay
-from tests.conftest import insert_rows
-from tests.conftest import statuses, wait_for
+from tests.helpers.db import insert_rows
+from tests.helpers.db import statuses, wait_for
 
 
 def _flag(dsn, table):

@@ -1,0 +1,103 @@
+"""Test support for the database side: put rows in any state, read them back, run SQL.
+
+- ``make_row``: one row in any state in one line (River's ``testfactory.Job``), e.g.
+  ``make_row(dsn, table, status="dead", attempts=3, last_error="boom")`` or an
+  expired lease: ``make_row(dsn, table, status="processing", lease_seconds=-5)``.
+- ``insert_rows``: n fresh rows through the real ``enqueue()``.
+- ``run_sql``: the one way to run a statement against the test table (``{t}`` is the
+  quoted table name).
+- ``rows``/``statuses``: read back; ``wait_for``: a bounded correctness wait.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+
+def run_sql(dsn: str, table: str, query: str, params: Sequence[object] | Mapping[str, object] = ()) -> list[tuple]:
+    """Run one statement in autocommit; ``{t}`` in ``query`` is the (quoted) test table."""
+    ident = sql.Identifier(*table.split("."))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(sql.SQL(query).format(t=ident), params)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+
+def make_row(dsn: str, table: str, *, status: str = "pending", aggregate_type: str = "order",
+             aggregate_id: str = "agg-1", event_type: str = "OrderCreated", payload: Any = None,
+             topic: str | None = None, headers: Mapping[str, str] | None = None, attempts: int = 0,
+             lease_version: int | None = None, lease_owner: str | None = None, lease_seconds: float = 30.0,
+             last_error: str | None = None, available_in_seconds: float = 0.0, created_ago_seconds: float = 0.0,
+             dedup_key: str | None = None) -> int:
+    """Insert one row directly in ``status``; return its id.
+
+    processing rows get ``lease_until = now() + lease_seconds`` (negative: already
+    expired), an owner and a lease_version of at least 1; done rows get ``done_at``.
+    """
+    if status not in ("pending", "processing", "done", "dead"):
+        raise ValueError(f"unknown status {status!r}")
+    processing = status == "processing"
+    version = lease_version if lease_version is not None else (max(1, attempts) if status != "pending" else 0)
+    [(row_id,)] = run_sql(dsn, table, """
+        INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, topic, headers, status, attempts,
+                         lease_version, lease_owner, lease_until, last_error, available_at, created_at, done_at,
+                         dedup_key)
+        VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s::jsonb, %(topic)s,
+                %(headers)s::jsonb, %(status)s, %(attempts)s, %(version)s, %(owner)s,
+                CASE WHEN %(processing)s THEN now() + make_interval(secs => %(lease)s) END,
+                %(last_error)s, now() + make_interval(secs => %(available_in)s),
+                now() - make_interval(secs => %(created_ago)s),
+                CASE WHEN %(status)s = 'done' THEN now() END, %(dedup_key)s)
+        RETURNING id""", {
+        "aggregate_type": aggregate_type, "aggregate_id": aggregate_id, "event_type": event_type,
+        "payload": json.dumps(payload if payload is not None else {"made_by": "make_row"}), "topic": topic,
+        "headers": json.dumps(dict(headers)) if headers is not None else None, "status": status,
+        "attempts": attempts, "version": version,
+        "owner": lease_owner if lease_owner is not None else ("test-owner" if processing else None),
+        "processing": processing, "lease": float(lease_seconds), "last_error": last_error,
+        "available_in": float(available_in_seconds), "created_ago": float(created_ago_seconds),
+        "dedup_key": dedup_key,
+    })
+    return int(row_id)
+
+
+def insert_rows(dsn: str, table: str, n: int, *, aggregate_type: str = "order", aggregates: int = 10,
+                event_type: str = "OrderCreated", payload_size: int = 0, **extra: Any) -> list[int]:
+    """Insert n rows with enqueue() in one transaction; return their ids."""
+    from outbox_relay import enqueue
+
+    ids = []
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        for i in range(n):
+            payload: dict[str, Any] = {"seq": i}
+            if payload_size:
+                payload["pad"] = "x" * payload_size
+            ids.append(enqueue(conn, aggregate_type=aggregate_type, aggregate_id=f"agg-{i % aggregates}",
+                               event_type=event_type, payload=payload, table=table, **extra))
+    return ids
+
+
+def rows(dsn: str, table: str, columns: str = "id, status, attempts, lease_version, last_error") -> list[tuple]:
+    return run_sql(dsn, table, f"SELECT {columns} FROM {{t}} ORDER BY id")
+
+
+def statuses(dsn: str, table: str) -> dict[str, int]:
+    """Row count per status."""
+    return {status: int(n) for status, n in run_sql(dsn, table, "SELECT status, count(*) FROM {t} GROUP BY status")}
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 90, interval: float = 0.1,
+             message: str = "condition") -> Any:
+    """Poll until ``predicate()`` is truthy (bounded); a correctness wait, not a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {message}")
