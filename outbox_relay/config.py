@@ -175,6 +175,14 @@ class RelaySettings(_Section):
                     'or "package.module:factory" returning a Publisher.',
     )
     max_error_chars: int = Field(default=1000, ge=50, description="last_error is truncated to this length.")
+    max_batch_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024,
+        description="A claim stops adding rows once their payload + headers bytes reach this (always >= 1 row).",
+    )
+    max_in_flight_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024,
+        description="Payload + headers bytes claimed but not yet finalized, per process; workers wait above it.",
+    )
 
     @field_validator("ordered_event_types", mode="before")
     @classmethod
@@ -283,6 +291,14 @@ class Settings(BaseSettings):
         if self.kafka.delivery_timeout_seconds is not None:
             return self.kafka.delivery_timeout_seconds
         return min(60.0, self.relay.lease_seconds * 0.4)
+
+    @model_validator(mode="after")
+    def _check_budgets(self) -> Settings:
+        if self.relay.max_in_flight_bytes < self.relay.max_batch_bytes:
+            raise ValueError(
+                f"relay.max_in_flight_bytes ({self.relay.max_in_flight_bytes}) must be at least "
+                f"relay.max_batch_bytes ({self.relay.max_batch_bytes}): a worker could never claim")
+        return self
 
     @property
     def http_timeout_seconds(self) -> float:

@@ -121,6 +121,7 @@ class KafkaPublisher(Publisher):
         self.aborting = threading.Event()
         self._thread: threading.Thread | None = None
         self.replacements = 0
+        self.local_queue_full_waits = 0  # produce() calls that found the local queue full
         self._last_probe: tuple[float, bool] = (0.0, False)
 
     # --- lifecycle -------------------------------------------------------------------
@@ -145,6 +146,9 @@ class KafkaPublisher(Publisher):
         the last report to arrive, still strictly inside the lease."""
         delivery = float(self._config["message.timeout.ms"]) / 1000.0
         return delivery + min(5.0, (lease_seconds - delivery) / 2)
+
+    def max_message_bytes(self) -> int | None:
+        return int(self._config["message.max.bytes"])
 
     def abort(self) -> None:
         self.aborting.set()
@@ -282,12 +286,18 @@ class KafkaPublisher(Publisher):
                     )
                     break
                 except BufferError:
-                    # Local queue full: let the poll thread drain it a little.
+                    # The producer's local queue is full (queue.buffering.max.*): wait for
+                    # the poll thread to drain it. It is not the row's fault, so a message
+                    # still not queued at the deadline is released (attempt refunded),
+                    # never failed; so is the rest of its ordered run.
+                    self.local_queue_full_waits += 1
                     if self.aborting.is_set() or self._stopping.is_set():
                         waiter.settle(index, NotDelivered("shutting down before it could be produced"))
+                        runs.record(message.order_key, failed=True)
                         break
                     if time.monotonic() > deadline:
-                        waiter.settle(index, RetryableError("kafka: local producer queue full", transport=True))
+                        waiter.settle(index, NotDelivered("kafka: local producer queue still full at the deadline"))
+                        runs.record(message.order_key, failed=True)
                         break
                     time.sleep(0.005)
                 except KafkaException as exc:
@@ -358,7 +368,12 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "message.max.bytes": k.message_max_bytes,
         "compression.type": k.compression_type,
         "security.protocol": k.security_protocol,
+        # The relay never holds more than relay.max_in_flight_bytes of claimed rows (plus
+        # one row above the budget, claimed alone), so the producer's queue is sized to
+        # take all of it: a full queue is then a configuration error, not a hazard.
         "queue.buffering.max.messages": max(100_000, settings.relay.workers * settings.relay.batch_size * 4),
+        "queue.buffering.max.kbytes": max(
+            1024, -(-(settings.relay.max_in_flight_bytes + 2 * k.message_max_bytes) // 1024)),
         "socket.keepalive.enable": True,
         "log_level": 3,
     }

@@ -78,6 +78,13 @@ class RelayMetrics(PublisherObserver):
             buckets=_LATENCY_BUCKETS, registry=r)
         self.circuit_breaker_open = Gauge(
             "outbox_relay_circuit_breaker_open", "1 while the broker circuit breaker is open.", registry=r)
+        self.in_flight_bytes = Gauge(
+            "outbox_relay_in_flight_bytes",
+            "Payload + headers bytes claimed and not yet finalized (bounded by relay.max_in_flight_bytes).",
+            registry=r)
+        self.in_flight_budget_waits_total = Counter(
+            "outbox_relay_in_flight_budget_waits",
+            "Claims that waited because the in-flight byte budget was full.", registry=r)
         self.worker_threads_alive = Gauge(
             "outbox_relay_worker_threads_alive", "Worker threads running.", registry=r)
         for status in STATUSES:

@@ -162,6 +162,8 @@ def build_message(row: Claimed, topic_template: str, ordering: OrderingRule | No
                 headers.append((name, value))
     if not topic:
         raise MessageFormatError("empty topic")
+    if row.payload is None:
+        raise MessageFormatError("payload not fetched: the row is larger than the target accepts")
     return Message(
         id=row.id,
         topic=topic,
@@ -266,6 +268,11 @@ class Publisher(abc.ABC):
     def abort(self) -> None:
         """The shutdown deadline passed: stop waiting now and report every message
         without an outcome as ``NotDelivered`` (its row is released to another relay)."""
+        return None
+
+    def max_message_bytes(self) -> int | None:
+        """The largest payload + headers the target accepts (None: no limit). A bigger
+        row goes dead at once, without its payload ever being fetched into memory."""
         return None
 
     def publish_timeout_seconds(self, lease_seconds: float) -> float:

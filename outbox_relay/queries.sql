@@ -120,6 +120,13 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- makes concurrent claims take disjoint rows; the UPDATE makes ownership durable:
 -- owner, deadline and a new fencing token. Reaped rows come back with reaped = true.
 -- %(excluded_types)s: event types left to the ordered claim (empty: none).
+-- Byte budget: the batch takes rows while their payload + headers text add up to at
+-- most %(max_batch_bytes)s (a running sum in claim order; the first row is always
+-- taken, so a single larger row is claimed alone), so
+-- a batch of large events cannot exhaust the relay's memory. Only %(candidates)s rows
+-- are looked at (the worker sizes it from the rows it saw last time), because sizing
+-- a row detoasts its payload. A row above %(max_message_bytes)s (NULL: no limit) is
+-- claimed without its payload: it goes dead at once, never held in memory.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
@@ -134,22 +141,32 @@ WITH victims AS (
     WHERE o.id = victims.id
     RETURNING o.id, o.lease_version, victims.lease_owner
 ), expired AS (
-    SELECT id FROM {table}
+    SELECT id, 0 AS part, lease_until AS sort_at,
+           octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
+    FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY lease_until
-    LIMIT %(batch)s
+    LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
 ), due AS (
-    SELECT id FROM {table}
+    SELECT id, 1 AS part, available_at AS sort_at,
+           octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
+    FROM {table}
     WHERE status = 'pending' AND available_at <= now()
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY available_at, id
-    LIMIT %(batch)s
+    LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT id FROM (SELECT id FROM expired UNION ALL SELECT id FROM due) AS both_kinds
-    LIMIT %(batch)s
+    SELECT id, row_bytes FROM (
+        SELECT id, row_bytes,
+               row_number() OVER w AS n,
+               sum(row_bytes) OVER w AS bytes_through
+        FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS both_kinds
+        WINDOW w AS (ORDER BY part, sort_at, id)
+    ) AS sized
+    WHERE n <= %(batch)s AND (n = 1 OR bytes_through <= %(max_batch_bytes)s)
 ), claimed AS (
     UPDATE {table} AS o
     SET status = 'processing',
@@ -160,12 +177,14 @@ WITH victims AS (
     FROM picked
     WHERE o.id = picked.id
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-              o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+              CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
+                   ELSE o.payload::text END AS payload,
+              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
 )
 SELECT false AS reaped, claimed.*, NULL::text AS reaped_owner FROM claimed
 UNION ALL
 SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
-       NULL::text, NULL::text, NULL::timestamptz, reaped.lease_owner
+       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner
 FROM reaped
 
 -- name: claim_ordered_heads
@@ -219,7 +238,10 @@ SET status = 'processing',
 FROM candidates
 WHERE o.id = candidates.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+          CASE WHEN octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0)
+                    > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+          o.topic, o.headers::text AS headers, o.created_at,
+          octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
 
 -- name: claim_ordered_runs
 -- Behind each head just claimed (and still held by this transaction), take the
@@ -261,7 +283,10 @@ SET status = 'processing',
 FROM locked
 WHERE o.id = locked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-          o.payload::text AS payload, o.topic, o.headers::text AS headers, o.created_at
+          CASE WHEN octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0)
+                    > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+          o.topic, o.headers::text AS headers, o.created_at,
+          octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
 
 -- name: finalize
 -- Every outcome of a batch in ONE fenced statement (one round trip): the decisions

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from .breaker import CircuitBreaker
+from .budget import InFlightBudget
 from .config import Settings
 from .errors import BrokerUnavailable, ConfigError
 from .heartbeat import LeaseKeeper
@@ -86,13 +87,15 @@ class Relay:
             self.breaker = CircuitBreaker(lambda: publisher.probe(timeout_seconds=2.0),
                                           self.metrics.circuit_breaker_open)
         cfg = WorkerConfig.from_settings(s, publisher)
+        budget = InFlightBudget(s.relay.max_in_flight_bytes, self.metrics.in_flight_bytes)
         self.keeper = LeaseKeeper(self.store, lease_seconds=s.relay.lease_seconds,
                                   extend_after_fraction=s.relay.heartbeat_after_fraction,
                                   strict=s.relay.strict_lease)
         self.keeper.start()
         for index in range(s.relay.workers):
             worker = Worker(index, self.store, self.publisher, cfg, self.metrics, wakeup=self.wakeup,
-                            breaker=self.breaker, stop_event=self._stop_claiming, keeper=self.keeper)
+                            breaker=self.breaker, stop_event=self._stop_claiming, keeper=self.keeper,
+                            budget=budget)
             self.workers.append(worker)
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)

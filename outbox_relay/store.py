@@ -36,10 +36,13 @@ class Claimed:
     aggregate_type: str
     aggregate_id: str
     event_type: str
-    payload: str  # JSON text exactly as stored (jsonb::text), never re-serialised
+    # JSON text exactly as stored (jsonb::text), never re-serialised; None when the
+    # row is larger than the target accepts (see size_bytes): it was not fetched.
+    payload: str | None
     topic: str | None
     headers: str | None  # JSON text or None
     created_at: dt.datetime
+    size_bytes: int = 0  # payload + headers as text, as the claim measured them
 
 
 @dataclass(slots=True)
@@ -244,6 +247,9 @@ class OutboxStore:
         ordered_types: Sequence[str] = (),
         run_length: int = 1,
         ordered_after: str = "",
+        max_batch_bytes: int = 2**62,
+        candidates: int | None = None,
+        max_message_bytes: int | None = None,
     ) -> ClaimResult:
         """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
         committed before this returns (so before any publish)."""
@@ -257,6 +263,9 @@ class OutboxStore:
             "max_attempts": max_attempts,
             "ordered_types": types,
             "all_ordered": all_ordered,
+            "max_batch_bytes": max_batch_bytes,
+            "candidates": max(1, min(batch, candidates if candidates is not None else batch)),
+            "max_message_bytes": max_message_bytes,
         }
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
@@ -279,7 +288,8 @@ class OutboxStore:
                 else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
-                    reaped = self._plain_claim(cur, dict(unordered, batch=max(1, batch // 2)), rows)
+                    reaped = self._plain_claim(cur, dict(unordered, batch=max(1, batch // 2),
+                                                         max_batch_bytes=max(1, max_batch_bytes // 2)), rows)
                 head_room = batch - len(rows)
                 params = dict(params, batch=head_room)
                 # Round-robin over aggregates: start after where the last claim ended,
@@ -301,19 +311,21 @@ class OutboxStore:
                                       head_ids=[h.id for h in heads])
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
                 room = batch - len(rows)
-                if not all_ordered and room > 0:
-                    reaped += self._plain_claim(cur, dict(unordered, batch=room), rows)
+                bytes_left = max_batch_bytes - sum(r.size_bytes for r in rows)
+                if not all_ordered and room > 0 and bytes_left > 0:
+                    reaped += self._plain_claim(cur, dict(unordered, batch=room, max_batch_bytes=bytes_left), rows)
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 
     def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed]) -> list[tuple[int, int, str | None]]:
         """Run the reap + claim statement; append claimed rows, return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
+        params = dict(params, candidates=min(params["candidates"], params["batch"]))
         for record in cur.execute(self.sql.query("claim"), params).fetchall():
             if record[0]:
-                reaped.append((record[1], record[2], record[11]))
+                reaped.append((record[1], record[2], record[12]))
             else:
-                rows.append(Claimed(*record[1:11]))
+                rows.append(Claimed(*record[1:12]))
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------

@@ -24,6 +24,7 @@ import structlog
 
 from .backoff import full_jitter_backoff
 from .breaker import CircuitBreaker
+from .budget import InFlightBudget
 from .decision import RetryPolicy, decide, is_outage
 from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
 from .finalizer import BatchResult, Finalizer, log_batch
@@ -59,6 +60,8 @@ class WorkerConfig:
     publish_timeout_seconds: float
     max_error_chars: int = 1000
     listen_notify: bool = False
+    max_batch_bytes: int = 2**62  # relay.max_batch_bytes
+    max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
     ordering: OrderingRule = field(init=False)
     retry_policy: RetryPolicy = field(init=False)
 
@@ -90,6 +93,8 @@ class WorkerConfig:
             publish_timeout_seconds=timeout,
             max_error_chars=s.relay.max_error_chars,
             listen_notify=s.relay.listen_notify,
+            max_batch_bytes=s.relay.max_batch_bytes,
+            max_message_bytes=publisher.max_message_bytes() if publisher is not None else None,
         )
         return replace(config, **overrides) if overrides else config
 
@@ -105,6 +110,7 @@ class _Batch:
     positions: list[int] = field(default_factory=list)  # index in rows of each message
     ticket: InFlight | None = None
     pending: PendingBatch | None = None
+    held_bytes: int = 0  # taken from the in-flight budget until the finalize
 
 
 class Worker:
@@ -113,7 +119,7 @@ class Worker:
     def __init__(self, index: int, store: OutboxStore, publisher: Publisher, config: WorkerConfig,
                  metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
                  breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None,
-                 keeper: LeaseKeeper | None = None) -> None:
+                 keeper: LeaseKeeper | None = None, budget: InFlightBudget | None = None) -> None:
         self.index = index
         self.owner = f"{config.owner}:w{index}"
         self.store = store
@@ -124,6 +130,8 @@ class Worker:
         self.breaker = breaker
         self.stop_event = stop_event or threading.Event()
         self.keeper = keeper
+        self.budget = budget
+        self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.finalizer = Finalizer(store, strict_lease=config.strict_lease,
                                    retry_for_seconds=config.lease_seconds * 0.5)
         self._db_failures = 0
@@ -146,20 +154,27 @@ class Worker:
                     in_flight = None
                 self.breaker.wait_closed(timeout=0.5)
                 continue
+            reserved, in_flight = self._reserve_bytes(in_flight)
+            if reserved is None:
+                break  # stopped while waiting for the budget
             try:
                 rows = self.claim()
             except DatabaseError as exc:
+                self._return_bytes(reserved, 0)
                 if in_flight is not None:
                     self._complete(in_flight)
                     in_flight = None
                 self._log_db_error(exc)
                 self._sleep_db_backoff()
                 continue
+            held = sum(r.size_bytes for r in rows)
+            self._return_bytes(reserved, held)
             self._db_failures = 0
             if len(rows) >= self.cfg.batch_size:
                 self.wakeup.wake_one()  # a backlog: get another worker going
             if rows:
                 batch = self._start(rows)
+                batch.held_bytes = held if self.budget is not None else 0
                 if pipelined:
                     if in_flight is not None:
                         self._complete(in_flight)
@@ -185,6 +200,29 @@ class Worker:
             self._complete(in_flight)
         self.log.info("worker stopped")
 
+    def _reserve_bytes(self, in_flight: _Batch | None) -> tuple[int | None, _Batch | None]:
+        """Reserve room for the next claim in the process's in-flight budget. If it is
+        full, finish our own pipelined batch first (never wait on ourselves), then wait.
+        Returns (bytes reserved or None if stopped while waiting, the in-flight batch)."""
+        if self.budget is None:
+            return 0, in_flight
+        wanted = self.cfg.max_batch_bytes
+        if self.budget.try_reserve(wanted):
+            return wanted, in_flight
+        if in_flight is not None:
+            self._complete(in_flight)
+            in_flight = None
+            if self.budget.try_reserve(wanted):
+                return wanted, None
+        self.metrics.in_flight_budget_waits_total.inc()
+        if not self.budget.reserve(wanted, self.stop_event):
+            return None, None
+        return wanted, None
+
+    def _return_bytes(self, reserved: int, kept: int) -> None:
+        if self.budget is not None:
+            self.budget.resize(reserved, kept)
+
     def _log_db_error(self, exc: DatabaseError) -> None:
         if isinstance(exc, SchemaMissing):
             self.log.error("outbox table missing", error=str(exc))
@@ -208,13 +246,24 @@ class Worker:
         cfg = self.cfg
         result = self.store.claim(owner=self.owner, batch=cfg.batch_size, lease_seconds=cfg.lease_seconds,
                                   max_attempts=cfg.max_attempts, ordered_types=cfg.ordered_types,
-                                  run_length=cfg.run_length, ordered_after=self._ordered_after)
+                                  run_length=cfg.run_length, ordered_after=self._ordered_after,
+                                  max_batch_bytes=cfg.max_batch_bytes, candidates=self._candidates(),
+                                  max_message_bytes=cfg.max_message_bytes)
         self._ordered_after = result.ordered_after
+        if result.rows:
+            self._avg_row_bytes = sum(r.size_bytes for r in result.rows) / len(result.rows)
         for row_id, version, owner in result.reaped:
             self.log.warning("reaped: attempts used up without an outcome; row is dead",
                              outbox_id=row_id, lease_version=version, lease_owner=owner)
         self.metrics.record_claim(result)
         return result.rows
+
+    def _candidates(self) -> int:
+        """How many rows the claim should size: sizing detoasts a payload, so with
+        large rows look at about twice as many as the byte budget can take."""
+        if self._avg_row_bytes <= 0:
+            return self.cfg.batch_size
+        return max(1, min(self.cfg.batch_size, int(2 * self.cfg.max_batch_bytes / self._avg_row_bytes) + 1))
 
     def run_once(self) -> BatchResult:
         rows = self.claim()
@@ -235,6 +284,12 @@ class Worker:
             key = cfg.ordering.order_key(row.event_type, row.aggregate_id)
             if runs.stopped(key):
                 batch.outcomes[i] = NotDelivered(RELEASED_AFTER_FAILURE)
+                continue
+            if row.payload is None:  # claimed without its payload: above the target's limit
+                batch.outcomes[i] = PermanentError(
+                    f"message too large (MSG_SIZE_TOO_LARGE): payload and headers are {row.size_bytes} bytes, "
+                    f"above the target's limit of {cfg.max_message_bytes} bytes (kafka.message_max_bytes)")
+                runs.record(key, failed=True)
                 continue
             try:
                 message = build_message(row, cfg.topic_template, cfg.ordering)
@@ -269,7 +324,11 @@ class Worker:
             ordering = self.cfg.ordering
             release_after_failures([ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows],
                                    batch.outcomes)
-        return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started)
+        try:
+            return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started)
+        finally:
+            if self.budget is not None and batch.held_bytes:
+                self.budget.release(batch.held_bytes)
 
     # --- decide, write, record -----------------------------------------------------------
     def finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome]) -> BatchResult:

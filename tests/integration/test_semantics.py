@@ -443,7 +443,8 @@ def test_sigkilled_child_leaves_committed_claim_recovered_after_lease(pg_dsn, ta
 def test_uncommitted_claim_holds_row_and_rollback_frees_it(pg_dsn, table, store):
     first, second, _third = insert_rows(pg_dsn, table, 3)
     params = {"owner": "open-tx", "batch": 1, "lease_seconds": 30.0, "max_attempts": 3,
-              "ordered_types": [], "all_ordered": False, "excluded_types": []}
+              "ordered_types": [], "all_ordered": False, "excluded_types": [],
+              "candidates": 1, "max_batch_bytes": 2**62, "max_message_bytes": None}
     with psycopg.connect(pg_dsn) as conn:  # not autocommit: the claim stays uncommitted
         held = conn.execute(store.sql.query("claim"), params).fetchall()
         assert [r[1] for r in held if not r[0]] == [first]  # column 0: reaped flag, 1: id

@@ -1,0 +1,106 @@
+"""Memory bounded by bytes (issue 15), against a real PostgreSQL and the real broker:
+a claim stops at relay.max_batch_bytes, a single larger row is claimed alone and
+delivered, a row above kafka.message_max_bytes goes dead without being fetched,
+workers wait for the in-flight budget instead of failing, and a full producer queue
+is waited out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from outbox_relay.kafka_publisher import KafkaPublisher
+from outbox_relay.publisher import Message, SimplePublisher
+from outbox_relay.relay import Relay
+from tests.helpers.db import insert_rows, rows, run_sql, statuses, wait_for
+
+
+def test_claim_stops_at_the_byte_budget_and_takes_one_larger_row_alone(store, pg_dsn, table):
+    ids = insert_rows(pg_dsn, table, 8, payload_size=50_000)
+    size = run_sql(pg_dsn, table, "SELECT octet_length(payload::text) FROM {t} WHERE id = %s", (ids[0],))[0][0]
+    first = store.claim(owner="a", batch=100, lease_seconds=30, max_attempts=3, max_batch_bytes=2 * size + 10)
+    assert [c.id for c in first.rows] == ids[:2]  # a third row would pass the budget
+    assert all(c.size_bytes == size for c in first.rows)
+    # A budget below one row: that row is claimed alone, never zero rows.
+    alone = store.claim(owner="b", batch=100, lease_seconds=30, max_attempts=3, max_batch_bytes=1024)
+    assert [c.id for c in alone.rows] == [ids[2]] and alone.rows[0].payload is not None
+    # Sizing few candidates (the worker's adaptive limit) still claims the oldest rows.
+    few = store.claim(owner="c", batch=100, lease_seconds=30, max_attempts=3, max_batch_bytes=10 * size,
+                      candidates=3)
+    assert [c.id for c in few.rows] == ids[3:6]
+
+
+def test_row_above_the_message_limit_is_claimed_without_its_payload(store, pg_dsn, table):
+    [small, big] = insert_rows(pg_dsn, table, 1) + insert_rows(pg_dsn, table, 1, payload_size=20_000)
+    claimed = store.claim(owner="a", batch=10, lease_seconds=30, max_attempts=3, max_message_bytes=10_000).rows
+    by_id = {c.id: c for c in claimed}
+    assert by_id[small].payload is not None and by_id[big].payload is None
+    assert by_id[big].size_bytes > 20_000
+
+
+def test_a_row_larger_than_the_batch_budget_is_delivered(make_settings, store, pg_dsn, table):
+    big = insert_rows(pg_dsn, table, 1, payload_size=300_000)
+    small = insert_rows(pg_dsn, table, 20)
+    settings = make_settings(relay={"max_batch_bytes": 100_000, "max_in_flight_bytes": 200_000},
+                             kafka={"message_max_bytes": 1_000_000})
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 21, message="big and small rows done")
+    finally:
+        relay.stop()
+    assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == {i: ("done", 1) for i in big + small}
+
+
+class SlowPublisher(SimplePublisher):
+    """Takes a while per message, so batches stay in flight and the budget fills up."""
+
+    def __init__(self) -> None:
+        self.published: list[int] = []
+        self._lock = threading.Lock()
+
+    def publish(self, message: Message) -> None:
+        time.sleep(0.05)
+        with self._lock:
+            self.published.append(message.id)
+
+
+def test_workers_wait_for_the_in_flight_budget_and_nothing_fails(make_settings, store, pg_dsn, table):
+    ids = insert_rows(pg_dsn, table, 40, payload_size=20_000)
+    size = run_sql(pg_dsn, table, "SELECT max(octet_length(payload::text)) FROM {t}")[0][0]
+    budget = 5 * size  # two batches of two rows fit; a third reservation must wait
+    settings = make_settings(relay={"workers": 4, "batch_size": 100, "max_batch_bytes": 2 * size + 100,
+                                    "max_in_flight_bytes": budget})
+    publisher = SlowPublisher()
+    relay = Relay(settings, publisher=publisher)
+    relay.start()
+    highest = 0
+    try:
+        deadline = time.monotonic() + 90
+        while statuses(pg_dsn, table).get("done", 0) < 40 and time.monotonic() < deadline:
+            [(in_flight,)] = run_sql(pg_dsn, table, "SELECT coalesce(sum(octet_length(payload::text)), 0) "
+                                                    "FROM {t} WHERE status = 'processing'")
+            highest = max(highest, int(in_flight))
+            time.sleep(0.02)
+        waits = relay.metrics.registry.get_sample_value("outbox_relay_in_flight_budget_waits_total")
+    finally:
+        relay.stop()
+    assert statuses(pg_dsn, table) == {"done": 40}
+    assert {r[2] for r in rows(pg_dsn, table)} == {1}  # no attempt was burned by waiting
+    assert sorted(publisher.published) == ids
+    assert 0 < highest <= budget, (highest, budget)
+    assert waits and waits > 0
+
+
+def test_a_full_producer_queue_is_waited_out(make_settings, store, pg_dsn, table):
+    ids = insert_rows(pg_dsn, table, 400)
+    # A 10-message local queue: produce() keeps raising BufferError for a 400-row batch.
+    settings = make_settings(relay={"workers": 2}, kafka={"extra": {"queue.buffering.max.messages": "10"}})
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 400, message="all rows through a tiny queue")
+    finally:
+        relay.stop()
+    assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == {i: ("done", 1) for i in ids}
+    assert isinstance(relay.publisher, KafkaPublisher) and relay.publisher.local_queue_full_waits > 0
