@@ -161,6 +161,10 @@ class RelaySettings(_Section):
     listen_notify: bool = Field(default=True, description="Wake idle workers on insert via LISTEN/NOTIFY.")
     backoff_base_seconds: float = Field(default=1.0, gt=0, description="Retry backoff base (full jitter).")
     backoff_cap_seconds: float = Field(default=300.0, gt=0, description="Retry backoff cap.")
+    startup_timeout_seconds: float = Field(
+        default=0.0, ge=0,
+        description="How long `run` waits at start for the database, the table and the broker (0 = until they answer).",
+    )
     shutdown_timeout_seconds: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long to wait for in-flight batches before releasing them."
     )

@@ -40,5 +40,19 @@ class BrokerUnavailable(OutboxRelayError):
     """The message broker cannot be reached at all."""
 
 
+class DependencyRefused(OutboxRelayError):
+    """A dependency answered but refuses the relay in a way waiting cannot fix: wrong
+    password, a certificate that does not verify, an unknown role or database. The
+    relay does not wait for it (exit 1); the message names the side, never the secret."""
+
+
+class DatabaseRefused(DependencyRefused, DatabaseError):
+    """The database refused the connection (authentication, TLS, role or database)."""
+
+
+class BrokerRefused(DependencyRefused, BrokerUnavailable):
+    """The broker refused the connection (SASL authentication, TLS)."""
+
+
 class PublisherLoadError(ConfigError):
     """`relay.publisher` does not name a loadable Publisher."""

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from .errors import BrokerRefused
+from .logs import RateLimiter, librdkafka_logger
 from .ordering import RELEASED_AFTER_FAILURE, RunGuard
 from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, RetryableError
 
@@ -53,6 +55,16 @@ REPLACE_CODES = frozenset({
     E.INVALID_PRODUCER_EPOCH, E._FENCED, E.INVALID_PRODUCER_ID_MAPPING, E._MSG_TIMED_OUT,
     E._GAPLESS_GUARANTEE if hasattr(E, "_GAPLESS_GUARANTEE") else E._FATAL,
 })
+
+
+def is_refusal(err: KafkaError) -> bool:
+    """An error that waiting cannot fix: failed authentication, or a TLS handshake that
+    failed on the certificate (not one that was merely cut off)."""
+    code = err.code()
+    if code in (E._AUTHENTICATION, E.SASL_AUTHENTICATION_FAILED):
+        return True
+    text = (err.str() or "").lower()
+    return code == E._SSL and any(m in text for m in ("certificate", "verify", "unknown ca", "wrong version"))
 
 
 def classify(err: KafkaError) -> Outcome:
@@ -122,12 +134,17 @@ class KafkaPublisher(Publisher):
         self._thread: threading.Thread | None = None
         self.replacements = 0
         self.local_queue_full_waits = 0  # produce() calls that found the local queue full
+        self._refusal: str | None = None  # the last authentication/TLS refusal (see is_refusal)
+        self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
 
     # --- lifecycle -------------------------------------------------------------------
     def _new_producer(self) -> Producer:
         conf = dict(self._config)
         conf["error_cb"] = self._on_error
+        # librdkafka's own log lines go through the stdlib logger (served by poll()),
+        # and from there through structlog: one structured, rate-limited line each.
+        conf["logger"] = librdkafka_logger()
         return Producer(conf)
 
     def start(self) -> None:
@@ -174,11 +191,16 @@ class KafkaPublisher(Publisher):
     # --- health ----------------------------------------------------------------------
     def _on_error(self, err: KafkaError) -> None:
         code = err.code()
+        if is_refusal(err):
+            # Credentials or certificates: a start-up probe reports this instead of waiting.
+            self._refusal = f"{err.name()}: {err.str()}"
         if err.fatal():
             log.error("kafka producer fatal error", error=err.str(), code=err.name())
             self.request_replacement(f"fatal error {err.name()}")
         elif code not in (E._TRANSPORT, E._ALL_BROKERS_DOWN):
-            log.warning("kafka producer error", error=err.str(), code=err.name())
+            allowed, suppressed = self._error_lines.allow(err.name())
+            if allowed:
+                log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
 
     def request_replacement(self, reason: str, generation: int | None = None) -> None:
         """Ask the poll thread for a fresh producer. With ``generation``, only if that
@@ -191,7 +213,8 @@ class KafkaPublisher(Publisher):
                 self._replace_reason = reason
 
     def probe(self, timeout_seconds: float = 2.0) -> bool:
-        """True if a broker answers a metadata request now."""
+        """True if a broker answers a metadata request now. Raises ``BrokerRefused``
+        when it did not answer because it refused our credentials or certificate."""
         producer = self._producer
         if producer is None:
             return False
@@ -199,7 +222,11 @@ class KafkaPublisher(Publisher):
             producer.list_topics(timeout=timeout_seconds)
         except KafkaException:
             self._last_probe = (time.monotonic(), False)
+            refusal = self._refusal
+            if refusal is not None:
+                raise BrokerRefused(f"{self.describe_target()} refused the connection: {refusal}") from None
             return False
+        self._refusal = None
         self._last_probe = (time.monotonic(), True)
         return True
 

@@ -20,7 +20,7 @@ import structlog
 from .breaker import CircuitBreaker
 from .budget import InFlightBudget
 from .config import Settings
-from .errors import BrokerUnavailable, ConfigError
+from .errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
 from .heartbeat import LeaseKeeper
 from .metrics import MetricsServer, RelayMetrics, StatsRefresher
 from .publisher import Publisher, load_publisher
@@ -62,27 +62,98 @@ class Relay:
         self.breaker: CircuitBreaker | None = None
         self.keeper: LeaseKeeper | None = None
         self._started = False
+        self._start_lock = threading.Lock()  # stop() waits for a start() in progress
+        self._waiting_for: str | None = None  # what start() is waiting for, if anything
         self._signals = 0
 
     # --- start -----------------------------------------------------------------------
     def start(self) -> None:
+        """Load and start the publisher, serve /healthz and /readyz, wait for the
+        database, the table and (for publishers with ``must_answer_at_start``) the
+        target to answer, then start the workers.
+
+        Waiting is what an orchestrator wants: a relay started before its database or
+        broker (or before the migrate Job finished) stays up, not ready, and starts
+        delivering by itself, instead of crash-looping into a long back-off. What
+        waiting cannot fix fails at once: bad configuration (``ConfigError``, exit 2),
+        a refused login or certificate (``DependencyRefused``, exit 1). With
+        ``relay.startup_timeout_seconds`` > 0 the wait gives up after that long
+        (exit 1). ``stop()`` during the wait returns from ``start()`` early."""
         s = self.settings
-        if self._given_publisher is None:
-            self.publisher = load_publisher(s)
-        publisher = self.publisher
-        self.store.open()
-        self.store.require_table()
+        with self._start_lock:
+            if self._stop_claiming.is_set():
+                return
+            if self._given_publisher is None:
+                self.publisher = load_publisher(s)
+            publisher = self.publisher
+            try:
+                publisher.start()
+            except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
+                raise ConfigError(f"cannot create the publisher: {exc}") from None
+            publisher.observer = self.metrics
+            try:
+                self._start_metrics_server()
+                if not self._wait_for_dependencies():
+                    return  # stop() was called while waiting
+                self.store.open()
+            except BaseException:
+                self._close_publisher()
+                if self._server is not None:
+                    self._server.stop()
+                raise
+            self._start_workers()
+
+    def _start_metrics_server(self) -> None:
+        s = self.settings
+        if not s.metrics.enabled:
+            return
         try:
-            publisher.start()
-        except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
-            self.store.close()
-            raise ConfigError(f"cannot create the publisher: {exc}") from None
-        if publisher.must_answer_at_start and not publisher.probe(
-                timeout_seconds=s.database.connect_timeout_seconds + 5):
-            self._close_publisher()
-            self.store.close()
-            raise BrokerUnavailable(f"cannot reach {publisher.describe_target()}: no broker answered")
-        publisher.observer = self.metrics
+            self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
+                                         healthy=self.health, ready=self.readiness)
+        except OSError as exc:
+            raise ConfigError(f"metrics.port {s.metrics.port}: cannot listen on "
+                              f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}") from None
+        self._server.start()
+
+    def _wait_for_dependencies(self) -> bool:
+        """Poll until the database, the table and the target answer (True), or stop()
+        is called (False). One structured log line per attempt, backing off to 5 s."""
+        s = self.settings
+        timeout = s.relay.startup_timeout_seconds
+        started = time.monotonic()
+        delay = 0.5
+        probe_seconds = min(5.0, s.database.connect_timeout_seconds + 2.0)
+        while True:
+            problems: dict[str, str] = {}
+            database_problem = self.store.check_ready()  # raises DatabaseRefused
+            if database_problem is not None:
+                problems["database"] = database_problem
+            if self.publisher.must_answer_at_start and not self.publisher.probe(timeout_seconds=probe_seconds):
+                problems["target"] = f"cannot reach {self.publisher.describe_target()}: no broker answered"
+            if not problems:
+                if self._waiting_for is not None:
+                    log.info("dependencies answer: starting", waited_seconds=round(time.monotonic() - started, 1))
+                self._waiting_for = None
+                return True
+            self._waiting_for = "; ".join(problems.values())
+            waited = time.monotonic() - started
+            if timeout > 0 and waited >= timeout:
+                if "database" in problems:
+                    if problems["database"].startswith("table "):
+                        raise SchemaMissing(problems["database"])
+                    raise DatabaseUnavailable(problems["database"])
+                raise BrokerUnavailable(problems["target"])
+            if self._stop_claiming.is_set():
+                return False
+            log.warning("waiting for dependencies before starting", waited_seconds=round(waited, 1),
+                        retry_in_seconds=round(delay, 1), **problems)
+            if self._stop_claiming.wait(delay):
+                return False
+            delay = min(5.0, delay * 2)
+
+    def _start_workers(self) -> None:
+        s = self.settings
+        publisher = self.publisher
         if publisher.can_probe:
             self.breaker = CircuitBreaker(lambda: publisher.probe(timeout_seconds=2.0),
                                           self.metrics.circuit_breaker_open)
@@ -109,19 +180,6 @@ class Relay:
                                              ordered_types=list(s.relay.ordered_event_types),
                                              count_cap=s.metrics.exact_count_limit)
             self._refresher.start()
-            try:
-                self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
-                                             healthy=self.health, ready=self.readiness)
-            except OSError as exc:
-                self._stop_claiming.set()
-                self._refresher.stop()
-                if self.keeper is not None:
-                    self.keeper.stop()
-                self._close_publisher()
-                self.store.close()
-                raise ConfigError(f"metrics.port {s.metrics.port}: cannot listen on "
-                                  f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}") from None
-            self._server.start()
         for thread in self._threads:
             thread.start()
         self.metrics.worker_threads_alive.set(len(self._threads))
@@ -147,6 +205,8 @@ class Relay:
 
     # --- health ----------------------------------------------------------------------
     def health(self) -> tuple[bool, str]:
+        if not self._started and self._waiting_for is not None:
+            return True, f"ok: starting, waiting for dependencies ({self._waiting_for})"
         alive = sum(1 for t in self._threads if t.is_alive())
         problem = self.publisher.check_alive() if self._started else None
         if problem is not None:
@@ -156,6 +216,8 @@ class Relay:
         return False, f"unhealthy: {alive}/{len(self._threads)} workers alive"
 
     def readiness(self) -> tuple[bool, str]:
+        if not self._started:
+            return False, f"not ready: {self._waiting_for or 'starting'}"
         if not self.store.ping(timeout_seconds=2.0):
             return False, "not ready: database unreachable"
         if self.breaker is not None and self.breaker.is_open:
@@ -173,6 +235,11 @@ class Relay:
         log.info("stopping: no new claims; waiting for in-flight batches", timeout_seconds=timeout)
         self._stop_claiming.set()
         self.wakeup.wake_all()
+        # A start() still waiting for its dependencies sees the flag and returns.
+        if not self._start_lock.acquire(timeout=self.settings.database.connect_timeout_seconds + 15):
+            log.warning("start-up did not return in time; stopping anyway")
+        else:
+            self._start_lock.release()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))

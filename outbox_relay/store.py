@@ -19,7 +19,7 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseUnavailable, SchemaMissing
+from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from .ordering import OrderingRule
 from .schema import TableSql
 
@@ -98,6 +98,31 @@ def redact_dsn(text: str, dsn: str | None = None) -> str:
     return _PASSWORD_RE.sub(lambda m: (m.group(1) + "***") if m.group(1) else (m.group(3) + "***" + m.group(5)), text)
 
 
+# Connection failures that waiting cannot fix. Everything else (refused, timed out,
+# the server starting up, shutting down or in recovery, too many connections, a
+# standby refusing a read-write session during failover) is waited for.
+_PERMANENT_CONNECT_SQLSTATES = frozenset({
+    "28000",  # invalid_authorization_specification: no pg_hba.conf entry, role does not exist
+    "28P01",  # invalid_password
+    "3D000",  # invalid_catalog_name: database does not exist
+})
+_PERMANENT_CONNECT_MARKERS = (
+    "password authentication failed", "no pg_hba.conf entry", "authentication failed",
+    "no password supplied", "certificate", "sslmode value", "server does not support ssl",
+    "tlsv1 alert", "unknown ca",
+)
+
+
+def connect_failure_is_permanent(exc: BaseException) -> bool:
+    """True if a failed connection attempt cannot succeed by waiting (see above)."""
+    if getattr(exc, "sqlstate", None) in _PERMANENT_CONNECT_SQLSTATES:
+        return True
+    text = str(exc).lower()
+    if "does not exist" in text and ('role "' in text or 'database "' in text):
+        return True
+    return any(marker in text for marker in _PERMANENT_CONNECT_MARKERS)
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -149,6 +174,24 @@ class OutboxStore:
             reason = self._probe_reason()
             raise DatabaseUnavailable(f"cannot connect to the database: {reason}") from exc
         self._opened = True
+
+    def check_ready(self) -> str | None:
+        """Can the relay start? None if the database answers and the table exists;
+        otherwise why not, for something that may fix itself (server down or starting,
+        failover in progress, table not migrated yet). Raises ``DatabaseRefused`` for
+        what waiting cannot fix (authentication, TLS verification, unknown role or
+        database). Uses its own short-lived connection, not the pool."""
+        try:
+            with psycopg.connect(self._dsn, **self._conn_kwargs) as conn:
+                row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
+        except psycopg.Error as exc:
+            reason = redact_dsn(_first_line(exc), self._dsn)
+            if connect_failure_is_permanent(exc):
+                raise DatabaseRefused(f"the database refused the connection: {reason}") from None
+            return f"cannot connect to the database: {reason}"
+        if not (row and row[0]):
+            return f"table {self.table!r} does not exist: run `outbox-relay migrate` first"
+        return None
 
     def _probe_reason(self) -> str:
         try:

@@ -104,7 +104,7 @@ def test_table_name_with_semicolon_is_refused(pg_dsn):
 
 def test_run_against_missing_table_says_migrate(pg_dsn, table, broker):
     env = cli_env(pg_dsn, table.split(".")[0] + ".nothing_here", broker.bootstrap_servers,
-                  OUTBOX_RELAY_METRICS__PORT="0")
+                  OUTBOX_RELAY_METRICS__PORT="0", OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1")
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 1
     assert "migrate" in result.stderr and "Traceback" not in result.stderr
@@ -112,7 +112,7 @@ def test_run_against_missing_table_says_migrate(pg_dsn, table, broker):
 
 def test_run_against_unreachable_broker_is_clear(pg_dsn, table):
     env = cli_env(pg_dsn, table, "127.0.0.1:1", OUTBOX_RELAY_METRICS__PORT="0",
-                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1")
+                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1", OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1")
     assert cli("migrate", env=env).returncode == 0
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 1
@@ -121,7 +121,7 @@ def test_run_against_unreachable_broker_is_clear(pg_dsn, table):
 
 def test_run_against_unreachable_database_hides_password(table):
     env = cli_env("postgresql://app:s3cretpw@127.0.0.1:1/db", table, OUTBOX_RELAY_METRICS__PORT="0",
-                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1")
+                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1", OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1")
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 1
     assert "cannot connect to the database" in result.stderr
@@ -136,6 +136,7 @@ def test_sasl_password_never_printed(pg_dsn, table):
     assert bad.returncode == 2 and "kafka.security_protocol" in bad.stderr
     # ...and a start-up failure against an unreachable SASL broker.
     unreachable = cli("run", env=cli_env(pg_dsn, table, "127.0.0.1:1", OUTBOX_RELAY_METRICS__PORT="0",
+                                         OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="2",
                                          OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
                                          OUTBOX_RELAY_KAFKA__SASL_MECHANISM="PLAIN",
                                          OUTBOX_RELAY_KAFKA__SASL_USERNAME="relay",

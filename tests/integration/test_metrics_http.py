@@ -296,7 +296,7 @@ def test_expired_leases_gauge_after_a_claim_never_finalized(store, pg_dsn, table
 # --------------------------------------------------------------------------- readiness
 def test_readyz_follows_the_database(make_settings, tmp_path):
     """Own embedded PostgreSQL: stopping it never disturbs the session's server."""
-    pg = EmbeddedPostgres(base_dir=tmp_path).start()
+    pg = EmbeddedPostgres().start()  # system tmp: its server user must reach the data
     relay: Relay | None = None
     stopped = False
     try:

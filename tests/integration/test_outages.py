@@ -148,7 +148,7 @@ def test_database_restart_workers_reconnect_and_drain(tmp_path, broker, topic_pr
     from outbox_relay.embedded import EmbeddedPostgres
     from outbox_relay.store import OutboxStore
 
-    pg = EmbeddedPostgres(base_dir=tmp_path).start()
+    pg = EmbeddedPostgres().start()  # system tmp: its server user must reach the data
     try:
         with OutboxStore(pg.dsn, "outbox", pool_size=1) as setup:
             setup.migrate()
