@@ -10,7 +10,6 @@ gauges are reset rather than left frozen at a stale value, and
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -140,7 +139,6 @@ class StatsRefresher(PeriodicService):
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
         self._count_cap = count_cap
-        self.last_success: float = 0.0
 
     def refresh_once(self) -> bool:
         m = self._metrics
@@ -165,7 +163,6 @@ class StatsRefresher(PeriodicService):
         for attempts, n in stats.attempts.items():
             m.attempts.labels(attempts=str(attempts)).set(n)
         m.blocked_aggregates.set(len(stats.blocked_aggregates))
-        self.last_success = time.monotonic()
         return True
 
     def step(self) -> None:

@@ -61,9 +61,6 @@ class OrderingRule:
         return aggregate_id if self.is_ordered(event_type) else None
 
 
-NO_ORDERING = OrderingRule(all_types=False, types=frozenset())
-
-
 class RunGuard:
     """Remembers which ordered aggregates' runs stopped in the current batch."""
 
