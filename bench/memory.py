@@ -14,12 +14,12 @@ of /proc/<pid>/status after the drain). Every run is verified: all rows done and
 every message id read back from the topic. Target (issue 15): peak RSS <= 300 MB in
 all three with default settings.
 
-    .venv/bin/python bench/memory.py                       # this checkout
-    .venv/bin/python bench/memory.py --relay-root /tmp/old # the relay code of another checkout
+    .venv/bin/python bench/memory.py                            # this checkout
+    .venv/bin/python bench/memory.py --relay-root /tmp/old,.    # before and after, side by side
 
-``--relay-root`` runs the relay from another checkout of the project (e.g. a
-`git worktree` of an older commit) against the same servers and backlogs, to
-measure "before" figures with this same script.
+``--relay-root`` runs the relay code of one or more checkouts of the project (e.g. a
+`git worktree add --detach /tmp/old <commit>` of an older commit; ``.`` is this one)
+against the same servers and the same backlog shapes, in one run.
 """
 
 from __future__ import annotations
@@ -87,21 +87,20 @@ def read_ids(bootstrap: str, topic: str, expected: int, timeout: float = 300.0) 
     return ids
 
 
-def run_scenario(name: str, dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
+                 args: argparse.Namespace) -> dict[str, Any]:
     spec = SCENARIOS[name]
-    table = c.new_table(f"mem{name}")
-    topic = f"bench.memory.{c.RUN_ID}.{name}"
+    table = c.new_table(f"mem{name}{index}")
+    topic = f"bench.memory.{c.RUN_ID}.{name}.{index}"
     c.migrate(dsn, table)
     c.create_topic(bootstrap, topic)
     env = c.relay_env(dsn, table, bootstrap, topic)
-    if args.relay_root:
-        env["PYTHONPATH"] = str(Path(args.relay_root).resolve())
+    env["PYTHONPATH"] = str(root)
     command = [sys.executable, "-m", "outbox_relay.cli"]
-    log = Path(f"/tmp/outbox-relay-memory-{c.RUN_ID}-{name}.log")
+    log = Path(f"/tmp/outbox-relay-memory-{c.RUN_ID}-{name}-{index}.log")
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, "run", "--workers", str(args.workers)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=args.relay_root or None)
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=str(root))
     try:
         deadline = time.monotonic() + 60
         while '"relay started"' not in log.read_text(errors="replace"):
@@ -139,7 +138,7 @@ def run_scenario(name: str, dsn: str, bootstrap: str, args: argparse.Namespace) 
         c.drop_schema(dsn, table)
         log.unlink(missing_ok=True)
     return {
-        "scenario": name, "label": spec["label"], "rows": spec["rows"],
+        "relay_root": str(root), "scenario": name, "label": spec["label"], "rows": spec["rows"],
         "payload_mb": round(payload_bytes / 1e6, 1), "table_mb": round(table_mb, 1),
         "seconds": round(seconds, 2), "events_per_second": round(spec["rows"] / seconds),
         "peak_rss_mb": round(hwm_kb / 1024, 1) if hwm_kb else None,
@@ -154,24 +153,29 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--warm-seconds", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--relay-root", help="run the relay code of this checkout instead of this one")
+    parser.add_argument("--relay-root", default=".",
+                        help="comma-separated checkouts whose relay code to run ('.' = this one), side by side")
     parser.add_argument("--target-rss-mb", type=float, default=300.0)
     args = parser.parse_args()
+    roots = [(c.ROOT if part.strip() == "." else Path(part.strip())).resolve() for part in args.relay_root.split(",")]
     results = []
     with c.servers(args) as (dsn, bootstrap):
         assert bootstrap is not None
         for name in args.scenarios.split(","):
-            results.append(run_scenario(name.strip(), dsn, bootstrap, args))
-    report = {"relay_root": args.relay_root or str(c.ROOT), "workers": args.workers, "runs": results,
+            for index, root in enumerate(roots):
+                c.say(f"== scenario {name}, relay code {root}")
+                results.append(run_scenario(name.strip(), root, index, dsn, bootstrap, args))
+    report = {"relay_roots": [str(r) for r in roots], "workers": args.workers, "runs": results,
               "target_peak_rss_mb": args.target_rss_mb}
-    lines = [f"relay code: {report['relay_root']} (defaults, --workers {args.workers})",
-             f"{'scenario':<32}{'table MB':>10}{'events/s':>10}{'peak RSS MB':>13}  verified"]
+    lines = [f"defaults, --workers {args.workers}",
+             f"{'relay code':<28}{'scenario':<32}{'table MB':>10}{'events/s':>10}{'peak RSS MB':>13}  verified"]
     for r in results:
-        lines.append(f"{r['label']:<32}{r['table_mb']:>10}{r['events_per_second']:>10}"
-                     f"{r['peak_rss_mb']:>13}  {r['verified']}")
-    worst = max((r["peak_rss_mb"] or 0) for r in results)
-    lines.append(f"worst peak RSS {worst} MB (target <= {args.target_rss_mb:g} MB: "
-                 f"{'met' if worst <= args.target_rss_mb else 'NOT met'})")
+        lines.append(f"{Path(r['relay_root']).name[:27]:<28}{r['label']:<32}{r['table_mb']:>10}"
+                     f"{r['events_per_second']:>10}{r['peak_rss_mb']:>13}  {r['verified']}")
+    for root in roots:
+        worst = max((r["peak_rss_mb"] or 0) for r in results if r["relay_root"] == str(root))
+        lines.append(f"{root}: worst peak RSS {worst} MB (target <= {args.target_rss_mb:g} MB: "
+                     f"{'met' if worst <= args.target_rss_mb else 'NOT met'})")
     c.emit(report, lines, args.json)
     return 0 if all(r["verified"] for r in results) else 1
 

@@ -517,6 +517,27 @@ def test_k8s_grace_period_exceeds_the_shutdown_timeout() -> None:
         assert grace > float(configured)
 
 
+def _quantity_bytes(text: str) -> int:
+    units = {"Ki": 1024, "Mi": 1024**2, "Gi": 1024**3}
+    for suffix, factor in units.items():
+        if str(text).endswith(suffix):
+            return int(float(str(text)[: -len(suffix)]) * factor)
+    return int(text)
+
+
+def test_k8s_memory_limit_fits_the_in_flight_budget() -> None:
+    """Memory is bounded by relay.max_in_flight_bytes (issue 15): the shipped limit
+    keeps the README's rule, limit >= 100 MiB + 3 x max_in_flight_bytes."""
+    from outbox_relay.config import RelaySettings
+
+    container = k8s("deployment.yaml")["spec"]["template"]["spec"]["containers"][0]
+    limit = _quantity_bytes(container["resources"]["limits"]["memory"])
+    configured = k8s("configmap.yaml")["data"].get("OUTBOX_RELAY_RELAY__MAX_IN_FLIGHT_BYTES")
+    budget = int(configured) if configured is not None else RelaySettings().max_in_flight_bytes
+    assert limit >= 100 * 1024**2 + 3 * budget, (limit, budget)
+    assert _quantity_bytes(container["resources"]["requests"]["memory"]) <= limit
+
+
 def test_k8s_service_servicemonitor_and_config_use_the_metrics_port() -> None:
     service = k8s("service.yaml")
     (port,) = service["spec"]["ports"]
