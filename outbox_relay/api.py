@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
 from datetime import timedelta
 from functools import lru_cache
@@ -21,6 +22,24 @@ def _table_sql(table: str) -> TableSql:
     if not _TABLE_RE.match(table):
         raise ValueError(f"invalid table name {table!r}: use 'name' or 'schema.name'")
     return TableSql(table)
+
+
+def current_trace_headers() -> dict[str, str]:
+    """The caller's W3C trace context (``traceparent`` and, if any, ``tracestate``)
+    when OpenTelemetry is in use and a span is active; else ``{}``.
+
+    OpenTelemetry is never imported here: if the application has not imported it, no
+    span can be active, and an application without it pays one dictionary lookup."""
+    if "opentelemetry.trace" not in sys.modules:
+        return {}
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    if not trace.get_current_span().get_span_context().is_valid:
+        return {}
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier
 
 
 class EnqueueResult(int):
@@ -47,6 +66,7 @@ def enqueue(
     ordered: bool = False,
     dedup_key: str | None = None,
     delay: float | timedelta = 0.0,
+    trace_context: bool = True,
 ) -> EnqueueResult:
     """Insert one outbox row on ``conn``, inside the caller's transaction; return its id.
 
@@ -64,6 +84,11 @@ def enqueue(
 
     ``payload`` is any JSON-serialisable value (or a ``str`` holding JSON text);
     ``headers`` must map strings to strings. They reach Kafka as message headers.
+
+    ``trace_context`` (default True): when OpenTelemetry is in use and a span is
+    active, the current W3C trace context is stored in the row's headers
+    (``traceparent``, ``tracestate``), so the relay's span joins the caller's trace.
+    A ``traceparent`` in ``headers`` wins; ``trace_context=False`` stores nothing.
     """
     if headers is not None:
         if not isinstance(headers, Mapping) or not all(
@@ -83,6 +108,10 @@ def enqueue(
         payload_value: Any = Jsonb(json.loads(payload))
     else:
         payload_value = Jsonb(payload)
+    if trace_context and (headers is None or "traceparent" not in headers):
+        trace_headers = current_trace_headers()
+        if trace_headers:
+            headers = {**trace_headers, **(headers or {})}
     delay_seconds = delay.total_seconds() if isinstance(delay, timedelta) else float(delay)
     sql = _table_sql(table)
     params = {

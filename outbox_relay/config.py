@@ -124,6 +124,22 @@ class KafkaSettings(_Section):
         default_factory=dict,
         description="Any other librdkafka producer property, passed through as is (JSON object in env).",
     )
+    message_format: Literal["contract", "cloudevents-binary", "cloudevents-structured", "debezium"] = Field(
+        default="contract",
+        description="Wire format of every message (Kafka and HTTP): contract, cloudevents-binary, "
+                    "cloudevents-structured or debezium (see Formats).",
+    )
+    cloudevents_source: str | None = Field(
+        default=None, min_length=1,
+        description="CloudEvents `source` attribute; default /outbox-relay/<database.table>.",
+    )
+
+    @field_validator("cloudevents_source")
+    @classmethod
+    def _check_source(cls, value: str | None) -> str | None:
+        if value is not None and not all(0x20 < ord(c) < 0x7F or ord(c) > 0x9F for c in value):
+            raise ValueError("must be a URI-reference without spaces or control characters")
+        return value
 
     @field_validator("topic_template")
     @classmethod
@@ -230,6 +246,17 @@ class HttpPublisherSettings(_Section):
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent with every request.")
 
 
+class OtelSettings(_Section):
+    """OpenTelemetry tracing (the ``otel`` extra). Exporter, endpoint, service name,
+    sampler and resource come from the standard ``OTEL_*`` variables."""
+
+    enabled: bool = Field(
+        default=False,
+        description="Trace every published message (needs outbox-relay[otel]); configure the exporter with "
+                    "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...",
+    )
+
+
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
     format: Literal["auto", "json", "console"] = Field(
@@ -255,6 +282,7 @@ class Settings(BaseSettings):
     relay: RelaySettings = Field(default_factory=RelaySettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     http: HttpPublisherSettings = Field(default_factory=HttpPublisherSettings)
+    otel: OtelSettings = Field(default_factory=OtelSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod

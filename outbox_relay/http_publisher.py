@@ -14,15 +14,24 @@ Each outbox row becomes one ``POST`` to ``http.url_template``:
   ``X-Outbox-message-id: 42``, ``X-Outbox-event-type: OrderPaid``. HTTP header
   names are case-insensitive. A row header whose name is not an HTTP token or whose
   value is not printable ASCII cannot be sent: the row goes ``dead`` with that
-  reason (nothing is silently altered).
+  reason (nothing is silently altered). The W3C trace context (``traceparent``,
+  ``tracestate``) keeps its own header name.
+- **Formats** (``kafka.message_format``, ``outbox_relay.formats``): in
+  ``cloudevents-binary`` the request is the CloudEvents HTTP binding's binary mode
+  (``ce-specversion``, ``ce-id``, ``ce-source``, ``ce-type``, ``ce-subject``,
+  ``ce-time``, percent-encoded, ``Content-Type: application/json``, body = payload);
+  in ``cloudevents-structured`` its structured mode (``Content-Type:
+  application/cloudevents+json``, body = the envelope). ``debezium`` sends the
+  payload with ``X-Outbox-id``.
 - ``Idempotency-Key: outbox-<message_id>``: derived only from the outbox id, so
   every retry, every lease takeover and every replica sends the same key for the
   same row. Receivers that honour it turn at-least-once into one effect. (The key
   is unique per outbox table: if several tables feed one endpoint, route them to
   different URLs.)
 - ``http.headers`` (e.g. ``Authorization``) are sent with every request; they may
-  override ``Content-Type`` and ``User-Agent`` but never ``Idempotency-Key`` or an
-  ``X-Outbox-*`` header. Their values are never logged.
+  override ``Content-Type`` (except in the CloudEvents formats, whose media type is
+  part of the binding) and ``User-Agent`` but never ``Idempotency-Key``, an
+  ``X-Outbox-*``/``ce-*`` header or the trace context. Their values are never logged.
 
 Outcomes (seed 000, section 4):
 
@@ -81,6 +90,7 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from .errors import ConfigError
+from .formats import CE_HTTP_PREFIX, HTTP_HEADER_PREFIX, TRACE_HEADERS, http_header_name, http_headers
 from .ordering import RELEASED_AFTER_FAILURE, chains
 from .publisher import Defer, Message, NotDelivered, Outcome, PermanentError, Publisher, RetryableError
 
@@ -88,7 +98,7 @@ if TYPE_CHECKING:
     from .config import Settings
 
 URL_FIELDS = ("aggregate_type", "aggregate_id", "event_type", "topic", "id")
-HEADER_PREFIX = "X-Outbox-"
+HEADER_PREFIX = HTTP_HEADER_PREFIX
 IDEMPOTENCY_PREFIX = "outbox-"
 BODY_LIMIT_BYTES = 64 * 1024
 ERROR_BODY_CHARS = 300
@@ -107,7 +117,7 @@ def idempotency_key(message: Message) -> str:
 
 def header_name(name: str) -> str:
     """Contract header name -> HTTP header name (``message_id`` -> ``X-Outbox-message-id``)."""
-    return HEADER_PREFIX + name.replace("_", "-")
+    return http_header_name(name)
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -198,7 +208,8 @@ class HttpPublisher(Publisher):
             if problem:
                 raise ConfigError(problem)  # names the header, never echoes its value (often a credential)
             lowered = name.lower()
-            if lowered in _RESERVED_HEADERS or lowered.startswith(HEADER_PREFIX.lower()):
+            if (lowered in _RESERVED_HEADERS or lowered in TRACE_HEADERS
+                    or lowered.startswith((HEADER_PREFIX.lower(), CE_HTTP_PREFIX))):
                 raise ConfigError(f"http.headers may not set {name!r}: the publisher sets it per message")
             for existing in list(base):
                 if existing.lower() == lowered:
@@ -278,11 +289,14 @@ class HttpPublisher(Publisher):
 
     def headers_for(self, message: Message) -> dict[str, str]:
         headers = dict(self._base_headers)
-        for name, value in message.headers:
-            http_name = header_name(name)
+        wire = http_headers(message.format, message.headers)
+        for (name, _), (http_name, value) in zip(message.headers, wire, strict=True):
             problem = _check_header(http_name, value, "header")
             if problem:
                 raise PermanentError(f"cannot send over HTTP: {problem} (row header {name!r})")
+            if http_name == "Content-Type":  # the format's media type wins over http.headers
+                for existing in [n for n in headers if n.lower() == "content-type"]:
+                    del headers[existing]
             headers[http_name] = value
         headers["Idempotency-Key"] = idempotency_key(message)
         return headers

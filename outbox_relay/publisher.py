@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import abc
 import importlib
-import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,8 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from .errors import ConfigError, PublisherLoadError
+from .formats import RESERVED_HEADERS as RESERVED_HEADERS  # re-exported: the contract's reserved header names
+from .formats import FormatError, MessageFormat, WireFormat
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -96,7 +97,7 @@ Outcome = PublishOutcome | None
 # --- messages ------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Message:
-    """What gets published for one outbox row (the contract's message format)."""
+    """What gets published for one outbox row, in the configured message format."""
 
     id: int
     topic: str
@@ -114,6 +115,8 @@ class Message:
     #: message after a failed one of the same key (see ``outbox_relay.ordering``).
     order_key: str | None = None
     extra: dict[str, object] = field(default_factory=dict)  # free for plug-ins' own use
+    #: The wire format ``key``/``value``/``headers`` are in (``kafka.message_format``).
+    format: MessageFormat = MessageFormat.CONTRACT
 
     @property
     def message_id(self) -> str:
@@ -124,52 +127,26 @@ class MessageFormatError(PermanentError):
     """The row cannot be turned into a message (bad headers, bad topic template)."""
 
 
-# The contract's headers; a row may not set them (a second message_id would break dedup).
-RESERVED_HEADERS = frozenset({"message_id", "event_type", "aggregate_type", "aggregate_id"})
-
-
-def build_message(row: Claimed, topic_template: str, ordering: OrderingRule | None = None) -> Message:
-    """Row -> message: topic routing, key, value and headers of the contract.
+def build_message(row: Claimed, topic_template: str | WireFormat, ordering: OrderingRule | None = None) -> Message:
+    """Row -> message in the configured format (``outbox_relay.formats``): topic
+    routing, key, value and headers. A plain ``topic_template`` string means the
+    contract format with that template.
 
     Raises ``MessageFormatError`` (a ``PermanentError``) for a row that cannot be
     sent: headers that are not a JSON object of strings or use a reserved name, an
     empty topic.
     """
-    topic = row.topic or topic_template.format(aggregate_type=row.aggregate_type, event_type=row.event_type)
-    headers = [
-        ("message_id", str(row.id)),
-        ("event_type", row.event_type),
-        ("aggregate_type", row.aggregate_type),
-        ("aggregate_id", row.aggregate_id),
-    ]
-    if row.headers is not None:
-        try:
-            extra = json.loads(row.headers)
-        except ValueError as exc:
-            raise MessageFormatError(f"bad headers: {exc}") from None
-        if extra is not None:
-            if not isinstance(extra, dict):
-                raise MessageFormatError(
-                    f"headers must be a JSON object of string values, got {type(extra).__name__}"
-                )
-            for name, value in extra.items():
-                if name in RESERVED_HEADERS:
-                    raise MessageFormatError(f"header {name!r} is reserved for the relay's own headers")
-                if not isinstance(value, str):
-                    raise MessageFormatError(
-                        f"header {name!r} must be a string, got {type(value).__name__}"
-                    )
-                headers.append((name, value))
-    if not topic:
-        raise MessageFormatError("empty topic")
-    if row.payload is None:
-        raise MessageFormatError("payload not fetched: the row is larger than the target accepts")
+    wire = topic_template if isinstance(topic_template, WireFormat) else WireFormat(topic_template=topic_template)
+    try:
+        encoded = wire.encode(row)
+    except FormatError as exc:
+        raise MessageFormatError(str(exc)) from None
     return Message(
         id=row.id,
-        topic=topic,
-        key=row.aggregate_id,
-        value=row.payload,
-        headers=headers,
+        topic=encoded.topic,
+        key=encoded.key,
+        value=encoded.value,
+        headers=encoded.headers,
         aggregate_type=row.aggregate_type,
         aggregate_id=row.aggregate_id,
         event_type=row.event_type,
@@ -177,6 +154,7 @@ def build_message(row: Claimed, topic_template: str, ordering: OrderingRule | No
         lease_version=row.lease_version,
         created_at_epoch=row.created_at.timestamp(),
         order_key=ordering.order_key(row.event_type, row.aggregate_id) if ordering is not None else None,
+        format=wire.format,
     )
 
 

@@ -457,3 +457,25 @@ SELECT id FROM {table} WHERE dedup_key = %(dedup_key)s
 -- commit in the order they obtained ids. The key space is shared with other advisory
 -- lock users only through this hash of (table, aggregate_id).
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
+
+-- Consumer side (outbox_relay.consumer): the inbox table lives in the CONSUMER's
+-- database; {table} is the inbox table there.
+
+-- name: inbox_create
+CREATE TABLE IF NOT EXISTS {table} (
+    source       text        NOT NULL DEFAULT '',
+    message_id   text        NOT NULL,
+    received_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (source, message_id)
+)
+
+-- name: inbox_record
+-- In the consumer's transaction. A concurrent consumer of the same message waits
+-- here for ours; after we commit it sees the conflict (a duplicate), after we roll
+-- back it inserts and processes the message itself.
+INSERT INTO {table} (source, message_id) VALUES (%(source)s, %(message_id)s)
+ON CONFLICT (source, message_id) DO NOTHING
+RETURNING 1
+
+-- name: inbox_purge
+DELETE FROM {table} WHERE received_at < now() - make_interval(secs => %(older_than_seconds)s)

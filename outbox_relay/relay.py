@@ -25,6 +25,7 @@ from .heartbeat import LeaseKeeper
 from .metrics import MetricsServer, RelayMetrics, StatsRefresher
 from .publisher import Publisher, load_publisher
 from .store import OutboxStore
+from .tracing import Tracing, make_tracing
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig
 
@@ -45,12 +46,14 @@ def make_store(settings: Settings, *, pool_size: int | None = None,
 
 class Relay:
     def __init__(self, settings: Settings, *, publisher: Publisher | None = None,
-                 metrics: RelayMetrics | None = None) -> None:
+                 metrics: RelayMetrics | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
         self.store = make_store(settings)
         self._given_publisher = publisher
         self.publisher: Publisher = publisher if publisher is not None else _NotLoaded()
+        self._given_tracing = tracing
+        self.tracing: Tracing = tracing or Tracing()
         self.wakeup = Wakeup()
         self.workers: list[Worker] = []
         self._threads: list[threading.Thread] = []
@@ -86,9 +89,12 @@ class Relay:
             if self._given_publisher is None:
                 self.publisher = load_publisher(s)
             publisher = self.publisher
+            if self._given_tracing is None:
+                self.tracing = make_tracing(s, publisher.name)  # ConfigError if enabled but not installed
             try:
                 publisher.start()
             except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
+                self.tracing.close()
                 raise ConfigError(f"cannot create the publisher: {exc}") from None
             publisher.observer = self.metrics
             try:
@@ -98,6 +104,7 @@ class Relay:
                 self.store.open()
             except BaseException:
                 self._close_publisher()
+                self.tracing.close()
                 if self._server is not None:
                     self._server.stop()
                 raise
@@ -166,7 +173,7 @@ class Relay:
         for index in range(s.relay.workers):
             worker = Worker(index, self.store, self.publisher, cfg, self.metrics, wakeup=self.wakeup,
                             breaker=self.breaker, stop_event=self._stop_claiming, keeper=self.keeper,
-                            budget=budget)
+                            budget=budget, tracing=self.tracing)
             self.workers.append(worker)
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)
@@ -186,6 +193,7 @@ class Relay:
         self._started = True
         log.info("relay started", workers=s.relay.workers, table=s.database.table,
                  owner=s.relay.owner, publisher=s.relay.publisher, batch_size=s.relay.batch_size,
+                 message_format=s.kafka.message_format, tracing=self.tracing.enabled,
                  lease_seconds=s.relay.lease_seconds,
                  metrics_port=self._server.port if self._server else None)
 
@@ -253,6 +261,7 @@ class Relay:
         if self.keeper is not None:
             self.keeper.stop()
         self._close_publisher()
+        self.tracing.close()  # flushes the last spans
         if self._refresher is not None:
             self._refresher.stop()
         if self._server is not None:

@@ -28,11 +28,13 @@ from .budget import InFlightBudget
 from .decision import RetryPolicy, decide, is_outage
 from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
 from .finalizer import BatchResult, Finalizer, log_batch
+from .formats import WireFormat
 from .heartbeat import InFlight, LeaseKeeper
 from .metrics import RelayMetrics
 from .ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
 from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, build_message
 from .store import Claimed, OutboxStore
+from .tracing import NO_TRACE, BatchTrace, Tracing
 from .wakeup import Wakeup
 
 if TYPE_CHECKING:
@@ -62,10 +64,14 @@ class WorkerConfig:
     listen_notify: bool = False
     max_batch_bytes: int = 2**62  # relay.max_batch_bytes
     max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
+    #: The message format (``kafka.message_format``); None = the contract with ``topic_template``.
+    wire_format: WireFormat | None = None
     ordering: OrderingRule = field(init=False)
     retry_policy: RetryPolicy = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.wire_format is None:
+            self.wire_format = WireFormat(topic_template=self.topic_template)
         self.ordering = OrderingRule.of(self.ordered_types)
         self.retry_policy = RetryPolicy(self.max_attempts, self.backoff_base_seconds, self.backoff_cap_seconds,
                                         self.max_error_chars)
@@ -78,6 +84,9 @@ class WorkerConfig:
         s = settings
         lease = float(overrides.get("lease_seconds", s.relay.lease_seconds))
         timeout = publisher.publish_timeout_seconds(lease) if publisher is not None else lease * 0.8
+        wire = WireFormat.from_settings(s)
+        if "topic_template" in overrides:
+            wire = replace(wire, topic_template=overrides["topic_template"])
         config = cls(
             owner=s.relay.owner,
             batch_size=s.relay.batch_size,
@@ -86,7 +95,7 @@ class WorkerConfig:
             ordered_types=list(s.relay.ordered_event_types),
             run_length=s.relay.max_run_length,
             strict_lease=s.relay.strict_lease,
-            topic_template=s.kafka.topic_template,
+            topic_template=wire.topic_template,
             poll_interval_seconds=s.relay.poll_interval_seconds,
             backoff_base_seconds=s.relay.backoff_base_seconds,
             backoff_cap_seconds=s.relay.backoff_cap_seconds,
@@ -95,6 +104,7 @@ class WorkerConfig:
             listen_notify=s.relay.listen_notify,
             max_batch_bytes=s.relay.max_batch_bytes,
             max_message_bytes=publisher.max_message_bytes() if publisher is not None else None,
+            wire_format=wire,
         )
         return replace(config, **overrides) if overrides else config
 
@@ -111,6 +121,7 @@ class _Batch:
     ticket: InFlight | None = None
     pending: PendingBatch | None = None
     held_bytes: int = 0  # taken from the in-flight budget until the finalize
+    trace: BatchTrace = NO_TRACE
 
 
 class Worker:
@@ -119,7 +130,8 @@ class Worker:
     def __init__(self, index: int, store: OutboxStore, publisher: Publisher, config: WorkerConfig,
                  metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
                  breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None,
-                 keeper: LeaseKeeper | None = None, budget: InFlightBudget | None = None) -> None:
+                 keeper: LeaseKeeper | None = None, budget: InFlightBudget | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.index = index
         self.owner = f"{config.owner}:w{index}"
         self.store = store
@@ -132,6 +144,7 @@ class Worker:
         self.keeper = keeper
         self.budget = budget
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
+        self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(store, strict_lease=config.strict_lease,
                                    retry_for_seconds=config.lease_seconds * 0.5)
         self._db_failures = 0
@@ -158,7 +171,7 @@ class Worker:
             if reserved is None:
                 break  # stopped while waiting for the budget
             try:
-                rows = self.claim()
+                rows, trace = self._claim()
             except DatabaseError as exc:
                 self._return_bytes(reserved, 0)
                 if in_flight is not None:
@@ -173,7 +186,7 @@ class Worker:
             if len(rows) >= self.cfg.batch_size:
                 self.wakeup.wake_one()  # a backlog: get another worker going
             if rows:
-                batch = self._start(rows)
+                batch = self._start(rows, trace)
                 batch.held_bytes = held if self.budget is not None else 0
                 if pipelined:
                     if in_flight is not None:
@@ -243,7 +256,11 @@ class Worker:
 
     # --- one batch -------------------------------------------------------------------
     def claim(self) -> list[Claimed]:
+        return self._claim()[0]
+
+    def _claim(self) -> tuple[list[Claimed], BatchTrace]:
         cfg = self.cfg
+        trace = self.tracing.batch(self.owner)
         result = self.store.claim(owner=self.owner, batch=cfg.batch_size, lease_seconds=cfg.lease_seconds,
                                   max_attempts=cfg.max_attempts, ordered_types=cfg.ordered_types,
                                   run_length=cfg.run_length, ordered_after=self._ordered_after,
@@ -256,7 +273,8 @@ class Worker:
             self.log.warning("reaped: attempts used up without an outcome; row is dead",
                              outbox_id=row_id, lease_version=version, lease_owner=owner)
         self.metrics.record_claim(result)
-        return result.rows
+        trace.claimed(result)
+        return result.rows, trace
 
     def _candidates(self) -> int:
         """How many rows the claim should size: sizing detoasts a payload, so with
@@ -266,19 +284,20 @@ class Worker:
         return max(1, min(self.cfg.batch_size, int(2 * self.cfg.max_batch_bytes / self._avg_row_bytes) + 1))
 
     def run_once(self) -> BatchResult:
-        rows = self.claim()
+        rows, trace = self._claim()
         if not rows:
             return BatchResult()
-        return self.process(rows)
+        return self._complete(self._start(rows, trace))
 
     def process(self, rows: Sequence[Claimed]) -> BatchResult:
         """Publish and finalize one claimed batch (blocking)."""
-        return self._complete(self._start(rows))
+        return self._complete(self._start(rows, self.tracing.batch(self.owner)))
 
-    def _start(self, rows: Sequence[Claimed]) -> _Batch:
+    def _start(self, rows: Sequence[Claimed], trace: BatchTrace = NO_TRACE) -> _Batch:
         """Build the messages and submit them (a pipelining publisher starts producing now)."""
         cfg = self.cfg
-        batch = _Batch(rows=rows, started=time.monotonic(), outcomes=[None] * len(rows))
+        wire = cfg.wire_format
+        batch = _Batch(rows=rows, started=time.monotonic(), outcomes=[None] * len(rows), trace=trace)
         runs = RunGuard()  # a row that cannot be built stops its ordered run here already
         for i, row in enumerate(rows):
             key = cfg.ordering.order_key(row.event_type, row.aggregate_id)
@@ -292,7 +311,7 @@ class Worker:
                 runs.record(key, failed=True)
                 continue
             try:
-                message = build_message(row, cfg.topic_template, cfg.ordering)
+                message = build_message(row, wire or cfg.topic_template, cfg.ordering)
             except PermanentError as exc:
                 batch.outcomes[i] = exc
                 runs.record(key, failed=True)
@@ -304,6 +323,7 @@ class Worker:
             if self.keeper is not None:
                 batch.ticket = self.keeper.track(rows, self.owner,
                                                  max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds)
+            trace.publishing(batch.messages)
             batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
         return batch
 
@@ -318,6 +338,7 @@ class Worker:
                     self.keeper.untrack(batch.ticket)
             if len(published) != len(batch.messages):
                 raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(batch.messages)} messages")
+            batch.trace.published(published)
             for position, outcome in zip(batch.positions, published, strict=True):
                 batch.outcomes[position] = outcome
         if self.cfg.ordering.enabled:
@@ -325,7 +346,8 @@ class Worker:
             release_after_failures([ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows],
                                    batch.outcomes)
         try:
-            return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started)
+            return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started,
+                                  trace=batch.trace)
         finally:
             if self.budget is not None and batch.held_bytes:
                 self.budget.release(batch.held_bytes)
@@ -336,7 +358,7 @@ class Worker:
         return self._finalize(rows, outcomes, elapsed_seconds=None)
 
     def _finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome], *,
-                  elapsed_seconds: float | None) -> BatchResult:
+                  elapsed_seconds: float | None, trace: BatchTrace = NO_TRACE) -> BatchResult:
         # A batch that failed only on transport means the target is unreachable as a
         # whole: release it (attempts refunded) and open the breaker.
         outage = self.breaker is not None and is_outage(outcomes)
@@ -345,8 +367,10 @@ class Worker:
         if outage and self.breaker is not None:
             failures = sum(1 for o in outcomes if o is not None and not isinstance(o, NotDelivered))
             self.breaker.trip(f"{failures} transport failures and no delivery in one batch")
+        trace.finalizing()
         result = self.finalizer.write(rows, decisions, owner=self.owner)
         result.elapsed_seconds = elapsed_seconds
+        trace.finalized(result)
         self._record(result)
         return result
 
