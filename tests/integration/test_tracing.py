@@ -241,3 +241,22 @@ def test_unsupported_exporter_settings_exit_2(pg_dsn, table, broker, variable, v
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 2 and problem in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_enabled_without_opentelemetry_installed_is_a_config_error():
+    code = """
+import sys
+sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
+from outbox_relay.config import load_settings
+from outbox_relay.errors import ConfigError
+from outbox_relay.tracing import make_tracing
+try:
+    make_tracing(load_settings(None, otel={"enabled": True}))
+except ConfigError as exc:
+    print(exc)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "otel.enabled is true but OpenTelemetry is not installed" in result.stdout
+    assert "pip install 'outbox-relay[otel]'" in result.stdout
