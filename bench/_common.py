@@ -265,6 +265,14 @@ class RelayProcess:
             return None
         return None
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the relay process so far (/proc/<pid>/stat), all threads."""
+        try:
+            fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

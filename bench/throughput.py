@@ -12,6 +12,11 @@ Three variants, each draining the same backlog from a fresh table (its own schem
   relay     ``outbox-relay run --workers 4`` as a subprocess, started warm (running
             and idle) before the backlog is committed in one transaction; timed from
             that COMMIT until no row is pending/processing.
+  otel      (opt-in, ``--variants otel``) the relay with OpenTelemetry tracing off,
+            on, and on with the writers' traces sampled at 10 % (the default
+            parent-based sampler follows them), OTLP/HTTP to a receiver in this
+            process that decodes every span, alternating ``--otel-rounds`` times.
+            Every row carries a stored traceparent. Reports each mode / off.
 
 Correctness: every variant must end with all rows done; seed and relay must put
 every message id on their topic (read back with embedded.read_messages).
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -333,7 +339,8 @@ def run_db_bound(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
 # (c) the real relay: `outbox-relay run --workers N` as a warm subprocess
 # =========================================================================================
 def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, label: str, *,
-              aggregates: int | None = None, ordered: bool = False) -> dict[str, Any]:
+              aggregates: int | None = None, ordered: bool = False,
+              extra_env: dict[str, str] | None = None, sampled_every: int = 0) -> dict[str, Any]:
     table = c.new_table(label.replace("-", ""))
     topic = f"bench.{c.RUN_ID}.{label}"
     c.migrate(dsn, table)  # with the NOTIFY trigger, as `outbox-relay migrate` does by default
@@ -343,21 +350,30 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
         env["OUTBOX_RELAY_RELAY__BATCH_SIZE"] = str(args.batch_size)
     if ordered:
         env["OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES"] = '["*"]'
+    env.update(extra_env or {})
     aggregates = aggregates or args.aggregates
     relay = c.RelayProcess(["--workers", str(args.workers)], env)
     try:
         relay.wait_started()
         time.sleep(args.warm_seconds)  # every worker has made its first (empty) claim and sleeps
         rss_idle_kb = relay.status_kb("VmRSS")
+        cpu_before = relay.cpu_seconds()
         with psycopg.connect(dsn) as conn:
             with conn.transaction():
                 c.copy_backlog(conn, table, events, aggregates=aggregates, payload_bytes=args.payload_bytes)
+                if sampled_every:  # every row written inside a writer span, as enqueue() stores it;
+                    # one in `sampled_every` of those traces sampled (trace flags 01), the rest not (00)
+                    conn.execute(sql.SQL(
+                        "UPDATE {} SET headers = jsonb_build_object('traceparent', '00-' || md5(id::text) || '-' "
+                        "|| left(md5('s' || id::text), 16) || CASE WHEN id %% %s = 0 THEN '-01' ELSE '-00' END)")
+                        .format(sql.Identifier(*table.split("."))), (sampled_every,))
                 c.checkpoint(dsn)
                 c.say(f"(c) relay subprocess ({label}): committing {events} events, relay idle and warm ...")
                 started = time.monotonic()  # the COMMIT below makes the whole backlog visible at once
             with psycopg.connect(dsn, autocommit=True) as poll:
                 finished = c.wait_drained(poll, table, timeout=args.timeout)
         elapsed = finished - started
+        cpu_after = relay.cpu_seconds()
         hwm_kb = relay.status_kb("VmHWM")
         rss_end_kb = relay.status_kb("VmRSS")
     finally:
@@ -370,12 +386,44 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
         "end_rss_mb": round(rss_end_kb / 1024, 1) if rss_end_kb else None,
         "exit_code": code,
         "log_warnings": relay.warnings(),
+        # CPU the relay process spent draining (all its threads): steadier than events/s
+        # on a shared machine. Spans still queued for export at the end are not in it.
+        "relay_cpu_us_per_event": (round((cpu_after - cpu_before) / events * 1e6, 1)
+                                   if cpu_before is not None and cpu_after is not None else None),
     })
     if code != 0:
         result["ok"] = False
         result["problems"].append(f"relay exited {code} on SIGTERM")
     relay.cleanup()
     return result
+
+
+def run_otel(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """The relay with tracing off and on, alternating, on identical traced backlogs."""
+    from tests.helpers.otlp_receiver import OtlpReceiver
+
+    results: dict[str, dict[str, Any]] = {}
+    with OtlpReceiver() as receiver:
+        on_env = {"OUTBOX_RELAY_OTEL__ENABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+                  "OTEL_SERVICE_NAME": "outbox-relay-bench"}
+        for round_ in range(1, args.otel_rounds + 1):
+            for mode, sampled_every in (("off", 1), ("on", 1), ("on10", 10)):
+                label = f"otel-{mode}-{round_}"
+                before = len(receiver.snapshot())
+                result = run_relay(dsn, bootstrap, args, args.events, label, sampled_every=sampled_every,
+                                   extra_env={"OUTBOX_RELAY_OTEL__ENABLED": "false"} if mode == "off" else on_env)
+                if mode != "off":  # SIGTERM flushed the exporter: every sampled message span must have arrived
+                    spans = receiver.snapshot()[before:]
+                    sends = sum(1 for s in spans if s.kind == "PRODUCER")
+                    expected = args.events // sampled_every
+                    result["message_spans_received"] = sends
+                    result["spans_received"] = len(spans)
+                    if sends < expected:
+                        result["problems"].append(f"{expected - sends} of {expected} sampled message spans not "
+                                                  "received (dropped by the batch span processor?)")
+                        result["ok"] = False
+                results[label] = result
+    return results
 
 
 # =========================================================================================
@@ -422,12 +470,14 @@ def main() -> int:
     parser.add_argument("--rss-events", type=int, default=0,
                         help="also drain this many events with the relay and report its peak RSS (e.g. 100000)")
     parser.add_argument("--variants", default="seed,db-bound,relay",
-                        help="comma-separated subset of seed,db-bound,relay,ordered (default seed,db-bound,relay; "
-                             "'ordered' adds the relay with ordered_event_types=[\"*\"] on few hot and many cold "
-                             "aggregates)")
+                        help="comma-separated subset of seed,db-bound,relay,ordered,otel (default "
+                             "seed,db-bound,relay; 'ordered' adds the relay with ordered_event_types=[\"*\"] on few "
+                             "hot and many cold aggregates; 'otel' the relay with tracing off vs on)")
     parser.add_argument("--hot-aggregates", type=int, default=4, help="ordered variant: few hot aggregates (4)")
     parser.add_argument("--cold-aggregates", type=int, default=20_000,
                         help="ordered variant: many cold aggregates (20000)")
+    parser.add_argument("--otel-rounds", type=int, default=2,
+                        help="otel variant: off/on pairs, alternating (default 2)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up a drain after this many seconds")
     parser.add_argument("--target-vs-seed", type=float, default=10.0)
     parser.add_argument("--target-vs-db", type=float, default=0.6)
@@ -450,6 +500,8 @@ def main() -> int:
                                                aggregates=args.hot_aggregates, ordered=True)
             results["ordered-cold"] = run_relay(dsn, bootstrap, args, args.events, "ordered-cold",
                                                 aggregates=args.cold_aggregates, ordered=True)
+        if "otel" in variants:
+            results.update(run_otel(dsn, bootstrap, args))
         if args.rss_events:
             results["relay-rss"] = run_relay(dsn, bootstrap, args, args.rss_events, "relay-rss")
 
@@ -468,6 +520,17 @@ def main() -> int:
     for name in ("ordered-hot", "ordered-cold"):
         if eps(name) and eps("relay"):
             ratios[f"{name}_vs_unordered"] = round(eps(name) / eps("relay"), 2)
+    def median_of(prefix: str, key: str) -> float | None:
+        values = [r[key] for n, r in results.items() if n.startswith(prefix) and r.get(key)]
+        return statistics.median(values) if values else None
+
+    otel_off, otel_off_cpu = median_of("otel-off-", "events_per_second"), median_of("otel-off-", "relay_cpu_us_per_event")
+    for mode in ("on", "on10"):
+        value, cpu = median_of(f"otel-{mode}-", "events_per_second"), median_of(f"otel-{mode}-", "relay_cpu_us_per_event")
+        if value and otel_off:
+            ratios[f"otel_{mode}_vs_off"] = round(value / otel_off, 2)
+        if cpu and otel_off_cpu:
+            ratios[f"otel_{mode}_cpu_vs_off"] = round(cpu / otel_off_cpu, 2)
     if "relay_vs_db_bound" in ratios:
         targets["relay_vs_db_bound"] = {"target": f">= {args.target_vs_db}x", "value": ratios["relay_vs_db_bound"],
                                         "met": ratios["relay_vs_db_bound"] >= args.target_vs_db}
@@ -495,12 +558,20 @@ def main() -> int:
         if not r["ok"]:
             check = "FAILED: " + "; ".join(r["problems"])
         extra = f" (events {r['events']})" if name == "relay-rss" else ""
+        if r.get("relay_cpu_us_per_event") and name.startswith("otel"):
+            extra += f", relay CPU {r['relay_cpu_us_per_event']} us/event, peak RSS {r.get('peak_rss_mb')} MB"
+        if "message_spans_received" in r:
+            extra += f", {r['message_spans_received']} message spans ({r['spans_received']} spans) received"
         lines.append(f"  {name:<12}{r['events_per_second']:>11,.0f}{r['seconds']:>10.2f}  {check}{extra}")
     for name in ("relay", "relay-rss"):
         r = results.get(name)
         if r and r.get("peak_rss_mb") is not None:
             lines.append(f"  {name} subprocess peak RSS (VmHWM): {r['peak_rss_mb']:.1f} MB "
                          f"(idle {r['idle_rss_mb']} MB, end {r['end_rss_mb']} MB)")
+    for mode, what in (("on", "every trace sampled"), ("on10", "10 % of traces sampled")):
+        if f"otel_{mode}_vs_off" in ratios:
+            lines.append(f"  tracing on, {what} / off: events/s x{ratios[f'otel_{mode}_vs_off']}, "
+                         f"relay CPU per event x{ratios.get(f'otel_{mode}_cpu_vs_off')}")
     for key, t in targets.items():
         lines.append(f"  {key:<22} {t['value']!s:>8}   target {t['target']:<10} {'met' if t['met'] else 'NOT MET'}")
     if not all_ok:

@@ -43,8 +43,16 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.trace import Link, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 from .errors import ConfigError
 from .formats import TRACE_HEADERS
@@ -61,8 +69,8 @@ INSTRUMENTATION_NAME = "outbox_relay"
 # Links kept on the finalize span; the SDK would drop those above its link limit anyway.
 MAX_BATCH_LINKS = 128
 
-_PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()  # an empty context: the span starts a new trace
+_HEX = frozenset("0123456789abcdef")
 
 
 def _package_version() -> str:
@@ -96,6 +104,42 @@ def exporter_from_environment() -> SpanExporter | None:
     return OTLPSpanExporter()  # endpoint, headers, timeout, compression: OTEL_EXPORTER_OTLP_*
 
 
+def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanContext | None:
+    """A W3C ``traceparent`` (and ``tracestate``) -> the remote span context, or None if
+    invalid. What TraceContextTextMapPropagator.extract accepts, without its regular
+    expressions and context objects: this runs once per message."""
+    parts = traceparent.strip().split("-")
+    if len(parts) < 4:
+        return None
+    version, trace_hex, span_hex, flags_hex = parts[:4]
+    if (len(version) != 2 or version == "ff" or len(trace_hex) != 32 or len(span_hex) != 16 or len(flags_hex) != 2
+            or not _HEX.issuperset(version + trace_hex + span_hex + flags_hex)
+            or (version == "00" and len(parts) != 4)):
+        return None
+    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+    if not trace_id or not span_id:
+        return None
+    state = TraceState.from_header([tracestate]) if tracestate else TraceState()
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(flags_hex, 16)),
+                       trace_state=state)
+
+
+def w3c_headers(context: trace.SpanContext) -> list[tuple[str, str]]:
+    """A span context as W3C Trace Context headers (what TraceContextTextMapPropagator
+    injects, formatted directly: this runs once per message)."""
+    headers = [("traceparent", f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}")]
+    if context.trace_state:
+        headers.append(("tracestate", context.trace_state.to_header()))
+    return headers
+
+
+def batch_span_processor(exporter: SpanExporter, *, in_flight_messages: int) -> BatchSpanProcessor:
+    """The OTEL_BSP_* variables win; without them the queue holds every span of the
+    relay's in-flight batches twice over (the SDK's 2048 drops spans in a burst)."""
+    queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else max(2048, 2 * in_flight_messages)
+    return BatchSpanProcessor(exporter, max_queue_size=queue)
+
+
 class OtelTracing(Tracing):
     """Spans for claims, messages and finalizes on one tracer provider."""
 
@@ -118,7 +162,9 @@ class OtelTracing(Tracing):
         provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER
         exporter = exporter_from_environment()
         if exporter is not None:
-            provider.add_span_processor(BatchSpanProcessor(exporter))  # OTEL_BSP_* variables
+            # At most 2 batches per worker are in flight (pipelining).
+            in_flight = 2 * settings.relay.workers * settings.relay.batch_size
+            provider.add_span_processor(batch_span_processor(exporter, in_flight_messages=in_flight))
         return cls(provider, table=settings.database.table, publisher_name=publisher_name, owns_provider=True)
 
     def batch(self, worker: str = "") -> BatchTrace:
@@ -170,7 +216,11 @@ class OtelBatchTrace(BatchTrace):
         started_ns = time.time_ns()
         for message in messages:
             stored = {name: value for name, value in message.headers if name in TRACE_HEADERS}
-            parent = _PROPAGATOR.extract(stored) if stored else _ROOT  # no valid context -> a new trace
+            remote = parse_traceparent(stored["traceparent"], stored.get("tracestate")) \
+                if "traceparent" in stored else None
+            # No valid stored context: the span starts a new trace.
+            parent = trace.set_span_in_context(NonRecordingSpan(remote), _ROOT) if remote is not None else _ROOT
+            # Few attributes: each one costs the SDK a validation per span.
             attributes: dict[str, str | int | bool] = {
                 "messaging.system": system,
                 "messaging.operation.type": "send",
@@ -178,20 +228,16 @@ class OtelBatchTrace(BatchTrace):
                 "messaging.destination.name": message.topic,
                 "messaging.message.id": message.message_id,
                 "outbox_relay.event_type": message.event_type,
-                "outbox_relay.aggregate_type": message.aggregate_type,
-                "outbox_relay.aggregate_id": message.aggregate_id,
                 "outbox_relay.attempt": message.attempts,
-                "outbox_relay.message_format": str(message.format),
             }
             if system == "kafka":
                 attributes["messaging.kafka.message.key"] = message.key
             span = tracer.start_span(f"send {message.topic}", context=parent, kind=SpanKind.PRODUCER,
                                      attributes=attributes, links=self._claim_link, start_time=started_ns)
-            carrier: dict[str, str] = {}
-            _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
             # The consumer continues the trace from the relay's span, not the writer's.
-            message.headers = [(n, v) for n, v in message.headers if n not in TRACE_HEADERS]
-            message.headers.extend(carrier.items())
+            headers = [(n, v) for n, v in message.headers if n not in TRACE_HEADERS] if stored else message.headers
+            headers.extend(w3c_headers(span.get_span_context()))
+            message.headers = headers
             self._spans.append(span)
             self._message_ids.append(message.id)
 
@@ -207,7 +253,8 @@ class OtelBatchTrace(BatchTrace):
         spans = self._spans
         if not spans and not result.rows:
             return
-        links = [Link(s.get_span_context()) for s in spans[:MAX_BATCH_LINKS]]
+        # Linked to the claim span (which every message span links to) and to the message spans.
+        links = self._claim_link + [Link(s.get_span_context()) for s in spans[:MAX_BATCH_LINKS - 1]]
         finalize = t.tracer.start_span(
             "outbox finalize", context=_ROOT, kind=SpanKind.INTERNAL,
             start_time=self._finalize_started_ns or time.time_ns(), links=links,
@@ -227,7 +274,6 @@ class OtelBatchTrace(BatchTrace):
         finalize.end()
         if not spans:
             return
-        finalize_link = finalize.get_span_context()
         decisions = {row.id: decision for row, decision in zip(result.rows, result.decisions, strict=True)}
         lost, unfinalized = set(result.lost), set(result.unfinalized)
         outcomes = self._outcomes
@@ -245,5 +291,4 @@ class OtelBatchTrace(BatchTrace):
                 span.set_attribute("error.type", type(outcome).__name__)
                 span.record_exception(outcome)
                 span.set_status(Status(StatusCode.ERROR, outcome.reason))
-            span.add_link(finalize_link)
             span.end(end_time=ended_ns)

@@ -140,3 +140,38 @@ def test_http_binding_headers():
                                                                    ("X-Outbox-event-type", "OrderPaid")]
     assert ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01") in \
         http_headers(contract.format, contract.headers)
+
+
+@pytest.mark.parametrize("value", [
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+    " 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-03 ",
+    "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future",
+    "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+    "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-1",
+    "not a traceparent",
+    "",
+])
+def test_relay_reads_traceparent_as_the_w3c_propagator_does(value):
+    """The relay parses the stored traceparent itself (it runs per message); it must
+    accept and refuse exactly what OpenTelemetry's W3C propagator does."""
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from outbox_relay.otel import parse_traceparent, w3c_headers
+
+    carrier = {"traceparent": value, "tracestate": "shop=abc,vendor=x1"}
+    expected = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier)).get_span_context()
+    parsed = parse_traceparent(value, carrier["tracestate"])
+    if not expected.is_valid:
+        assert parsed is None
+        return
+    assert parsed == expected
+    assert parsed.trace_state.to_header() == "shop=abc,vendor=x1"
+    injected: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(injected, context=trace.set_span_in_context(trace.NonRecordingSpan(parsed)))
+    assert dict(w3c_headers(parsed)) == injected
