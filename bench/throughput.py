@@ -16,7 +16,9 @@ Three variants, each draining the same backlog from a fresh table (its own schem
             on, and on with the writers' traces sampled at 10 % (the default
             parent-based sampler follows them), OTLP/HTTP to a receiver in this
             process that decodes every span, alternating ``--otel-rounds`` times.
-            Every row carries a stored traceparent. Reports each mode / off.
+            Every row carries a stored traceparent. Reports each mode / off, and
+            how many sampled message spans arrived (the SDK's batch processor
+            drops spans when its queue, OTEL_BSP_MAX_QUEUE_SIZE, is full).
 
 Correctness: every variant must end with all rows done; seed and relay must put
 every message id on their topic (read back with embedded.read_messages).
@@ -412,15 +414,15 @@ def run_otel(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, di
                 before = len(receiver.snapshot())
                 result = run_relay(dsn, bootstrap, args, args.events, label, sampled_every=sampled_every,
                                    extra_env={"OUTBOX_RELAY_OTEL__ENABLED": "false"} if mode == "off" else on_env)
-                if mode != "off":  # SIGTERM flushed the exporter: every sampled message span must have arrived
+                if mode != "off":  # SIGTERM flushed the exporter: what did not arrive was dropped
                     spans = receiver.snapshot()[before:]
                     sends = sum(1 for s in spans if s.kind == "PRODUCER")
                     expected = args.events // sampled_every
+                    result["message_spans_expected"] = expected
                     result["message_spans_received"] = sends
                     result["spans_received"] = len(spans)
-                    if sends < expected:
-                        result["problems"].append(f"{expected - sends} of {expected} sampled message spans not "
-                                                  "received (dropped by the batch span processor?)")
+                    if not sends or sends > expected:
+                        result["problems"].append(f"{sends} message spans received, expected up to {expected}")
                         result["ok"] = False
                 results[label] = result
     return results
@@ -561,7 +563,8 @@ def main() -> int:
         if r.get("relay_cpu_us_per_event") and name.startswith("otel"):
             extra += f", relay CPU {r['relay_cpu_us_per_event']} us/event, peak RSS {r.get('peak_rss_mb')} MB"
         if "message_spans_received" in r:
-            extra += f", {r['message_spans_received']} message spans ({r['spans_received']} spans) received"
+            extra += (f", {r['message_spans_received']} of {r['message_spans_expected']} sampled message spans "
+                      f"received ({r['spans_received']} spans)")
         lines.append(f"  {name:<12}{r['events_per_second']:>11,.0f}{r['seconds']:>10.2f}  {check}{extra}")
     for name in ("relay", "relay-rss"):
         r = results.get(name)

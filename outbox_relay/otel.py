@@ -133,13 +133,6 @@ def w3c_headers(context: trace.SpanContext) -> list[tuple[str, str]]:
     return headers
 
 
-def batch_span_processor(exporter: SpanExporter, *, in_flight_messages: int) -> BatchSpanProcessor:
-    """The OTEL_BSP_* variables win; without them the queue holds every span of the
-    relay's in-flight batches twice over (the SDK's 2048 drops spans in a burst)."""
-    queue = None if "OTEL_BSP_MAX_QUEUE_SIZE" in os.environ else max(2048, 2 * in_flight_messages)
-    return BatchSpanProcessor(exporter, max_queue_size=queue)
-
-
 class OtelTracing(Tracing):
     """Spans for claims, messages and finalizes on one tracer provider."""
 
@@ -162,9 +155,10 @@ class OtelTracing(Tracing):
         provider = TracerProvider(resource=resource)  # sampler: OTEL_TRACES_SAMPLER
         exporter = exporter_from_environment()
         if exporter is not None:
-            # At most 2 batches per worker are in flight (pipelining).
-            in_flight = 2 * settings.relay.workers * settings.relay.batch_size
-            provider.add_span_processor(batch_span_processor(exporter, in_flight_messages=in_flight))
+            # The SDK's batch processor as configured by OTEL_BSP_*: when the exporter
+            # falls behind, its queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048 spans)
+            # drops spans; delivery never waits for telemetry.
+            provider.add_span_processor(BatchSpanProcessor(exporter))
         return cls(provider, table=settings.database.table, publisher_name=publisher_name, owns_provider=True)
 
     def batch(self, worker: str = "") -> BatchTrace:

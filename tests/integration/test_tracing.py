@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.semconv._incubating.attributes import messaging_attributes as semconv
 from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
@@ -124,6 +125,15 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
         s = sends[int(m["headers"]["message_id"])]
         assert m["headers"]["traceparent"] == context_header(s.context)
     assert writer_spans.get_finished_spans()[0].context.span_id == request.span_id
+    # A consumer continues the trace from the header (README "Tracing"): writer -> relay -> consumer.
+    [message] = [m for m in messages if m["headers"]["message_id"] == str(traced)]
+    consumer_provider, consumer_spans = sdk("consumer")
+    parent = TraceContextTextMapPropagator().extract(message["headers"])
+    with consumer_provider.get_tracer("billing").start_as_current_span("process OrderPaid", context=parent,
+                                                                        kind=SpanKind.CONSUMER):
+        pass
+    [consumed] = consumer_spans.get_finished_spans()
+    assert consumed.context.trace_id == request.trace_id and consumed.parent.span_id == send.context.span_id
 
 
 def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_settings, store, pg_dsn, table):
