@@ -34,10 +34,12 @@ uses its own tracer provider; it never replaces the process's global one.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import structlog
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -63,6 +65,8 @@ if TYPE_CHECKING:
     from .finalizer import BatchResult
     from .publisher import Message, Outcome
     from .store import ClaimResult
+
+log = structlog.get_logger("outbox_relay.otel")
 
 DEFAULT_SERVICE_NAME = "outbox-relay"
 INSTRUMENTATION_NAME = "outbox_relay"
@@ -164,11 +168,21 @@ class OtelTracing(Tracing):
     def batch(self, worker: str = "") -> BatchTrace:
         return OtelBatchTrace(self, worker)
 
-    def close(self) -> None:
-        if self._owns_provider:
-            shutdown = getattr(self.provider, "shutdown", None)  # the SDK provider flushes its processors
-            if shutdown is not None:
-                shutdown()
+    def close(self, timeout_seconds: float = 3.0) -> None:
+        """Flush the queued spans, for at most ``timeout_seconds``: an unreachable
+        collector (the exporter retries for OTEL_EXPORTER_OTLP_TIMEOUT) must not hold
+        up a shutdown whose rows are already finalized."""
+        if not self._owns_provider:
+            return
+        shutdown = getattr(self.provider, "shutdown", None)  # the SDK provider flushes its processors
+        if shutdown is None:
+            return
+        flusher = threading.Thread(target=shutdown, name="otel-shutdown", daemon=True)
+        flusher.start()
+        flusher.join(timeout_seconds)
+        if flusher.is_alive():
+            log.warning("tracing: spans not exported before shutdown (collector unreachable?)",
+                        timeout_seconds=timeout_seconds)
 
 
 class OtelBatchTrace(BatchTrace):

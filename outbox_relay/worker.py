@@ -8,7 +8,9 @@ deduplicate on the ``message_id`` header.
 Who does what: the store claims (``OutboxStore.claim``); the worker builds the
 messages and hands them to the publisher; ``decision.decide`` turns each outcome
 into a decision (pure); the ``Finalizer`` writes them in one fenced statement; the
-metrics and log lines are made from the ``BatchResult`` in ``_record``.
+metrics and log lines are made from the ``BatchResult`` in ``_record``. Tracing
+follows the same batch through a ``BatchTrace`` (``tracing.py``; a no-op unless
+``otel.enabled``). Messages are built in the configured format (``formats.py``).
 """
 
 from __future__ import annotations
