@@ -174,6 +174,7 @@ class OtelTracing(Tracing):
         up a shutdown whose rows are already finalized."""
         if not self._owns_provider:
             return
+        self._owns_provider = False  # a second close does nothing
         shutdown = getattr(self.provider, "shutdown", None)  # the SDK provider flushes its processors
         if shutdown is None:
             return
