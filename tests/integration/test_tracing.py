@@ -65,11 +65,14 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     with writer.start_as_current_span("POST /orders", kind=SpanKind.SERVER) as request_span:
         traced = write(pg_dsn, table, "traced")
         opted_out = write(pg_dsn, table, "opted-out", trace_context=False)
+        own = traceparent(0x5BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7)
+        explicit = write(pg_dsn, table, "explicit", headers={"traceparent": own})  # the caller's wins
     untraced = write(pg_dsn, table, "untraced")  # no active span
     request = request_span.get_span_context()
     stored = dict(run_sql(pg_dsn, table, "SELECT id, headers FROM {t}"))
     assert stored[traced] == {"traceparent": context_header(request)}
     assert stored[opted_out] is None and stored[untraced] is None
+    assert stored[explicit] == {"traceparent": own}
 
     relay_provider, exported = sdk("relay")
     tracing = OtelTracing(relay_provider, table=table, publisher_name="kafka")
@@ -78,7 +81,7 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     publisher.start()
     try:
         cfg = WorkerConfig.from_settings(settings, publisher, owner="tracing")
-        assert Worker(0, store, publisher, cfg, RelayMetrics(), tracing=tracing).run_once().done == 3
+        assert Worker(0, store, publisher, cfg, RelayMetrics(), tracing=tracing).run_once().done == 4
     finally:
         publisher.close()
 
@@ -86,7 +89,8 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     sends = {int(s.attributes["messaging.message.id"]): s for s in spans if s.kind is SpanKind.PRODUCER}
     [claim] = [s for s in spans if s.name == "outbox claim"]
     [finalize] = [s for s in spans if s.name == "outbox finalize"]
-    assert set(sends) == {traced, opted_out, untraced}
+    assert set(sends) == {traced, opted_out, untraced, explicit}
+    assert sends[explicit].parent.span_id == 0x00F067AA0BA902B7
 
     # The relay's span is a child of the writer's request span: one trace.
     send = sends[traced]
@@ -95,15 +99,15 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     # A row without a stored context starts a new trace (a root span).
     for row_id in (opted_out, untraced):
         assert sends[row_id].parent is None and sends[row_id].context.trace_id != request.trace_id
-    assert len({s.context.trace_id for s in sends.values()}) == 3
+    assert len({s.context.trace_id for s in sends.values()}) == 4
     # Batch spans are roots, linked both ways with the message spans.
     assert claim.parent is None and finalize.parent is None
-    assert claim.attributes["messaging.batch.message_count"] == 3
+    assert claim.attributes["messaging.batch.message_count"] == 4
     for s in sends.values():
         assert [link.context.span_id for link in s.links] == [claim.context.span_id]
     assert {link.context.span_id for link in finalize.links} == {claim.context.span_id} | {
         s.context.span_id for s in sends.values()}
-    assert finalize.attributes["outbox_relay.done"] == 3
+    assert finalize.attributes["outbox_relay.done"] == 4
 
     # Messaging semantic conventions (names checked against the semconv package).
     topic = f"{topic_prefix}.order"
@@ -119,8 +123,8 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     assert send.start_time <= send.end_time
 
     # Each Kafka message carries ITS relay span's traceparent (the row's was replaced).
-    messages = read_messages(broker.bootstrap_servers, [topic], expected=3, timeout=30)
-    assert len(messages) == 3
+    messages = read_messages(broker.bootstrap_servers, [topic], expected=4, timeout=30)
+    assert len(messages) == 4
     for m in messages:
         s = sends[int(m["headers"]["message_id"])]
         assert m["headers"]["traceparent"] == context_header(s.context)
