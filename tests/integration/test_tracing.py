@@ -200,7 +200,6 @@ def test_otlp_http_export_from_the_cli(store, pg_dsn, table, broker, topic_prefi
                       OUTBOX_RELAY_OTEL__ENABLED="true",
                       OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_SERVICE_NAME="relay-under-test",
                       OTEL_BSP_SCHEDULE_DELAY="100")
-        assert cli("migrate", env=env).returncode == 0
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_RELAY_", "OTEL_"))}
         proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run"], env={**base, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -244,17 +243,21 @@ assert not loaded, loaded
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("variable, value, problem", [
-    ("OTEL_TRACES_EXPORTER", "zipkin", "OTEL_TRACES_EXPORTER"),
-    ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "http/protobuf only"),
-])
-def test_unsupported_exporter_settings_exit_2(pg_dsn, table, broker, variable, value, problem):
+def test_unsupported_exporter_settings_exit_2(pg_dsn, table, broker, monkeypatch):
     env = cli_env(pg_dsn, table, broker.bootstrap_servers, OUTBOX_RELAY_OTEL__ENABLED="true",
-                  OUTBOX_RELAY_METRICS__ENABLED="false", **{variable: value})
-    assert cli("migrate", env=env).returncode == 0
+                  OUTBOX_RELAY_METRICS__ENABLED="false", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
     result = cli("run", env=env, timeout=60)
-    assert result.returncode == 2 and problem in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "http/protobuf only" in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
+    from outbox_relay.errors import ConfigError
+    from outbox_relay.otel import exporter_from_environment
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
+    with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER='zipkin'"):
+        exporter_from_environment()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    assert exporter_from_environment() is None
 
 
 def test_enabled_without_opentelemetry_installed_is_a_config_error():
