@@ -92,6 +92,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=2, help="relay worker threads (default 2)")
     parser.add_argument("--batch-size", type=int, default=1000, help="relay.batch_size (default 1000)")
     parser.add_argument("--ordered", action="store_true", help="claim the event type in per-aggregate order")
+    parser.add_argument("--relay-log", help="copy the relay's log (JSON lines) to this file")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the backlog to settle")
     args = parser.parse_args()
     if args.bootstrap:
@@ -129,11 +130,15 @@ def main() -> int:
             settled = False
             try:
                 relay.wait_started()
-                probe = sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE status IN ('pending', 'processing'))"
-                                ).format(ident(table))
+                # Settled: nothing processing, and every pending row waits behind a dead
+                # earlier row of its aggregate (an ordered aggregate's dead head blocks it).
+                probe = sql.SQL(
+                    "SELECT EXISTS (SELECT 1 FROM {t} o WHERE o.status = 'processing' OR (o.status = 'pending' "
+                    "AND NOT (%s AND EXISTS (SELECT 1 FROM {t} d WHERE d.aggregate_id = o.aggregate_id "
+                    "AND d.status = 'dead' AND d.id < o.id))))").format(t=ident(table))
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     while time.monotonic() - started < args.timeout:
-                        if not conn.execute(probe).fetchone()[0]:  # type: ignore[index]
+                        if not conn.execute(probe, (args.ordered,)).fetchone()[0]:  # type: ignore[index]
                             settled = True
                             break
                         time.sleep(0.05)
@@ -141,6 +146,8 @@ def main() -> int:
                 isolated = scrape_metric(metrics_port, "outbox_relay_isolated_total")
             finally:
                 relay.stop()
+                if args.relay_log:
+                    Path(args.relay_log).write_text(relay.log_text())
                 relay.cleanup()
 
             statuses = count_by_status(dsn, table)
@@ -151,11 +158,14 @@ def main() -> int:
             bad_ids = {first_id + i for i in bad}
             dead_reasons: dict[str, int] = {}
             good_attempts: dict[int, int] = {}
+            burned_reasons: dict[str, int] = {}  # last_error of good rows that used more than one attempt
             for row_id, status, attempts, last_error in rows:
                 if status == "dead":
                     dead_reasons[str(last_error)] = dead_reasons.get(str(last_error), 0) + 1
                 if row_id not in bad_ids:
                     good_attempts[attempts] = good_attempts.get(attempts, 0) + 1
+                    if attempts > 1:
+                        burned_reasons[str(last_error)] = burned_reasons.get(str(last_error), 0) + 1
             bad_dead = sum(1 for row_id, status, _, _ in rows if row_id in bad_ids and status == "dead")
             good_dead = sum(1 for row_id, status, _, _ in rows if row_id not in bad_ids and status == "dead")
             delivered = statuses.get("done", 0)
@@ -169,6 +179,7 @@ def main() -> int:
         "ordered": args.ordered, "settled": settled, "seconds": round(elapsed, 2),
         "statuses": statuses, "bad_rows_dead": bad_dead, "good_rows_dead": good_dead,
         "good_rows_by_attempts": dict(sorted(good_attempts.items())), "dead_reasons": dead_reasons,
+        "burned_reasons": burned_reasons,
         "topic_unique_message_ids": unique, "topic_messages": total, "isolated_total": isolated,
     }
     lines = [
@@ -183,6 +194,8 @@ def main() -> int:
         f"outbox_relay_isolated_total: {isolated if isolated is not None else 'n/a (metric not exported)'}",
         "dead reasons:",
         *(f"  {n:5d} x {reason}" for reason, n in sorted(dead_reasons.items(), key=lambda kv: -kv[1])),
+        *(["last errors of good rows that used more than one attempt:"] if burned_reasons else []),
+        *(f"  {n:5d} x {reason}" for reason, n in sorted(burned_reasons.items(), key=lambda kv: -kv[1])),
     ]
     emit(report, lines, args.json)
     return 0

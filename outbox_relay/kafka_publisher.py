@@ -22,6 +22,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .errors import BrokerRefused
+from .kafka_isolation import RejectionIsolator  # issue 14
 from .logs import RateLimiter, librdkafka_logger
 from .ordering import RELEASED_AFTER_FAILURE, RunGuard
 from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, RetryableError
@@ -81,12 +82,13 @@ def classify(err: KafkaError) -> Outcome:
 class _BatchWaiter:
     """Collects the delivery reports of one batch (called from the poll thread)."""
 
-    __slots__ = ("_created", "_lock", "_owner", "done", "outcomes", "remaining")
+    __slots__ = ("_created", "_lock", "_owner", "done", "errors", "outcomes", "remaining")
 
     _UNSET: Any = object()
 
     def __init__(self, size: int, owner: KafkaPublisher, created: list[float]) -> None:
         self.outcomes: list[Any] = [self._UNSET] * size
+        self.errors: list[KafkaError | None] = [None] * size  # delivery report errors, for isolation
         self._created = created
         self.remaining = size
         self.done = threading.Event()
@@ -111,6 +113,7 @@ class _BatchWaiter:
             return
         if err.code() in REPLACE_CODES:
             self._owner.request_replacement(f"delivery error {err.name()}")
+        self.errors[index] = err
         self.settle(index, classify(err))
 
 
@@ -137,6 +140,9 @@ class KafkaPublisher(Publisher):
         self._refusal: str | None = None  # the last authentication/TLS refusal (see is_refusal)
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
+        # issue 14: the messages of a refused record batch are judged one by one.
+        self.isolation = RejectionIsolator(self._config, classify=classify,
+                                           on_isolated=lambda count: self.observer.messages_isolated(count))
 
     # --- lifecycle -------------------------------------------------------------------
     def _new_producer(self) -> Producer:
@@ -187,6 +193,7 @@ class KafkaPublisher(Publisher):
                 except KafkaException:
                     pass
             producer.flush(timeout_seconds)
+        self.isolation.close(timeout_seconds, discard_queued=self.aborting.is_set())  # issue 14
 
     # --- health ----------------------------------------------------------------------
     def _on_error(self, err: KafkaError) -> None:
@@ -335,14 +342,15 @@ class KafkaPublisher(Publisher):
                     waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
                     runs.record(message.order_key, failed=True)
                     break
-        return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds, generation)
+        return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds, generation, messages)
 
 
 class InFlightBatch(PendingBatch):
     """A produced batch whose delivery reports are still arriving."""
 
     def __init__(self, publisher: KafkaPublisher, waiter: _BatchWaiter, size: int, deadline: float,
-                 timeout_seconds: float, generation: int) -> None:
+                 timeout_seconds: float, generation: int, messages: Sequence[Message] = ()) -> None:
+        self._messages = messages
         self._generation = generation
         self._publisher = publisher
         self._waiter = waiter
@@ -373,7 +381,13 @@ class InFlightBatch(PendingBatch):
             for index in range(self._size):
                 waiter.settle(index, RetryableError(
                     f"kafka: no delivery report within {self._timeout:.1f}s", transport=True))
-        return list(waiter.outcomes)
+        outcomes = list(waiter.outcomes)
+        # --- issue 14: a refused record batch does not condemn every message in it ---
+        if self._messages and not publisher.aborting.is_set() and not (cancel is not None and cancel.is_set()):
+            outcomes = publisher.isolation.resolve(self._messages, outcomes, waiter.errors, deadline=self._deadline,
+                                                   cancel=cancel, abort=publisher.aborting)
+        # --- end issue 14 ---
+        return outcomes
 
 
 def from_settings(settings: Settings) -> KafkaPublisher:

@@ -64,6 +64,9 @@ class RelayMetrics(PublisherObserver):
             "outbox_relay_released", "Rows handed back to pending unpublished, attempt refunded.", registry=r)
         self.producer_replacements_total = Counter(
             "outbox_relay_producer_replacements", "Kafka producers replaced after a fatal state.", registry=r)
+        self.isolated_total = Counter(
+            "outbox_relay_isolated", "Rows re-produced alone because the broker refused their record batch.",
+            registry=r)
         self.stats_refresh_errors_total = Counter(
             "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r)
         self.claim_batch_size = Histogram(
@@ -121,6 +124,9 @@ class RelayMetrics(PublisherObserver):
 
     def client_replaced(self, reason: str) -> None:
         self.producer_replacements_total.inc()
+
+    def messages_isolated(self, count: int) -> None:
+        self.isolated_total.inc(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
