@@ -19,10 +19,13 @@ the verdict of that:
   (``NotDelivered``: back to pending, due now, attempt refunded).
 
 Messages that failed because the idempotent producer's identity broke
-(:data:`PRODUCER_STATE_CODES`: fenced, unknown producer id, sequence gap) were not
-judged at all; they take the same path. A broker without KIP-360 epoch bumps (tansu
-0.6) fences an idempotent producer after any rejected batch, so without this every
-batch in flight at that moment would burn an attempt because of one bad row.
+(:data:`PRODUCER_STATE_CODES`: fenced, unknown producer id, sequence gap) or that
+the relay purged from a producer it replaced (:data:`PURGED_CODES`) were not judged
+at all; they take the same path. A broker without KIP-360 epoch bumps (tansu 0.6)
+fences an idempotent producer after any rejected batch, the relay then replaces it
+and purges what it still held: without this, every batch in flight at that moment
+would burn an attempt because of one bad row. (If the broker is down instead, these
+messages get no verdict by the deadline and are released, attempt refunded.)
 
 Ordered runs (messages with an order key: the same aggregate, produced in order)
 keep their rule: from the first of its messages that needs a verdict, an
@@ -85,8 +88,14 @@ PRODUCER_STATE_CODES: frozenset[int] = frozenset({
     *([E._GAPLESS_GUARANTEE] if hasattr(E, "_GAPLESS_GUARANTEE") else []),
 })
 
+#: The relay purged the message from a producer it replaced (after a fenced or
+#: otherwise broken producer, or one that timed out): the broker never judged it.
+#: (A purge at shutdown never gets here: nothing is isolated once ``abort`` is set.)
+PURGED_CODES: frozenset[int] = frozenset({E._PURGE_QUEUE, E._PURGE_INFLIGHT})
+
 #: A message that failed with one of these gets judged on its own.
-ISOLATE_CODES: frozenset[int] = BATCH_REJECTION_CODES | INNOCENT_NEIGHBOUR_CODES | PRODUCER_STATE_CODES
+ISOLATE_CODES: frozenset[int] = (BATCH_REJECTION_CODES | INNOCENT_NEIGHBOUR_CODES | PRODUCER_STATE_CODES
+                                 | PURGED_CODES)
 
 # Overrides of the main producer's configuration for the isolation producer.
 _ISOLATION_OVERRIDES: dict[str, Any] = {
