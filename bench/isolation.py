@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psycopg
 from _common import (
     RUN_ID,
     RelayProcess,
@@ -42,11 +43,9 @@ from _common import (
     servers,
     unique_message_ids,
 )
+from psycopg import sql
 
-import psycopg  # noqa: E402  (after _common put the checkout on sys.path)
-from psycopg import sql  # noqa: E402
-
-from outbox_relay.embedded import EmbeddedBroker, free_port  # noqa: E402
+from outbox_relay.embedded import EmbeddedBroker, free_port
 
 # The topic's schema: the value must be an object with an integer "amount".
 VALUE_SCHEMA = {
@@ -62,11 +61,12 @@ VALUE_SCHEMA = {
 
 
 def bad_positions(rows: int, bad: int) -> set[int]:
-    """``bad`` row positions spread evenly through the backlog (none at the very start)."""
+    """``bad`` row positions spread evenly through the backlog (none at the very start),
+    shifted by one per bad row so that they fall on different aggregates."""
     if bad <= 0:
         return set()
     step = rows / bad
-    return {int(step * k + step / 2) for k in range(bad)}
+    return {min(rows - 1, int(step * k + step / 2) + k) for k in range(bad)}
 
 
 def scrape_metric(port: int, name: str) -> float | None:
@@ -175,7 +175,8 @@ def main() -> int:
             drop_schema(dsn, table)
 
     report = {
-        "rows": args.rows, "bad": len(bad), "partitions": args.partitions, "workers": args.workers, "batch_size": args.batch_size,
+        "rows": args.rows, "bad": len(bad), "partitions": args.partitions, "workers": args.workers,
+        "batch_size": args.batch_size,
         "ordered": args.ordered, "settled": settled, "seconds": round(elapsed, 2),
         "statuses": statuses, "bad_rows_dead": bad_dead, "good_rows_dead": good_dead,
         "good_rows_by_attempts": dict(sorted(good_attempts.items())), "dead_reasons": dead_reasons,

@@ -114,10 +114,10 @@ _POLL_SLICE_SECONDS = 0.02
 def order_key_of(message: Message) -> object | None:
     """The message's ordered-run key: ``Message.order_key`` once the publisher API
     has it, ``extra["order_group"]`` (set by the worker) until then."""
-    key = getattr(message, "order_key", None)
-    if key is not None:
-        return key
-    return message.extra.get("order_group") if message.extra else None
+    key: object | None = getattr(message, "order_key", None)
+    if key is None and message.extra:
+        key = message.extra.get("order_group")
+    return key
 
 
 def needs_verdict(outcome: Outcome, error: KafkaError | None) -> bool:
@@ -265,10 +265,11 @@ class RejectionIsolator:
 
     def _produce(self, producer: Producer, message: Message, verdict: _Verdict) -> Outcome | None:
         """Produce one message; an outcome if ``produce()`` itself refused it."""
+        headers: list[tuple[str, str | bytes | None]] = list(message.headers)
         while True:
             try:
                 producer.produce(message.topic, value=message.value, key=message.key,
-                                 headers=message.headers, on_delivery=verdict.on_delivery)
+                                 headers=headers, on_delivery=verdict.on_delivery)
                 return None
             except BufferError:
                 producer.poll(_POLL_SLICE_SECONDS)  # local queue full: serve reports, then retry

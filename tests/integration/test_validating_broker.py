@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,7 +88,7 @@ def test_only_the_schema_violating_rows_go_dead(make_settings, store, pg_dsn, ta
     bad_free = {17, 150, 301}
     bad_ordered = {43, 127, 259}  # the 2nd row of acct-2, the 4th of acct-7, the 9th of acct-0
     for i in bad_free | bad_ordered:
-        aggregate, event_type, payload = spec[i]
+        aggregate, event_type, _ = spec[i]
         spec[i] = (aggregate, event_type, {"amount": "not a number", "seq": i})
     ids = _insert(pg_dsn, table, spec)
     bad_ids = {ids[i] for i in bad_free | bad_ordered}
@@ -114,7 +113,7 @@ def test_only_the_schema_violating_rows_go_dead(make_settings, store, pg_dsn, ta
     for row_id in bad_ids:
         assert "INVALID_RECORD" in by_id[row_id][4], by_id[row_id]
         assert by_id[row_id][2] == 1  # permanent on its first attempt
-    for row_id, (_, status, attempts, _, last_error) in by_id.items():
+    for row_id, (_, status, attempts, _, _) in by_id.items():
         if row_id in bad_ids:
             continue
         if row_id in blocked:
