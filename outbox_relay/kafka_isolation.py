@@ -57,6 +57,7 @@ from typing import Any
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from .ordering import RELEASED_AFTER_FAILURE
 from .publisher import Message, NotDelivered, Outcome, PermanentError, RetryableError
 
 log = structlog.get_logger("outbox_relay.kafka")
@@ -111,15 +112,6 @@ _ISOLATION_DROPPED = ("transactional.id", "enable.gapless.guarantee", "error_cb"
 _POLL_SLICE_SECONDS = 0.02
 
 
-def order_key_of(message: Message) -> object | None:
-    """The message's ordered-run key: ``Message.order_key`` once the publisher API
-    has it, ``extra["order_group"]`` (set by the worker) until then."""
-    key: object | None = getattr(message, "order_key", None)
-    if key is None and message.extra:
-        key = message.extra.get("order_group")
-    return key
-
-
 def needs_verdict(outcome: Outcome, error: KafkaError | None) -> bool:
     return outcome is not None and error is not None and error.code() in ISOLATE_CODES
 
@@ -148,10 +140,10 @@ def plan_isolation(messages: Sequence[Message], outcomes: Sequence[Outcome],
     order; if it does not, the run stays stopped there (the worker releases the
     rest) and nothing of it is re-produced."""
     plan = IsolationPlan()
-    first_failure: dict[object, bool] = {}  # order key -> its first failure needs a verdict
-    runs: dict[object, list[int]] = {}
+    first_failure: dict[str, bool] = {}  # order key -> its first failure needs a verdict
+    runs: dict[str, list[int]] = {}
     for index, message in enumerate(messages):
-        key = order_key_of(message)
+        key = message.order_key
         if key is None:
             if needs_verdict(outcomes[index], errors[index]):
                 plan.singles.append(index)
@@ -361,7 +353,7 @@ class RejectionIsolator:
     @staticmethod
     def _release_rest(run: list[int], start_at: int, result: list[Outcome]) -> None:
         for index in run[start_at:]:
-            result[index] = NotDelivered("released: an earlier row of this aggregate was rejected")
+            result[index] = NotDelivered(RELEASED_AFTER_FAILURE)
 
     @staticmethod
     def _give_up(result: list[Outcome], pending: dict[int, _Verdict], runs: list[list[int]],

@@ -23,7 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from outbox_relay import enqueue
 from outbox_relay.embedded import EmbeddedBroker, read_messages
 from outbox_relay.relay import Relay
-from tests.conftest import rows, wait_for
+from tests.helpers.db import rows, wait_for
 
 # The value must be an object with an integer "amount" (the key is not validated).
 VALUE_SCHEMA = {

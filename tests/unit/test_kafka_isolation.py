@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from confluent_kafka import KafkaError
 
 from outbox_relay.kafka_isolation import ISOLATE_CODES, RejectionIsolator, plan_isolation
@@ -18,11 +16,8 @@ NEIGHBOUR = KafkaError(KafkaError._INVALID_DIFFERENT_RECORD)
 
 
 def _message(i: int, group: str | None = None) -> Message:
-    m = Message(id=i, topic="t", key=group or f"k{i}", value="{}", headers=[], aggregate_type="a",
-                aggregate_id=group or f"k{i}", event_type="E")
-    if group is not None:
-        m.extra["order_group"] = group
-    return m
+    return Message(id=i, topic="t", key=group or f"k{i}", value="{}", headers=[], aggregate_type="a",
+                   aggregate_id=group or f"k{i}", event_type="E", order_key=group)
 
 
 def _reports(*errors: KafkaError | None) -> tuple[list[Outcome], list[KafkaError | None]]:
@@ -60,20 +55,6 @@ def test_producer_state_errors_are_judged_alone_too():
     outcomes, errors = _reports(FENCED, FENCED, FENCED)
     plan = plan_isolation(messages, outcomes, errors)
     assert plan.singles == [0] and plan.runs == [[1, 2]]
-
-
-@dataclass(slots=True)
-class _KeyedMessage(Message):
-    """The shape of Message after the publisher redesign: a typed order key."""
-
-    order_key: str | None = None
-
-
-def test_the_order_key_attribute_wins_over_the_legacy_extra():
-    message = _KeyedMessage(id=0, topic="t", key="g", value="{}", headers=[], aggregate_type="a",
-                            aggregate_id="g", event_type="E", order_key="g")
-    plan = plan_isolation([message, _message(1, "g")], *_reports(INVALID, INVALID))
-    assert plan.runs == [[0, 1]]
 
 
 def test_isolation_codes_exclude_errors_that_are_not_about_the_batch_content():
