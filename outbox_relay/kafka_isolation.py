@@ -255,8 +255,9 @@ class RejectionIsolator:
                     delivered=delivered, unresolved=plan.size - dead - delivered)
         return result
 
-    def _produce(self, producer: Producer, message: Message, verdict: _Verdict) -> Outcome | None:
-        """Produce one message; an outcome if ``produce()`` itself refused it."""
+    def _produce(self, producer: Producer, message: Message, verdict: _Verdict, deadline: float) -> Outcome | None:
+        """Produce one message; an outcome if ``produce()`` itself refused it (or the
+        local queue stayed full until the deadline)."""
         headers: list[tuple[str, str | bytes | None]] = list(message.headers)
         while True:
             try:
@@ -264,6 +265,8 @@ class RejectionIsolator:
                                  headers=headers, on_delivery=verdict.on_delivery)
                 return None
             except BufferError:
+                if time.monotonic() >= deadline:
+                    return NotDelivered("released: the local producer queue stayed full until the publish deadline")
                 producer.poll(_POLL_SLICE_SECONDS)  # local queue full: serve reports, then retry
             except KafkaException as exc:
                 return self._alone(exc.args[0])
@@ -286,7 +289,7 @@ class RejectionIsolator:
             """Produce ``messages[index]``; False if produce() refused it (outcome set)."""
             nonlocal produced
             verdict = _Verdict()
-            refused = self._produce(producer, messages[index], verdict)
+            refused = self._produce(producer, messages[index], verdict, deadline)
             if refused is not None:
                 result[index] = refused
                 return False
