@@ -244,6 +244,15 @@ class RejectionIsolator:
         log.warning("kafka record batch refused; producing its messages one by one to find the bad ones",
                     messages=plan.size, ordered_runs=len(plan.runs), errors=rejected)
         produced = self._run(messages, plan, result, deadline=deadline, cancel=cancel, abort=abort)
+        # A message whose producer broke (or was purged) and that gets no verdict in
+        # time keeps its original outcome: releasing it with the attempt refunded could
+        # repeat forever (e.g. a topic that never resolves); only a batch refusal, which
+        # may be a neighbour's fault, earns the refund.
+        for index, error in enumerate(errors):
+            if (error is not None and error.code() in PRODUCER_STATE_CODES | PURGED_CODES
+                    and isinstance(result[index], NotDelivered) and result[index] is not outcomes[index]
+                    and str(result[index]).startswith("released: no verdict")):
+                result[index] = outcomes[index]
         if produced:
             self.isolated_total += produced
             if self.on_isolated is not None:
