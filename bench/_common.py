@@ -147,6 +147,30 @@ def copy_backlog(conn: psycopg.Connection[Any], table: str, n: int, *, aggregate
             copy.write_row((aggregate_type, f"agg-{i % aggregates}", event_type, payload_json(i, payload_bytes)))
 
 
+DEAD_AGGREGATES_SQL = """
+INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, created_at, status, available_at,
+                     attempts, lease_version, last_error)
+SELECT 'order', 'agg-' || g || '-dead', 'OrderCreated', jsonb_build_object('seq', -g, 'note', repeat('x', %(pad)s)),
+       now() - interval '30 days' + g * interval '1 ms', 'dead', now() - interval '30 days' + g * interval '1 ms',
+       12, 12, 'bench: an old dead row nobody retried or skipped'
+FROM generate_series(1, %(n)s) AS g
+"""
+
+
+def add_dead_aggregates(dsn: str, table: str, n: int, *, payload_bytes: int = 200, analyze: bool = True) -> None:
+    """``n`` aggregates holding nothing but one old dead row each (ids below any later row;
+    aggregate ids 'agg-<n>-dead' sort among the live 'agg-<n>' ones),
+    the operator's backlog of issue 16; then VACUUM, with ANALYZE unless the caller's
+    backlog is still to come (statistics of a table holding only dead rows would tell
+    the planner that no row is ever pending)."""
+    if n <= 0:
+        return
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL(DEAD_AGGREGATES_SQL).format(table=ident(table)),
+                     {"n": n, "pad": max(0, payload_bytes - 40)})
+        conn.execute(sql.SQL("VACUUM (ANALYZE) {}" if analyze else "VACUUM {}").format(ident(table)))
+
+
 def count_by_status(dsn: str, table: str) -> dict[str, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(sql.SQL("SELECT status, count(*) FROM {} GROUP BY status").format(ident(table))).fetchall()

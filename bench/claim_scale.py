@@ -17,8 +17,17 @@ CHECK wants lease_until set iff processing), then VACUUM (ANALYZE). On each:
 and prints EXPLAIN (ANALYZE, BUFFERS) of each statement on the large table (run in a
 transaction that is rolled back), and the large/small ratio. Target: claim within 2x.
 
+Dead-only aggregates (--parts dead; issue 16): one table per count in
+--dead-aggregates (default 0, 20 000, 100 000) of aggregates holding nothing but one
+old dead row each, plus --dead-pending pending rows (20 000) over --dead-live
+aggregates (2 000), VACUUM (ANALYZE). On each: the ordered claim (as above), the
+blocked-aggregates query (stats_blocked, what `status` and the gauge run), and EXPLAIN
+(ANALYZE, BUFFERS) of claim_ordered_heads. Target: ordered claim with the most dead
+aggregates within 1.5x of none.
+
     .venv/bin/python bench/claim_scale.py                   # 1M + 1M vs 10k (a few minutes)
     .venv/bin/python bench/claim_scale.py --rows 100000     # quicker
+    .venv/bin/python bench/claim_scale.py --parts dead      # only the dead-only-aggregates table
 """
 
 from __future__ import annotations
@@ -83,12 +92,14 @@ def claim_params(owner: str, batch: int, *, ordered: bool) -> dict[str, Any]:
 def time_claims(store: OutboxStore, *, batch: int, reps: int, ordered: bool) -> dict[str, Any]:
     times = []
     sizes = []
+    after = ""  # the ordered claim goes round the aggregates as a worker does
     for i in range(reps):
         t0 = time.perf_counter()
         result = store.claim(owner=f"bench:{i}", batch=batch, lease_seconds=DEFAULTS.relay.lease_seconds,
                              max_attempts=DEFAULTS.relay.max_attempts, ordered_types=["*"] if ordered else (),
-                             run_length=1)
+                             run_length=1, ordered_after=after)
         times.append((time.perf_counter() - t0) * 1000)
+        after = result.ordered_after
         sizes.append(len(result.rows))
         back = store.reschedule([Reschedule(r.id, r.lease_version, 0.0, None, True) for r in result.rows])
         if len(back) != len(result.rows):
@@ -156,6 +167,52 @@ def measure(dsn: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
             "plans": plans, "plan_execution_ms": {k: plan_time(v) for k, v in plans.items()}}
 
 
+def measure_dead(dsn: str, args: argparse.Namespace, pad: int) -> dict[str, Any]:
+    """Ordered claim and stats_blocked with 0 / 20k / 100k dead-only aggregates, side by side."""
+    out: dict[str, Any] = {}
+    blocked_params = {"all_ordered": True, "ordered_types": [], "limit": 100}
+    for n in (int(x) for x in args.dead_aggregates.split(",") if x.strip()):
+        table = c.new_table(f"dead{n}")
+        try:
+            c.migrate(dsn, table, notify_trigger=False)
+            c.say(f"loading {table}: {n} dead-only aggregates + {args.dead_pending} pending rows over "
+                  f"{args.dead_live} aggregates ...")
+            c.add_dead_aggregates(dsn, table, n, payload_bytes=args.payload_bytes, analyze=False)
+            load(dsn, table, done=0, pending=args.dead_pending, aggregates=args.dead_live, pad=pad,
+                 chunk=args.chunk)  # ends with VACUUM (ANALYZE): statistics of the whole mix
+            c.checkpoint(dsn)
+            store = OutboxStore(dsn, table, pool_size=1)
+            store.open()
+            try:
+                store.claim(owner="warm", batch=1, lease_seconds=1, max_attempts=12, ordered_types=["*"])
+                c.say(f"  {table}: timing ordered claim x{args.reps} ...")
+                ordered = time_claims(store, batch=args.batch_size, reps=args.reps, ordered=True)
+            finally:
+                store.close()
+            times = []
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                stmt = OutboxStore(dsn, table).sql.query("stats_blocked")
+                for _ in range(args.stats_reps):
+                    t0 = time.perf_counter()
+                    blocked = conn.execute(stmt, blocked_params).fetchall()
+                    times.append((time.perf_counter() - t0) * 1000)
+            plans = {
+                "claim_ordered_heads": explain(dsn, table, "claim_ordered_heads",
+                                               claim_params("explain", args.batch_size, ordered=True)),
+                "stats_blocked": explain(dsn, table, "stats_blocked", blocked_params),
+            }
+            out[str(n)] = {
+                "dead_aggregates": n, "claim_ordered": ordered,
+                "stats_blocked": {"median_ms": round(c.median(times), 2), "min_ms": round(min(times), 2),
+                                  "reps": args.stats_reps, "blocked": len(blocked)},
+                "plans": plans, "plan_execution_ms": {k: plan_time(v) for k, v in plans.items()},
+            }
+        finally:
+            if not args.keep:
+                c.drop_schema(dsn, table)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -173,43 +230,65 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=250_000, help="rows per INSERT while loading")
     parser.add_argument("--no-plans", action="store_true", help="leave the EXPLAIN output out of the text report")
     parser.add_argument("--target-ratio", type=float, default=2.0)
+    parser.add_argument("--parts", default="scale,dead", help="scale (large vs small), dead (dead-only aggregates)")
+    parser.add_argument("--dead-aggregates", default="0,20000,100000",
+                        help="dead part: counts of aggregates holding only one old dead row (default 0,20000,100000)")
+    parser.add_argument("--dead-pending", type=int, default=20_000, help="dead part: pending rows (default 20000)")
+    parser.add_argument("--dead-live", type=int, default=2_000,
+                        help="dead part: aggregates of the pending rows (default 2000)")
+    parser.add_argument("--target-dead-ratio", type=float, default=1.5)
     args = parser.parse_args()
+    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     pad = max(0, args.payload_bytes - 70)
 
-    report: dict[str, Any] = {"benchmark": "claim_scale", "rows_done": args.rows, "rows_pending": args.rows,
-                              "small_pending": args.small, "aggregates": args.aggregates,
-                              "batch_size": args.batch_size}
+    report: dict[str, Any] = {"benchmark": "claim_scale", "parts": sorted(parts), "batch_size": args.batch_size}
+    lines: list[str] = []
+    targets: dict[str, Any] = {}
     with c.servers(args, need_broker=False) as (dsn, _):
         report["postgresql"] = c.server_version(dsn)
-        large, small = c.new_table("claim_large"), c.new_table("claim_small")
-        try:
-            for table in (large, small):
-                c.migrate(dsn, table, notify_trigger=False)
-            c.say(f"loading {large}: {args.rows} done + {args.rows} pending rows ...")
-            report["load_seconds_large"] = round(load(dsn, large, done=args.rows, pending=args.rows,
-                                                      aggregates=args.aggregates, pad=pad, chunk=args.chunk), 1)
-            c.say(f"loading {small}: {args.small} pending rows ...")
-            load(dsn, small, done=0, pending=args.small, aggregates=min(args.aggregates, args.small), pad=pad,
-                 chunk=args.chunk)
-            with psycopg.connect(dsn, autocommit=True) as conn:
-                report["large_table_size"] = conn.execute(
-                    "SELECT pg_size_pretty(pg_total_relation_size(%s::regclass))", (large,)).fetchone()[0]
-            c.checkpoint(dsn)
-            report["large"] = measure(dsn, large, args)
-            report["small"] = measure(dsn, small, args)
-        finally:
-            if not args.keep:
-                c.drop_schema(dsn, large)
-                c.drop_schema(dsn, small)
+        if "scale" in parts:
+            report.update({"rows_done": args.rows, "rows_pending": args.rows, "small_pending": args.small,
+                           "aggregates": args.aggregates})
+            large, small = c.new_table("claim_large"), c.new_table("claim_small")
+            try:
+                for table in (large, small):
+                    c.migrate(dsn, table, notify_trigger=False)
+                c.say(f"loading {large}: {args.rows} done + {args.rows} pending rows ...")
+                report["load_seconds_large"] = round(load(dsn, large, done=args.rows, pending=args.rows,
+                                                          aggregates=args.aggregates, pad=pad, chunk=args.chunk), 1)
+                c.say(f"loading {small}: {args.small} pending rows ...")
+                load(dsn, small, done=0, pending=args.small, aggregates=min(args.aggregates, args.small), pad=pad,
+                     chunk=args.chunk)
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    report["large_table_size"] = conn.execute(
+                        "SELECT pg_size_pretty(pg_total_relation_size(%s::regclass))", (large,)).fetchone()[0]
+                c.checkpoint(dsn)
+                report["large"] = measure(dsn, large, args)
+                report["small"] = measure(dsn, small, args)
+            finally:
+                if not args.keep:
+                    c.drop_schema(dsn, large)
+                    c.drop_schema(dsn, small)
+        if "dead" in parts:
+            report["dead"] = measure_dead(dsn, args, pad)
 
+    if "scale" in parts:
+        lines += scale_lines(report, args, targets)
+    if "dead" in parts:
+        lines += dead_lines(report, args, targets)
+    report["targets"] = targets
+    c.emit(report, lines, args.json)
+    return 0
+
+
+def scale_lines(report: dict[str, Any], args: argparse.Namespace, targets: dict[str, Any]) -> list[str]:
     ratios = {}
     for name in ("claim", "claim_ordered_heads", *STATS):
         lo, hi = report["small"][name]["median_ms"], report["large"][name]["median_ms"]
         ratios[name] = round(hi / lo, 2) if lo else None
     report["ratios_large_over_small"] = ratios
     met = ratios["claim"] is not None and ratios["claim"] <= args.target_ratio
-    report["targets"] = {"claim_ratio": {"target": f"<= {args.target_ratio:g}x", "value": ratios["claim"],
-                                         "met": met}}
+    targets["claim_ratio"] = {"target": f"<= {args.target_ratio:g}x", "value": ratios["claim"], "met": met}
     lines = [
         f"claim_scale: large = {args.rows:,} done + {args.rows:,} pending ({report['large_table_size']}, "
         f"{args.aggregates:,} aggregates) vs small = {args.small:,} pending; batch {args.batch_size}; "
@@ -230,8 +309,41 @@ def main() -> int:
         for name, plan in report["large"]["plans"].items():
             lines.append(f"\n--- EXPLAIN (ANALYZE, BUFFERS) {name}, large table ---")
             lines.append(plan)
-    c.emit(report, lines, args.json)
-    return 0
+    return lines
+
+
+def dead_lines(report: dict[str, Any], args: argparse.Namespace, targets: dict[str, Any]) -> list[str]:
+    dead = report["dead"]
+    lines = [
+        f"claim_scale, dead-only aggregates: {args.dead_pending:,} pending rows over {args.dead_live:,} aggregates "
+        f"+ N aggregates holding one old dead row each; ordered claim batch {args.batch_size}, run_length 1; "
+        f"PostgreSQL {report['postgresql']}",
+        f"  {'dead-only':>10}{'ordered claim ms':>18}{'rows':>6}{'ratio':>7}{'stats_blocked ms':>18}{'ratio':>7}"
+        "   (median; EXPLAIN ANALYZE ms heads / blocked)",
+    ]
+    base = dead.get("0")
+    for key, d in dead.items():
+        claim_ms, blocked_ms = d["claim_ordered"]["median_ms"], d["stats_blocked"]["median_ms"]
+        r_claim = round(claim_ms / base["claim_ordered"]["median_ms"], 2) if base else None
+        r_blocked = round(blocked_ms / base["stats_blocked"]["median_ms"], 2) if base else None
+        d["ratio_vs_none"] = {"claim_ordered": r_claim, "stats_blocked": r_blocked}
+        pe = d["plan_execution_ms"]
+        lines.append(f"  {int(key):>10,}{claim_ms:>18.2f}{d['claim_ordered']['rows_per_claim']:>6}{r_claim!s:>7}"
+                     f"{blocked_ms:>18.2f}{r_blocked!s:>7}   ({pe['claim_ordered_heads']} / {pe['stats_blocked']})")
+    if base and len(dead) > 1:
+        worst_key = max(dead, key=int)
+        value = dead[worst_key]["ratio_vs_none"]["claim_ordered"]
+        met = value is not None and value <= args.target_dead_ratio
+        targets["dead_claim_ratio"] = {"target": f"<= {args.target_dead_ratio:g}x", "value": value, "met": met,
+                                       "dead_aggregates": int(worst_key)}
+        lines.append(f"  ordered claim with {int(worst_key):,} dead-only aggregates / none: {value}   "
+                     f"target <= {args.target_dead_ratio:g}x   {'met' if met else 'NOT MET'}")
+    if not args.no_plans:
+        for key, d in dead.items():
+            for name, plan in d["plans"].items():
+                lines.append(f"\n--- EXPLAIN (ANALYZE, BUFFERS) {name}, {int(key):,} dead-only aggregates ---")
+                lines.append(plan)
+    return lines
 
 
 if __name__ == "__main__":

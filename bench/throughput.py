@@ -20,12 +20,18 @@ Three variants, each draining the same backlog from a fresh table (its own schem
             how many sampled message spans arrived (the SDK's batch processor
             drops spans when its queue, OTEL_BSP_MAX_QUEUE_SIZE, is full).
 
+Optional (--variants): ``ordered`` (the relay with ordered_event_types=["*"] on few
+hot and many cold aggregates) and ``ordered-dead`` (ordered drains of 20 000 events
+over 2 000 live aggregates while 0 / 20 000 / 100 000 other aggregates hold only one
+old dead row each: the ordered claim's cost must not grow with the operator's backlog).
+
 Correctness: every variant must end with all rows done; seed and relay must put
 every message id on their topic (read back with embedded.read_messages).
 
     .venv/bin/python bench/throughput.py                  # 40k events, embedded servers
     .venv/bin/python bench/throughput.py --events 5000    # quick
     .venv/bin/python bench/throughput.py --rss-events 100000 --json
+    .venv/bin/python bench/throughput.py --variants ordered-dead
 """
 
 from __future__ import annotations
@@ -225,7 +231,8 @@ class SeedKafkaPublisher:
 
 
 def _unfinished(conn: psycopg.Connection[Any], table: str) -> bool:
-    stmt = sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE status IN ('pending', 'processing'))").format(c.ident(table))
+    stmt = sql.SQL("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending') "
+                   "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing')").format(t=c.ident(table))
     return bool(conn.execute(stmt).fetchone()[0])
 
 
@@ -341,11 +348,12 @@ def run_db_bound(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
 # (c) the real relay: `outbox-relay run --workers N` as a warm subprocess
 # =========================================================================================
 def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, label: str, *,
-              aggregates: int | None = None, ordered: bool = False,
+              aggregates: int | None = None, ordered: bool = False, dead_aggregates: int = 0,
               extra_env: dict[str, str] | None = None, sampled_every: int = 0) -> dict[str, Any]:
     table = c.new_table(label.replace("-", ""))
     topic = f"bench.{c.RUN_ID}.{label}"
-    c.migrate(dsn, table)  # with the NOTIFY trigger, as `outbox-relay migrate` does by default
+    c.migrate(dsn, table, ordering=ordered)  # with the NOTIFY trigger, as `outbox-relay migrate` does by default
+    c.add_dead_aggregates(dsn, table, dead_aggregates, payload_bytes=args.payload_bytes, analyze=False)
     c.create_topic(bootstrap, topic)
     env = c.relay_env(dsn, table, bootstrap, topic)
     if args.batch_size != DEFAULTS.relay.batch_size:
@@ -380,9 +388,10 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
         rss_end_kb = relay.status_kb("VmRSS")
     finally:
         code = relay.stop()
-    result = _finish(label, dsn, bootstrap, table, topic, args, elapsed, read_back=True, events=events)
+    result = _finish(label, dsn, bootstrap, table, topic, args, elapsed, read_back=True, events=events,
+                     dead=dead_aggregates)
     result.update({
-        "aggregates": aggregates, "ordered": ordered,
+        "aggregates": aggregates, "ordered": ordered, "dead_aggregates": dead_aggregates,
         "peak_rss_mb": round(hwm_kb / 1024, 1) if hwm_kb else None,
         "idle_rss_mb": round(rss_idle_kb / 1024, 1) if rss_idle_kb else None,
         "end_rss_mb": round(rss_end_kb / 1024, 1) if rss_end_kb else None,
@@ -430,11 +439,12 @@ def run_otel(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, di
 
 # =========================================================================================
 def _finish(label: str, dsn: str, bootstrap: str | None, table: str, topic: str | None, args: argparse.Namespace,
-            elapsed: float, *, read_back: bool, events: int | None = None) -> dict[str, Any]:
+            elapsed: float, *, read_back: bool, events: int | None = None, dead: int = 0) -> dict[str, Any]:
+    """``dead``: rows that were dead before the drain and must still be (issue 16's backlog)."""
     n = events if events is not None else args.events
     depth = c.count_by_status(dsn, table)
     problems = []
-    if depth.get("done", 0) != n or sum(depth.values()) != n:
+    if depth.get("done", 0) != n or depth.get("dead", 0) != dead or sum(depth.values()) != n + dead:
         problems.append(f"rows not all done: {depth}")
     result: dict[str, Any] = {
         "variant": label, "events": n, "seconds": round(elapsed, 3),
@@ -472,12 +482,23 @@ def main() -> int:
     parser.add_argument("--rss-events", type=int, default=0,
                         help="also drain this many events with the relay and report its peak RSS (e.g. 100000)")
     parser.add_argument("--variants", default="seed,db-bound,relay",
-                        help="comma-separated subset of seed,db-bound,relay,ordered,otel (default "
+                        help="comma-separated subset of seed,db-bound,relay,ordered,ordered-dead,otel (default "
                              "seed,db-bound,relay; 'ordered' adds the relay with ordered_event_types=[\"*\"] on few "
-                             "hot and many cold aggregates; 'otel' the relay with tracing off vs on)")
+                             "hot and many cold aggregates; 'ordered-dead' adds ordered drains of --dead-events over "
+                             "--dead-live-aggregates with each --dead-aggregates count of dead-only aggregates; "
+                             "'otel' the relay with tracing off vs on)")
     parser.add_argument("--hot-aggregates", type=int, default=4, help="ordered variant: few hot aggregates (4)")
     parser.add_argument("--cold-aggregates", type=int, default=20_000,
                         help="ordered variant: many cold aggregates (20000)")
+    parser.add_argument("--dead-aggregates", default="0,20000,100000",
+                        help="ordered-dead variant: counts of aggregates holding only one old dead row (default "
+                             "0,20000,100000)")
+    parser.add_argument("--dead-events", type=int, default=20_000, help="ordered-dead variant: backlog (20000)")
+    parser.add_argument("--dead-live-aggregates", type=int, default=2_000,
+                        help="ordered-dead variant: live aggregates of the backlog (2000)")
+    parser.add_argument("--dead-repeats", type=int, default=1,
+                        help="ordered-dead variant: runs of each count, interleaved; ratios of medians (default 1)")
+    parser.add_argument("--target-dead-ratio", type=float, default=0.8)
     parser.add_argument("--otel-rounds", type=int, default=2,
                         help="otel variant: off/on pairs, alternating (default 2)")
     parser.add_argument("--timeout", type=float, default=600.0, help="give up a drain after this many seconds")
@@ -502,6 +523,12 @@ def main() -> int:
                                                aggregates=args.hot_aggregates, ordered=True)
             results["ordered-cold"] = run_relay(dsn, bootstrap, args, args.events, "ordered-cold",
                                                 aggregates=args.cold_aggregates, ordered=True)
+        if "ordered-dead" in variants:
+            for rep in range(1, args.dead_repeats + 1):  # interleaved, so drift hits every count alike
+                for n in (int(x) for x in args.dead_aggregates.split(",") if x.strip()):
+                    label = f"ordered-dead-{n}" + (f"-run{rep}" if args.dead_repeats > 1 else "")
+                    results[label] = run_relay(dsn, bootstrap, args, args.dead_events, label,
+                                               aggregates=args.dead_live_aggregates, ordered=True, dead_aggregates=n)
         if "otel" in variants:
             results.update(run_otel(dsn, bootstrap, args))
         if args.rss_events:
@@ -522,6 +549,17 @@ def main() -> int:
     for name in ("ordered-hot", "ordered-cold"):
         if eps(name) and eps("relay"):
             ratios[f"{name}_vs_unordered"] = round(eps(name) / eps("relay"), 2)
+    per_dead: dict[int, list[float]] = {}  # dead-only aggregates -> events/s of each run
+    for name, r in results.items():
+        if name.startswith("ordered-dead-") and r.get("events_per_second"):
+            per_dead.setdefault(r["dead_aggregates"], []).append(r["events_per_second"])
+    if 0 in per_dead and len(per_dead) > 1:
+        none = c.median(per_dead[0])
+        for n in sorted(per_dead)[1:]:
+            ratios[f"ordered-dead-{n}_vs_none"] = round(c.median(per_dead[n]) / none, 2)
+        worst = f"ordered-dead-{max(per_dead)}_vs_none"
+        targets[worst] = {"target": f">= {args.target_dead_ratio:g}x", "value": ratios[worst],
+                          "met": ratios[worst] >= args.target_dead_ratio}
     def median_of(prefix: str, key: str) -> float | None:
         values = [r[key] for n, r in results.items() if n.startswith(prefix) and r.get(key)]
         return statistics.median(values) if values else None
@@ -551,7 +589,7 @@ def main() -> int:
     lines = [
         f"throughput: {args.events} events (~{args.payload_bytes} B payload, {args.aggregates} aggregates), "
         f"{args.workers} workers, PostgreSQL {version}",
-        f"  {'variant':<12}{'events/s':>11}{'seconds':>10}  check",
+        f"  {'variant':<20}{'events/s':>11}{'seconds':>10}  check",
     ]
     for name, r in results.items():
         check = "all done"
@@ -560,12 +598,14 @@ def main() -> int:
         if not r["ok"]:
             check = "FAILED: " + "; ".join(r["problems"])
         extra = f" (events {r['events']})" if name == "relay-rss" else ""
+        if name.startswith("ordered-dead-"):
+            extra = f" ({r['events']} events over {r['aggregates']} aggregates + {r['dead_aggregates']} dead-only)"
         if r.get("relay_cpu_us_per_event") and name.startswith("otel"):
             extra += f", relay CPU {r['relay_cpu_us_per_event']} us/event, peak RSS {r.get('peak_rss_mb')} MB"
         if "message_spans_received" in r:
             extra += (f", {r['message_spans_received']} of {r['message_spans_expected']} sampled message spans "
                       f"received ({r['spans_received']} spans)")
-        lines.append(f"  {name:<12}{r['events_per_second']:>11,.0f}{r['seconds']:>10.2f}  {check}{extra}")
+        lines.append(f"  {name:<20}{r['events_per_second']:>11,.0f}{r['seconds']:>10.2f}  {check}{extra}")
     for name in ("relay", "relay-rss"):
         r = results.get(name)
         if r and r.get("peak_rss_mb") is not None:
@@ -576,7 +616,7 @@ def main() -> int:
             lines.append(f"  tracing on, {what} / off: events/s x{ratios[f'otel_{mode}_vs_off']}, "
                          f"relay CPU per event x{ratios.get(f'otel_{mode}_cpu_vs_off')}")
     for key, t in targets.items():
-        lines.append(f"  {key:<22} {t['value']!s:>8}   target {t['target']:<10} {'met' if t['met'] else 'NOT MET'}")
+        lines.append(f"  {key:<32} {t['value']!s:>8}   target {t['target']:<10} {'met' if t['met'] else 'NOT MET'}")
     if not all_ok:
         lines.append("  CORRECTNESS CHECK FAILED")
     c.emit(report, lines, args.json)
