@@ -107,10 +107,11 @@ def new_table(prefix: str) -> str:
     return f"bench_{prefix}_{RUN_ID}.outbox"
 
 
-def migrate(dsn: str, table: str, *, notify_trigger: bool = True) -> None:
+def migrate(dsn: str, table: str, *, notify_trigger: bool = True, ordering: bool = False) -> None:
+    """``outbox-relay migrate``; ``ordering``: as with relay.ordered_event_types set."""
     store = OutboxStore(dsn, table, pool_size=1)
     with store:
-        store.migrate(notify_trigger=notify_trigger)
+        store.migrate(notify_trigger=notify_trigger, ordering=ordering)
 
 
 def drop_schema(dsn: str, table: str) -> None:

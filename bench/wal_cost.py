@@ -130,7 +130,8 @@ def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[st
         "records_per_event": round(sum(r["records"] for r in mine) / events, 2),
         "fpi_records": sum(r["fpi_records"] for r in mine),
         "fpi_bytes_per_event": round(sum(r["fpi_bytes"] for r in mine) / events, 1),
-        "records_per_event_by_record": {k: round(v / events, 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
+        "records_per_event_by_record": {k: round(v / events, 2)
+                                        for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
                                         if v / events >= 0.01},
         "bytes_per_event_by_record": {k: round(v / events, 1)
                                       for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]) if v / events >= 0.5},
@@ -177,7 +178,7 @@ def table_counters(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
         (table,)).fetchone()
     keys = ("inserted", "updated", "hot_updated", "deleted", "live_tuples", "dead_tuples", "table_bytes",
             "index_bytes")
-    return dict(zip(keys, (int(v) for v in row)))
+    return dict(zip(keys, (int(v) for v in row), strict=True))
 
 
 def index_list(conn: psycopg.Connection[Any], table: str) -> list[str]:

@@ -114,7 +114,15 @@ def run(
 ) -> None:
     """Run the relay in the foreground until SIGTERM/SIGINT."""
     settings = _settings(config, relay={"workers": workers} if workers else None)
-    from .relay import Relay
+    from .relay import Relay, make_store
+
+    if settings.relay.ordered_event_types:
+        # Ordered claims without their indexes would scan the table: say so at once.
+        # (A database that does not answer yet, or a table not migrated yet, is what
+        # the relay's start-up waits for.)
+        problem = make_store(settings, pool_size=1).ordering_indexes_problem()
+        if problem:
+            _fail(problem, 2)
 
     with _errors():
         relay = Relay(settings)
@@ -126,11 +134,23 @@ def migrate(
     config: ConfigOpt = None,
     no_notify_trigger: Annotated[bool, typer.Option(
         "--no-notify-trigger", help="Do not install (and drop) the LISTEN/NOTIFY trigger.")] = False,
+    drop_ordering_indexes: Annotated[bool, typer.Option(
+        "--drop-ordering-indexes",
+        help="Drop the per-aggregate indexes of ordered delivery (relay.ordered_event_types must be empty).",
+    )] = False,
 ) -> None:
-    """Create the outbox table, its indexes and the wake-up trigger (idempotent)."""
+    """Create the outbox table, its indexes and the wake-up trigger; bring an existing
+    table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
+    The ordering indexes are created when relay.ordered_event_types is set."""
     settings = _settings(config)
+    ordering = bool(settings.relay.ordered_event_types)
+    if drop_ordering_indexes and ordering:
+        _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
     with _store(settings) as store:
-        store.migrate(notify_trigger=not no_notify_trigger)
+        notes = store.migrate(notify_trigger=not no_notify_trigger, ordering=ordering,
+                              drop_ordering_indexes=drop_ordering_indexes)
+    for note in notes:
+        typer.echo(f"  {note}")
     typer.echo(f"migrated {settings.database.table}")
 
 

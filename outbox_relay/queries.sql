@@ -33,22 +33,62 @@ CREATE TABLE IF NOT EXISTS {table} (
 -- Tables created by an earlier version lack the optional dedup column.
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS dedup_key text NULL
 
--- name: create_indexes
+-- Indexes: one section per index ("index_<key>", schema.py lists which a layout has).
+-- {concurrently} is empty inside migrate's transaction on a table it has just created,
+-- and CONCURRENTLY on an existing table (no lock that blocks writers or relays).
+
+-- name: index_pending
 -- Due pending rows in (available_at, id) order: the claim reads the front of this
 -- index and stops after LIMIT rows, however long the backlog.
-CREATE INDEX IF NOT EXISTS {idx_pending} ON {table} (available_at, id) WHERE status = 'pending';
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_pending} ON {table} (available_at, id) WHERE status = 'pending'
+
+-- name: index_processing
 -- Leases by expiry: reclaim, reap and the expired_leases gauge.
-CREATE INDEX IF NOT EXISTS {idx_processing} ON {table} (lease_until) WHERE status = 'processing';
--- Unfinished rows per aggregate: the ordered claim's "is there an earlier row?" probe.
-CREATE INDEX IF NOT EXISTS {idx_aggregate} ON {table} (aggregate_id, id) WHERE status IN ('pending', 'processing', 'dead');
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_processing} ON {table} (lease_until) WHERE status = 'processing'
+
+-- name: index_dead
 -- Dead-letter listing.
-CREATE INDEX IF NOT EXISTS {idx_dead} ON {table} (id) WHERE status = 'dead';
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_dead} ON {table} (id) WHERE status = 'dead'
+
+-- name: index_done
 -- Retention: purge walks done rows by age.
-CREATE INDEX IF NOT EXISTS {idx_done} ON {table} (done_at) WHERE status = 'done';
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_done} ON {table} (done_at) WHERE status = 'done'
+
+-- name: index_unfinished_created
 -- The oldest unfinished row for oldest_pending_age_seconds.
-CREATE INDEX IF NOT EXISTS {idx_unfinished_created} ON {table} (created_at) WHERE status IN ('pending', 'processing');
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_unfinished_created} ON {table} (created_at)
+    WHERE status IN ('pending', 'processing')
+
+-- name: index_dedup_key
 -- enqueue(dedup_key=...): one row per key.
-CREATE UNIQUE INDEX IF NOT EXISTS {idx_dedup} ON {table} (dedup_key) WHERE dedup_key IS NOT NULL
+CREATE UNIQUE INDEX {concurrently} IF NOT EXISTS {idx_dedup_key} ON {table} (dedup_key) WHERE dedup_key IS NOT NULL
+
+-- name: index_aggregate_active
+-- Ordering only. Pending and processing rows per aggregate: the ordered claim's skip
+-- scan and its head lookup (claim_ordered_heads), the runs behind a head, the
+-- blocked-aggregates gauge. Dead rows are left out so that aggregates holding only
+-- dead rows cost the ordered claim nothing (issue 16).
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_aggregate_active} ON {table} (aggregate_id, id)
+    WHERE status IN ('pending', 'processing')
+
+-- name: index_aggregate_dead
+-- Ordering only. Dead rows per aggregate: "is an earlier row of this aggregate dead?"
+-- (a dead head blocks its aggregate). Written only when a row goes dead.
+CREATE INDEX {concurrently} IF NOT EXISTS {idx_aggregate_dead} ON {table} (aggregate_id, id) WHERE status = 'dead'
+
+-- name: drop_index
+DROP INDEX {concurrently} IF EXISTS {index}
+
+-- name: table_indexes
+-- The table's indexes by name, and whether each is valid (a failed CREATE INDEX
+-- CONCURRENTLY leaves an invalid one behind, which IF NOT EXISTS would keep).
+SELECT c.relname, i.indisvalid
+FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+WHERE i.indrelid = %(table)s::regclass
+
+-- name: column_exists
+SELECT EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = %(table)s::regclass AND attname = %(column)s AND NOT attisdropped)
 
 -- name: create_state_table
 -- One row shared by all relays of this table: are they idle (waiting for work)?
@@ -189,20 +229,23 @@ FROM reaped
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first
--- pending/processing/dead row of an ordered type. (A dead head therefore blocks its
--- aggregate until retried or skipped.) Instead of scanning rows — most of which wait
--- behind a head in flight when aggregates are hot — this walks the distinct
--- aggregate_ids of {idx_aggregate} with a recursive skip scan (one index probe per
--- aggregate), starting after %(after)s so successive claims go round the aggregates
--- instead of always favouring the first ones, and looks at each aggregate's head.
--- %(all_ordered)s = true means ["*"].
+-- pending/processing row of an ordered type, and only if no earlier row of an ordered
+-- type is dead (a dead head blocks its aggregate until retried or skipped). Instead of
+-- scanning rows — most of which wait behind a head in flight when aggregates are hot —
+-- this walks the distinct aggregate_ids of {idx_aggregate_active} (pending and
+-- processing rows only) with a recursive skip scan, one index probe per aggregate,
+-- starting after %(after)s so successive claims go round the aggregates instead of
+-- always favouring the first ones. Aggregates whose only unfinished rows are dead are
+-- not in that index, so they cost nothing however many pile up; a blocked aggregate
+-- (dead head, pending rows behind it) is visited and turned down by one probe of
+-- {idx_aggregate_dead}. %(all_ordered)s = true means ["*"].
 WITH RECURSIVE aggregates AS (
     (SELECT a.aggregate_id FROM {table} AS a
-     WHERE a.status IN ('pending', 'processing', 'dead') AND a.aggregate_id > %(after)s
+     WHERE a.status IN ('pending', 'processing') AND a.aggregate_id > %(after)s
      ORDER BY a.aggregate_id LIMIT 1)
     UNION ALL
     SELECT (SELECT n.aggregate_id FROM {table} AS n
-            WHERE n.status IN ('pending', 'processing', 'dead') AND n.aggregate_id > aggregates.aggregate_id
+            WHERE n.status IN ('pending', 'processing') AND n.aggregate_id > aggregates.aggregate_id
             ORDER BY n.aggregate_id LIMIT 1)
     FROM aggregates
     WHERE aggregates.aggregate_id IS NOT NULL
@@ -213,7 +256,7 @@ WITH RECURSIVE aggregates AS (
         SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts
         FROM {table} AS f
         WHERE f.aggregate_id = aggregates.aggregate_id
-          AND f.status IN ('pending', 'processing', 'dead')
+          AND f.status IN ('pending', 'processing')
           AND (%(all_ordered)s OR f.event_type = ANY(%(ordered_types)s))
         ORDER BY f.id
         LIMIT 1
@@ -221,6 +264,10 @@ WITH RECURSIVE aggregates AS (
     WHERE aggregates.aggregate_id IS NOT NULL
       AND ((h.status = 'pending' AND h.available_at <= now())
         OR (h.status = 'processing' AND h.lease_until < now() AND h.attempts < %(max_attempts)s))
+      AND NOT EXISTS (
+          SELECT 1 FROM {table} AS d
+          WHERE d.aggregate_id = aggregates.aggregate_id AND d.status = 'dead' AND d.id < h.id
+            AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s)))
     LIMIT %(batch)s
 ), candidates AS (
     SELECT o.id FROM {table} AS o
@@ -246,22 +293,28 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
 -- name: claim_ordered_runs
 -- Behind each head just claimed (and still held by this transaction), take the
 -- contiguous run of the aggregate's next ordered rows that are pending and due,
--- stopping at the first row that is not (processing, dead, or not yet due). Nobody
--- else can claim these rows while their head is unfinished, so order is kept.
+-- stopping at the first row that is not (processing, not yet due, or behind a dead
+-- row). Nobody else can claim these rows while their head is unfinished, so order is
+-- kept. Pending/processing rows come from {idx_aggregate_active}, the first dead row
+-- behind the head (if any) from {idx_aggregate_dead}.
 WITH heads AS (
-    SELECT h.aggregate_id, h.head_id
+    SELECT h.aggregate_id, h.head_id,
+           coalesce((SELECT min(d.id) FROM {table} AS d
+                     WHERE d.aggregate_id = h.aggregate_id AND d.status = 'dead' AND d.id > h.head_id
+                       AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))),
+                    9223372036854775807) AS dead_id
     FROM unnest(%(aggregate_ids)s::text[], %(head_ids)s::bigint[]) AS h(aggregate_id, head_id)
 ), followers AS (
     SELECT f.id,
-           bool_and(f.status = 'pending' AND f.available_at <= now())
+           bool_and(f.status = 'pending' AND f.available_at <= now() AND f.id < f.dead_id)
                OVER (PARTITION BY f.aggregate_id ORDER BY f.id) AS contiguous
     FROM heads
     CROSS JOIN LATERAL (
-        SELECT r.id, r.aggregate_id, r.status, r.available_at
+        SELECT r.id, r.aggregate_id, r.status, r.available_at, heads.dead_id
         FROM {table} AS r
         WHERE r.aggregate_id = heads.aggregate_id
           AND r.id > heads.head_id
-          AND r.status IN ('pending', 'processing', 'dead')
+          AND r.status IN ('pending', 'processing')
           AND (%(all_ordered)s OR r.event_type = ANY(%(ordered_types)s))
         ORDER BY r.id
         LIMIT %(run_length)s
@@ -360,20 +413,60 @@ SELECT attempts, count(*) AS n FROM (
 GROUP BY attempts ORDER BY attempts
 
 -- name: stats_blocked
--- Aggregates whose earliest unfinished ordered row is dead (their followers wait).
+-- Aggregates whose earliest unfinished ordered row is dead while ordered rows wait
+-- behind it. Walks the aggregates that have pending or processing rows (the skip scan
+-- of claim_ordered_heads over {idx_aggregate_active}, at most %(scan_cap)s of them) and
+-- probes each for an earlier dead row ({idx_aggregate_dead}): the cost follows the
+-- aggregates with work, never the number of dead rows (issue 16).
+WITH RECURSIVE aggregates AS (
+    (SELECT a.aggregate_id FROM {table} AS a
+     WHERE a.status IN ('pending', 'processing')
+     ORDER BY a.aggregate_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT n.aggregate_id FROM {table} AS n
+            WHERE n.status IN ('pending', 'processing') AND n.aggregate_id > aggregates.aggregate_id
+            ORDER BY n.aggregate_id LIMIT 1)
+    FROM aggregates
+    WHERE aggregates.aggregate_id IS NOT NULL
+), visited AS (
+    SELECT aggregate_id FROM aggregates WHERE aggregate_id IS NOT NULL LIMIT %(scan_cap)s
+)
+SELECT v.aggregate_id, d.id AS dead_id
+FROM visited AS v
+CROSS JOIN LATERAL (
+    SELECT f.id FROM {table} AS f
+    WHERE f.aggregate_id = v.aggregate_id AND f.status IN ('pending', 'processing')
+      AND (%(all_ordered)s OR f.event_type = ANY(%(ordered_types)s))
+    ORDER BY f.id LIMIT 1
+) AS h
+CROSS JOIN LATERAL (
+    SELECT d.id FROM {table} AS d
+    WHERE d.aggregate_id = v.aggregate_id AND d.status = 'dead' AND d.id < h.id
+      AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))
+    ORDER BY d.id LIMIT 1
+) AS d
+ORDER BY d.id
+LIMIT %(limit)s
+
+-- name: stats_blocked_from_dead
+-- The same answer as stats_blocked, walking the dead rows instead (in id order, three
+-- index probes each): cheaper while dead rows are fewer than the aggregates with work,
+-- and store.stats picks it only then, so neither walk grows with the other's size.
 SELECT d.aggregate_id, d.id AS dead_id
 FROM {table} AS d
 WHERE d.status = 'dead'
   AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))
   AND NOT EXISTS (
       SELECT 1 FROM {table} AS prev
-      WHERE prev.aggregate_id = d.aggregate_id AND prev.id < d.id
-        AND prev.status IN ('pending', 'processing', 'dead')
+      WHERE prev.aggregate_id = d.aggregate_id AND prev.id < d.id AND prev.status = 'dead'
+        AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s)))
+  AND NOT EXISTS (
+      SELECT 1 FROM {table} AS prev
+      WHERE prev.aggregate_id = d.aggregate_id AND prev.id < d.id AND prev.status IN ('pending', 'processing')
         AND (%(all_ordered)s OR prev.event_type = ANY(%(ordered_types)s)))
   AND EXISTS (
       SELECT 1 FROM {table} AS nxt
-      WHERE nxt.aggregate_id = d.aggregate_id AND nxt.id > d.id
-        AND nxt.status IN ('pending', 'processing')
+      WHERE nxt.aggregate_id = d.aggregate_id AND nxt.id > d.id AND nxt.status IN ('pending', 'processing')
         AND (%(all_ordered)s OR nxt.event_type = ANY(%(ordered_types)s)))
 ORDER BY d.id
 LIMIT %(limit)s

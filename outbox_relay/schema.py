@@ -31,6 +31,15 @@ def _load_sections() -> dict[str, str]:
 
 QUERIES: dict[str, str] = _load_sections()
 
+# Index layout (the DDL is in queries.sql, section "index_<key>"; the index is named
+# "<table>_<key>_idx"). Every index costs WAL on each insert or update that enters it,
+# so an index exists only where a statement of this layout reads it.
+BASE_INDEXES: tuple[str, ...] = ("pending", "processing", "dead", "done", "unfinished_created", "dedup_key")
+# Only where relay.ordered_event_types is set: the ordered claim and the blocked gauge.
+ORDERING_INDEXES: tuple[str, ...] = ("aggregate_active", "aggregate_dead")
+# Created by earlier versions, read by none of today's statements: migrate drops them.
+OBSOLETE_INDEXES: tuple[str, ...] = ("aggregate",)
+
 
 def _short(name: str, suffix: str) -> str:
     """Identifier of at most 63 bytes (PostgreSQL's NAMEDATALEN - 1), stable per table."""
@@ -77,19 +86,26 @@ class TableSql:
         base = self.table_name
         return {
             "table": self.ident,
-            "idx_pending": sql.Identifier(_short(base, "pending_idx")),
-            "idx_processing": sql.Identifier(_short(base, "processing_idx")),
-            "idx_aggregate": sql.Identifier(_short(base, "aggregate_idx")),
-            "idx_dead": sql.Identifier(_short(base, "dead_idx")),
+            **{f"idx_{key}": sql.Identifier(self.index_name(key))
+               for key in (*BASE_INDEXES, *ORDERING_INDEXES, *OBSOLETE_INDEXES)},
             "state_table": self._qualified(_short(base, "relay_state")),
-            "idx_done": sql.Identifier(_short(base, "done_idx")),
-            "idx_unfinished_created": sql.Identifier(_short(base, "unfinished_created_idx")),
-            "idx_dedup": sql.Identifier(_short(base, "dedup_key_idx")),
             "fn_notify": self._qualified(_short(base, "notify_fn")),
             "trg_notify": sql.Identifier(_short(base, "notify_trg")),
             "channel_literal": sql.Literal(self.channel),
             "strict": sql.SQL(""),
         }
+
+    def index_name(self, key: str) -> str:
+        """Name of one of the layout's indexes (unqualified: an index lives in its table's schema)."""
+        return _short(self.table_name, f"{key}_idx")
+
+    def index_ddl(self, key: str, *, concurrently: bool) -> sql.Composed:
+        return sql.SQL(_strip_comments(QUERIES["index_" + key])).format(
+            **self._names, concurrently=sql.SQL("CONCURRENTLY" if concurrently else ""))
+
+    def drop_index(self, key: str, *, concurrently: bool) -> sql.Composed:
+        return sql.SQL(QUERIES["drop_index"]).format(
+            index=self._qualified(self.index_name(key)), concurrently=sql.SQL("CONCURRENTLY" if concurrently else ""))
 
     def query(self, name: str, *, strict: bool = False) -> sql.Composed:
         names = dict(self._names)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import re
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,9 +22,12 @@ from psycopg import sql
 
 from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from .ordering import OrderingRule
-from .schema import TableSql
+from .schema import BASE_INDEXES, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
+# stats(): up to this many dead rows the blocked-aggregates query walks the dead rows
+# (three index probes each); above it, the aggregates that have work.
+BLOCKED_FROM_DEAD_ROWS = 1000
 
 
 @dataclass(slots=True)
@@ -243,28 +247,132 @@ class OutboxStore:
                 yield conn
 
     # --- schema ----------------------------------------------------------------------
-    def migrate(self, *, notify_trigger: bool = True) -> None:
-        """Create table, indexes and the wake-up trigger; safe to run again."""
-        with self._mapped("migrate"), self._pool.connection() as conn, conn.transaction():
-            # Serialise concurrent migrations (several replicas starting at once).
-            conn.execute("SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))",
-                         ("outbox-relay-migrate:" + self.table,))
-            if self.sql.schema_name:
-                conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.sql.schema_name)))
-            conn.execute(self.sql.query("create_table"))
-            conn.execute(self.sql.query("add_dedup_key"))
-            for statement in self.sql.statements("create_indexes"):
-                conn.execute(statement)
-            for statement in self.sql.statements("create_state_table"):
-                conn.execute(statement)
-            if notify_trigger:
-                conn.execute(self.sql.query("create_notify_function"))
-                for statement in self.sql.statements("create_notify_trigger"):
-                    conn.execute(statement)
-            else:
-                for statement in self.sql.statements("drop_notify_trigger"):
-                    conn.execute(statement)
+    def migrate(self, *, notify_trigger: bool = True, ordering: bool = False,
+                drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0) -> list[str]:
+        """Create table, indexes and the wake-up trigger; bring an existing table to this
+        version's index layout. Safe to run again, and while relays and writers run:
+        on an existing table indexes are built and dropped CONCURRENTLY (outside any
+        transaction, no lock that blocks writers). ``ordering``: relay.ordered_event_types
+        is set, so the ordering indexes must exist; without it they are left alone
+        (other relays may be ordered) unless ``drop_ordering_indexes``. Returns notes
+        for the operator (one line each)."""
+        notes: list[str] = []
+        lock_key = "outbox-relay-migrate:" + self.table
+        with self._mapped("migrate"), self._ddl_connection() as conn:
+            # A session lock taken by polling: a migration waiting for another must not
+            # hold a snapshot, or the other's CREATE INDEX CONCURRENTLY would wait for it.
+            deadline = time.monotonic() + lock_wait_seconds
+            while not self._try_lock(conn, lock_key):
+                if time.monotonic() > deadline:
+                    raise DatabaseError(f"migrate: another migration of {self.table!r} held its lock "
+                                        f"for {lock_wait_seconds:.0f}s")
+                time.sleep(0.2)
+            try:
+                wanted = [*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())]
+                with conn.transaction():
+                    created = not self._exists(conn)
+                    if self.sql.schema_name:
+                        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
+                            sql.Identifier(self.sql.schema_name)))
+                    conn.execute(self.sql.query("create_table"))
+                    if not self._column_exists(conn, "dedup_key"):
+                        conn.execute(self.sql.query("add_dedup_key"))  # takes a short exclusive lock
+                    if created:  # an empty table: plain CREATE INDEX, in this transaction
+                        for key in wanted:
+                            conn.execute(self.sql.index_ddl(key, concurrently=False))
+                    for statement in self.sql.statements("create_state_table"):
+                        conn.execute(statement)
+                    if notify_trigger:
+                        conn.execute(self.sql.query("create_notify_function"))
+                        for statement in self.sql.statements("create_notify_trigger"):
+                            conn.execute(statement)
+                    else:
+                        for statement in self.sql.statements("drop_notify_trigger"):
+                            conn.execute(statement)
+                notes += self._converge_indexes(conn, wanted, ordering=ordering,
+                                                drop_ordering_indexes=drop_ordering_indexes)
+            finally:
+                conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (lock_key,))
+        return notes
 
+    def _converge_indexes(self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool,
+                          drop_ordering_indexes: bool) -> list[str]:
+        """Existing table: build missing (or invalid) indexes of the layout and drop the
+        ones nothing reads any more, each CONCURRENTLY in autocommit."""
+        notes: list[str] = []
+        valid = self._index_validity(conn)
+        for key in wanted:
+            name = self.sql.index_name(key)
+            if valid.get(name) is False:  # left behind by an interrupted CREATE INDEX CONCURRENTLY
+                conn.execute(self.sql.drop_index(key, concurrently=True))
+                valid.pop(name)
+            if name not in valid:
+                conn.execute(self.sql.index_ddl(key, concurrently=True))
+                notes.append(f"created index {name}")
+        droppable = [*OBSOLETE_INDEXES, *(ORDERING_INDEXES if drop_ordering_indexes and not ordering else ())]
+        for key in droppable:
+            name = self.sql.index_name(key)
+            if name in valid:
+                conn.execute(self.sql.drop_index(key, concurrently=True))
+                notes.append(f"dropped index {name} (no statement of this layout reads it)")
+        unused = [self.sql.index_name(k) for k in ORDERING_INDEXES if self.sql.index_name(k) in valid]
+        if not ordering and not drop_ordering_indexes and unused:
+            notes.append(f"relay.ordered_event_types is empty but the ordering indexes {', '.join(unused)} exist "
+                         "(kept: other relays may deliver in order); drop them with "
+                         "`outbox-relay migrate --drop-ordering-indexes` to save their WAL")
+        return notes
+
+    @contextlib.contextmanager
+    def _ddl_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A dedicated autocommit connection without statement_timeout: building an
+        index on a large table takes as long as it takes (a timeout would leave an
+        invalid index behind)."""
+        kwargs = dict(self._conn_kwargs, options="-c statement_timeout=0")
+        with psycopg.connect(self._dsn, **kwargs) as conn:
+            yield conn
+
+    @staticmethod
+    def _try_lock(conn: psycopg.Connection[Any], key: str) -> bool:
+        row = conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (key,)).fetchone()
+        return bool(row and row[0])
+
+    def _exists(self, conn: psycopg.Connection[Any]) -> bool:
+        row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
+        return bool(row and row[0])
+
+    def _column_exists(self, conn: psycopg.Connection[Any], column: str) -> bool:
+        row = conn.execute(self.sql.query("column_exists"),
+                           {"table": self.sql.regclass_text, "column": column}).fetchone()
+        return bool(row and row[0])
+
+    def _index_validity(self, conn: psycopg.Connection[Any]) -> dict[str, bool]:
+        return {name: bool(ok) for name, ok in
+                conn.execute(self.sql.query("table_indexes"), {"table": self.sql.regclass_text}).fetchall()}
+
+    def missing_ordering_indexes(self) -> list[str]:
+        """Ordering indexes the table lacks (or has only invalid): an ordered relay
+        without them would claim by scanning the table."""
+        with self._mapped("check indexes"), self._pool.connection() as conn:
+            valid = self._index_validity(conn)
+        return [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
+
+    def ordering_indexes_problem(self) -> str | None:
+        """For ``run`` with ordered types: why the table is not ready for ordered
+        delivery (ordering indexes missing), or None — also when the database does not
+        answer or the table does not exist yet, which the relay's start-up waits for.
+        Uses its own short-lived connection, not the pool."""
+        try:
+            with psycopg.connect(self._dsn, **self._conn_kwargs) as conn:
+                if not self._exists(conn):
+                    return None
+                valid = self._index_validity(conn)
+        except psycopg.Error:
+            return None
+        missing = [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
+        if not missing:
+            return None
+        return (f"relay.ordered_event_types is set but table {self.table!r} lacks the ordering indexes "
+                f"({', '.join(missing)}): run `outbox-relay migrate` with the same settings first")
     def mark_idle(self) -> None:
         """Ask inserts to NOTIFY (see create_notify_function): the relays are idle."""
         with self._mapped("mark idle"), self._pool.connection() as conn:
@@ -446,11 +554,16 @@ class OutboxStore:
             attempts = {int(a): int(n) for a, n in conn.execute(self.sql.query("stats_attempts"),
                                                                    {"cap": count_cap}).fetchall()}
             blocked: list[tuple[str, int]] = []
-            if ordering.enabled:
+            dead_rows = depth["dead"] if include_depth else None
+            if ordering.enabled and dead_rows != 0:  # no dead row, no blocked aggregate
+                # Walk whichever is smaller: few dead rows, or the aggregates with work
+                # (at most count_cap of them), so the cost never follows the operator's
+                # backlog of dead rows.
+                few_dead = dead_rows is not None and dead_rows <= BLOCKED_FROM_DEAD_ROWS
                 blocked = [(r[0], int(r[1])) for r in conn.execute(
-                    self.sql.query("stats_blocked"),
-                    {"ordered_types": ordering.explicit_types, "all_ordered": ordering.all_types,
-                     "limit": blocked_limit}).fetchall()]
+                    self.sql.query("stats_blocked_from_dead" if few_dead else "stats_blocked"),
+                    {"ordered_types": ordering.explicit_types, "all_ordered": ordering.all_types, "limit": blocked_limit,
+                     "scan_cap": count_cap}).fetchall()]
         return Stats(
             queue_depth=depth,
             estimated_statuses=estimated,
