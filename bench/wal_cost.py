@@ -72,13 +72,15 @@ WAL_STATS_SQL = "SELECT wal_records, wal_fpi, wal_bytes FROM pg_stat_wal"
 RECORDS_SQL = """
 WITH r AS (
     SELECT start_lsn, xid::text::bigint AS xid, resource_manager, record_type, record_length, fpi_length,
-           coalesce(lead(start_lsn) OVER (ORDER BY start_lsn), %(end)s::pg_lsn) - start_lsn AS space
+           coalesce(lead(start_lsn) OVER (ORDER BY start_lsn), %(end)s::pg_lsn) - start_lsn AS space,
+           (regexp_match(block_ref, 'rel \\d+/\\d+/(\\d+)'))[1]::oid AS relfilenode
     FROM pg_get_wal_records_info(%(start)s::pg_lsn, %(end)s::pg_lsn)
 )
 SELECT CASE WHEN xid = ANY(%(app_xids)s::bigint[]) THEN 'app' WHEN xid = 0 THEN 'no-xid' ELSE 'other-xid' END,
-       resource_manager, record_type, count(*), sum(record_length), count(*) FILTER (WHERE fpi_length > 0),
-       sum(fpi_length), sum(space)
-FROM r GROUP BY 1, 2, 3
+       resource_manager, record_type, coalesce(c.relname, ''), count(*), sum(record_length),
+       count(*) FILTER (WHERE fpi_length > 0), sum(fpi_length), sum(space)
+FROM r LEFT JOIN pg_class AS c ON c.relfilenode = r.relfilenode AND c.relfilenode <> 0
+GROUP BY 1, 2, 3, 4
 """
 
 
@@ -109,9 +111,10 @@ def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
 
 def records(conn: psycopg.Connection[Any], start: str, end: str, app_xids: list[int]) -> list[dict[str, Any]]:
     rows = conn.execute(RECORDS_SQL, {"start": start, "end": end, "app_xids": app_xids}).fetchall()
-    return [{"who": who, "rmgr": rmgr, "type": rtype, "records": int(n), "record_bytes": int(rec or 0),
-             "fpi_records": int(nfpi), "fpi_bytes": int(fpi or 0), "space": int(space or 0)}
-            for who, rmgr, rtype, n, rec, nfpi, fpi, space in rows]
+    return [{"who": who, "rmgr": rmgr, "type": rtype, "relation": rel, "records": int(n),
+             "record_bytes": int(rec or 0), "fpi_records": int(nfpi), "fpi_bytes": int(fpi or 0),
+             "space": int(space or 0)}
+            for who, rmgr, rtype, rel, n, rec, nfpi, fpi, space in rows]
 
 
 def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[str, Any]:
@@ -120,7 +123,9 @@ def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[st
     space = sum(r["space"] for r in mine)
     by_type: dict[str, int] = {}
     counts: dict[str, int] = {}
+    by_relation: dict[str, int] = {}  # the table, each index ("outbox_pending_idx"), or "" (commits, ...)
     for r in mine:
+        by_relation[r["relation"] or "-"] = by_relation.get(r["relation"] or "-", 0) + r["space"]
         key = f"{r['rmgr']}/{r['type']}" + ("" if r["who"] != "no-xid" else " (no xid)")
         by_type[key] = by_type.get(key, 0) + r["space"]
         counts[key] = counts.get(key, 0) + r["records"]
@@ -133,6 +138,9 @@ def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[st
         "records_per_event_by_record": {k: round(v / events, 2)
                                         for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
                                         if v / events >= 0.01},
+        "bytes_per_event_by_relation": {k: round(v / events, 1)
+                                        for k, v in sorted(by_relation.items(), key=lambda kv: -kv[1])
+                                        if v / events >= 0.5},
         "bytes_per_event_by_record": {k: round(v / events, 1)
                                       for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]) if v / events >= 0.5},
     }
@@ -201,6 +209,8 @@ def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int,
     c.create_topic(bootstrap, topic)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = off)").format(c.ident(table)))
+        for statement in args.after_migrate:  # layout experiments: {table} is the outbox table
+            conn.execute(sql.SQL(statement).format(table=c.ident(table)))
         indexes = index_list(conn, table)
     result: dict[str, Any] = {"config": config.name, "payload_bytes": payload_bytes, "events": args.events,
                               "table": table, "indexes": indexes}
@@ -308,6 +318,9 @@ def main() -> int:
     parser.add_argument("--warm-seconds", type=float, default=2.0, help="relay idle time before writing (default 2)")
     parser.add_argument("--app-alone", action="store_true",
                         help="also measure the writer into a table no relay reads (cross-check of the attribution)")
+    parser.add_argument("--after-migrate", action="append", default=[], metavar="SQL",
+                        help="layout experiment: run this statement after migrate ({table} = the outbox table), "
+                             "e.g. 'DROP INDEX ...' or 'ALTER TABLE {table} SET (fillfactor = 70)'; repeatable")
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -334,6 +347,7 @@ def main() -> int:
             conn.execute("DROP EXTENSION IF EXISTS pg_walinspect")
 
     report = {"benchmark": "wal_cost", "postgresql": version, "server": server, "events": args.events,
+              "after_migrate": args.after_migrate,
               "tx_rows": args.tx_rows, "rate": args.rate, "aggregates": args.aggregates, "workers": args.workers,
               "configs": {n: CONFIGS[n].description for n in names}, "results": results, "app_alone": alone,
               "correct": all(r["ok"] for r in results)}
@@ -364,6 +378,10 @@ def main() -> int:
     for r in results:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["relay"]["bytes_per_event_by_record"].items())[:6])
         lines.append(f"  {r['config']:<14}{'~' + str(r['payload_bytes']) + ' B':>8}  relay by record: {top}")
+    for r in results:
+        for side in ("app", "relay"):
+            rel = ", ".join(f"{k} {v:.0f}" for k, v in r[side]["bytes_per_event_by_relation"].items())
+            lines.append(f"  {r['config']:<14}{'~' + str(r['payload_bytes']) + ' B':>8}  {side} by relation: {rel}")
     for a in alone:
         lines.append(f"  app alone ~{a['payload_bytes']} B: {a['lsn_bytes_per_event']:.0f} B/event by LSN difference "
                      f"({a['app']['bytes_per_event']:.0f} by xid)")
