@@ -562,8 +562,8 @@ class OutboxStore:
                 few_dead = dead_rows is not None and dead_rows <= BLOCKED_FROM_DEAD_ROWS
                 blocked = [(r[0], int(r[1])) for r in conn.execute(
                     self.sql.query("stats_blocked_from_dead" if few_dead else "stats_blocked"),
-                    {"ordered_types": ordering.explicit_types, "all_ordered": ordering.all_types, "limit": blocked_limit,
-                     "scan_cap": count_cap}).fetchall()]
+                    {"ordered_types": ordering.explicit_types, "all_ordered": ordering.all_types,
+                     "limit": blocked_limit, "scan_cap": count_cap}).fetchall()]
         return Stats(
             queue_depth=depth,
             estimated_statuses=estimated,

@@ -8,7 +8,8 @@ import pytest
 
 from outbox_relay import store as store_module
 from outbox_relay.store import OutboxStore
-from tests.conftest import cli, cli_env, rows
+from tests.helpers.cli import cli, cli_env
+from tests.helpers.db import rows
 
 ALL = ["*"]
 
