@@ -21,8 +21,9 @@ Dead-only aggregates (--parts dead; issue 16): one table per count in
 --dead-aggregates (default 0, 20 000, 100 000) of aggregates holding nothing but one
 old dead row each, plus --dead-pending pending rows (20 000) over --dead-live
 aggregates (2 000), VACUUM (ANALYZE). On each: the ordered claim (as above), the
-blocked-aggregates query (stats_blocked, what `status` and the gauge run), and EXPLAIN
-(ANALYZE, BUFFERS) of claim_ordered_heads. Target: ordered claim with the most dead
+blocked-aggregates query (stats_blocked, the walk over aggregates with work), all of
+what `status` and the gauge refresher run (OutboxStore.stats with ordered types), and
+EXPLAIN (ANALYZE, BUFFERS) of claim_ordered_heads and stats_blocked. Target: ordered claim with the most dead
 aggregates within 1.5x of none.
 
     .venv/bin/python bench/claim_scale.py                   # 1M + 1M vs 10k (a few minutes)
@@ -86,7 +87,8 @@ def load(dsn: str, table: str, *, done: int, pending: int, aggregates: int, pad:
 def claim_params(owner: str, batch: int, *, ordered: bool) -> dict[str, Any]:
     r = DEFAULTS.relay
     return {"owner": owner, "batch": batch, "lease_seconds": float(r.lease_seconds), "max_attempts": r.max_attempts,
-            "ordered_types": [], "all_ordered": ordered, "after": "", "excluded_types": []}
+            "ordered_types": [], "all_ordered": ordered, "after": "", "excluded_types": [],
+            "max_batch_bytes": 2**62, "candidates": batch, "max_message_bytes": None}
 
 
 def time_claims(store: OutboxStore, *, batch: int, reps: int, ordered: bool) -> dict[str, Any]:
@@ -188,6 +190,11 @@ def measure_dead(dsn: str, args: argparse.Namespace, pad: int) -> dict[str, Any]
                 store.claim(owner="warm", batch=1, lease_seconds=1, max_attempts=12, ordered_types=["*"])
                 c.say(f"  {table}: timing ordered claim x{args.reps} ...")
                 ordered = time_claims(store, batch=args.batch_size, reps=args.reps, ordered=True)
+                status_times = []  # everything `status` and the gauge refresher run
+                for _ in range(args.stats_reps):
+                    t0 = time.perf_counter()
+                    store.stats(ordered_types=["*"], count_cap=DEFAULTS.metrics.exact_count_limit)
+                    status_times.append((time.perf_counter() - t0) * 1000)
             finally:
                 store.close()
             times = []
@@ -206,6 +213,8 @@ def measure_dead(dsn: str, args: argparse.Namespace, pad: int) -> dict[str, Any]
                 "dead_aggregates": n, "claim_ordered": ordered,
                 "stats_blocked": {"median_ms": round(c.median(times), 2), "min_ms": round(min(times), 2),
                                   "reps": args.stats_reps, "blocked": len(blocked)},
+                "status": {"median_ms": round(c.median(status_times), 2), "min_ms": round(min(status_times), 2),
+                           "reps": args.stats_reps},
                 "plans": plans, "plan_execution_ms": {k: plan_time(v) for k, v in plans.items()},
             }
         finally:
@@ -320,7 +329,7 @@ def dead_lines(report: dict[str, Any], args: argparse.Namespace, targets: dict[s
         f"+ N aggregates holding one old dead row each; ordered claim batch {args.batch_size}, run_length 1; "
         f"PostgreSQL {report['postgresql']}",
         f"  {'dead-only':>10}{'ordered claim ms':>18}{'rows':>6}{'ratio':>7}{'stats_blocked ms':>18}{'ratio':>7}"
-        "   (median; EXPLAIN ANALYZE ms heads / blocked)",
+        f"{'status ms':>11}   (median; EXPLAIN ANALYZE ms heads / blocked)",
     ]
     base = dead.get("0")
     for key, d in dead.items():
@@ -330,7 +339,8 @@ def dead_lines(report: dict[str, Any], args: argparse.Namespace, targets: dict[s
         d["ratio_vs_none"] = {"claim_ordered": r_claim, "stats_blocked": r_blocked}
         pe = d["plan_execution_ms"]
         lines.append(f"  {int(key):>10,}{claim_ms:>18.2f}{d['claim_ordered']['rows_per_claim']:>6}{r_claim!s:>7}"
-                     f"{blocked_ms:>18.2f}{r_blocked!s:>7}   ({pe['claim_ordered_heads']} / {pe['stats_blocked']})")
+                     f"{blocked_ms:>18.2f}{r_blocked!s:>7}{d['status']['median_ms']:>11.2f}   "
+                     f"({pe['claim_ordered_heads']} / {pe['stats_blocked']})")
     if base and len(dead) > 1:
         worst_key = max(dead, key=int)
         value = dead[worst_key]["ratio_vs_none"]["claim_ordered"]
