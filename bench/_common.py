@@ -181,10 +181,11 @@ def count_by_status(dsn: str, table: str) -> dict[str, int]:
 def wait_drained(conn: psycopg.Connection[Any], table: str, *, timeout: float, interval: float = 0.01) -> float:
     """Poll until no row is pending or processing; returns time.monotonic() when seen.
 
-    The probe is an EXISTS on the (created_at) WHERE status IN ('pending','processing')
-    partial index: cheap enough to poll every 10 ms without loading the database the
-    way a count(*) of done rows would. The caller checks the done count afterwards."""
-    probe = sql.SQL("SELECT EXISTS (SELECT 1 FROM {} WHERE status IN ('pending', 'processing'))").format(ident(table))
+    The probe is two EXISTS on the pending and processing partial indexes: cheap enough
+    to poll every 10 ms without loading the database the way a count(*) of done rows
+    would. The caller checks the done count afterwards."""
+    probe = sql.SQL("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending') "
+                    "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing')").format(t=ident(table))
     deadline = time.monotonic() + timeout
     while True:
         (busy,) = conn.execute(probe).fetchone()

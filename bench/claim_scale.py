@@ -11,8 +11,8 @@ CHECK wants lease_until set iff processing), then VACUUM (ANALYZE). On each:
                  back to pending through the fenced OutboxStore.reschedule (attempt
                  refunded, due now), so the backlog keeps its size. --reps times; median.
   ordered claim  the same with ordered_types=["*"] (claim_ordered_heads), run_length 1.
-  stats_*        the metrics refresh queries (stats_oldest, stats_expired,
-                 stats_attempts, stats_depth), timed --stats-reps times; median.
+  stats_*        the metrics refresh queries (stats_backlog, stats_expired,
+                 stats_depth), timed --stats-reps times; median.
 
 and prints EXPLAIN (ANALYZE, BUFFERS) of each statement on the large table (run in a
 transaction that is rolled back), and the large/small ratio. Target: claim within 2x.
@@ -45,7 +45,7 @@ from outbox_relay.config import load_settings
 from outbox_relay.store import OutboxStore, Reschedule
 
 DEFAULTS = load_settings(None)
-STATS = ("stats_oldest", "stats_expired", "stats_attempts", "stats_depth")
+STATS = ("stats_backlog", "stats_expired", "stats_depth")
 # The refresher's bound on exact counts (metrics.exact_count_limit).
 STATS_PARAMS = {"cap": DEFAULTS.metrics.exact_count_limit}
 

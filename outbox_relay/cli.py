@@ -302,7 +302,8 @@ def dead_skip(
 @app.command()
 def purge(
     older_than: Annotated[str, typer.Option("--older-than", help="Age of done rows to delete: 30s, 15m, 12h, 7d.")],
-    chunk_size: Annotated[int, typer.Option("--chunk-size", min=1, help="Rows per delete transaction.")] = 5000,
+    chunk_size: Annotated[int, typer.Option(
+        "--chunk-size", min=1, help="Rows looked at (in id order) per delete transaction.")] = 5000,
     config: ConfigOpt = None,
 ) -> None:
     """Delete done rows older than DURATION, in bounded chunks (no long transaction, no table lock)."""
@@ -316,12 +317,11 @@ def purge(
         store.require_table()
         update = _progress(store.count_purgeable(seconds) if sys.stderr.isatty() else 0, "purging")
         removed = 0
-        while True:
-            n = store.purge_chunk(seconds, chunk_size)
+        after: int | None = 0
+        while after is not None:  # chunks of the table in id order, each its own transaction
+            n, after = store.purge_chunk(seconds, chunk_size, after)
             removed += n
             update(n)
-            if n < chunk_size:
-                break
     typer.echo(f"purged {removed} done rows older than {older_than}")
 
 

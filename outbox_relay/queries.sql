@@ -27,7 +27,20 @@ CREATE TABLE IF NOT EXISTS {table} (
     dedup_key       text        NULL,
     -- a row holds a lease exactly while it is processing
     CHECK ((status = 'processing') = (lease_until IS NOT NULL))
-)
+) WITH (fillfactor = {fillfactor})
+
+-- name: table_fillfactor
+-- The table's own fillfactor, NULL when it has none (PostgreSQL's default, 100).
+SELECT (SELECT substring(o FROM 'fillfactor=(\d+)') FROM unnest(c.reloptions) AS o WHERE o LIKE 'fillfactor=%%')::int
+FROM pg_class AS c WHERE c.oid = %(table)s::regclass
+
+-- name: set_fillfactor
+-- Inserts then leave half of every page free, so that a claim and a finalize can put
+-- the row's new version on the same page: PostgreSQL then logs only the bytes that
+-- changed (the lease columns) instead of the whole row with its payload, and needs no
+-- extra lock record for moving the row (see the README's WAL figures). Affects new
+-- pages only; takes a lock that does not block reads or writes.
+ALTER TABLE {table} SET (fillfactor = {fillfactor})
 
 -- name: add_dedup_key
 -- Tables created by an earlier version lack the optional dedup column.
@@ -49,15 +62,6 @@ CREATE INDEX {concurrently} IF NOT EXISTS {idx_processing} ON {table} (lease_unt
 -- name: index_dead
 -- Dead-letter listing.
 CREATE INDEX {concurrently} IF NOT EXISTS {idx_dead} ON {table} (id) WHERE status = 'dead'
-
--- name: index_done
--- Retention: purge walks done rows by age.
-CREATE INDEX {concurrently} IF NOT EXISTS {idx_done} ON {table} (done_at) WHERE status = 'done'
-
--- name: index_unfinished_created
--- The oldest unfinished row for oldest_pending_age_seconds.
-CREATE INDEX {concurrently} IF NOT EXISTS {idx_unfinished_created} ON {table} (created_at)
-    WHERE status IN ('pending', 'processing')
 
 -- name: index_dedup_key
 -- enqueue(dedup_key=...): one row per key.
@@ -374,16 +378,20 @@ WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {s
 RETURNING o.id
 
 -- name: stats_depth
--- Rows per status, each counted exactly up to %(cap)s from its partial index (or the
--- done index), so the cost is bounded however large the table grows. A status that
--- reaches the cap is estimated from the planner's statistics (stats_status_estimate).
+-- Rows per status, each counted exactly up to %(cap)s from its partial index, so the
+-- cost is bounded however large the table grows. Done rows have no index (nothing on
+-- the relay's path reads them): they are counted exactly only while the whole table
+-- holds at most %(cap)s rows (a sequential read of at most that many), otherwise NULL.
+-- A status that reaches the cap, and done when NULL, is estimated from the planner's
+-- statistics (stats_status_estimate).
 SELECT 'pending' AS status, count(*) AS n FROM (SELECT 1 FROM {table} WHERE status = 'pending' LIMIT %(cap)s) AS p
 UNION ALL
 SELECT 'processing', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'processing' LIMIT %(cap)s) AS r
 UNION ALL
 SELECT 'dead', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'dead' LIMIT %(cap)s) AS d
 UNION ALL
-SELECT 'done', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'done' LIMIT %(cap)s) AS f
+SELECT 'done', CASE WHEN count(*) <= %(cap)s THEN count(*) FILTER (WHERE s.status = 'done') END
+FROM (SELECT status FROM {table} LIMIT %(cap)s + 1) AS s
 
 -- name: stats_status_estimate
 -- Planner statistics (kept fresh by autovacuum's ANALYZE): rows per status value.
@@ -393,24 +401,22 @@ JOIN pg_class AS c ON c.oid = %(table)s::regclass
 CROSS JOIN LATERAL unnest(s.most_common_vals::text::text[], s.most_common_freqs) AS v(status, freq)
 WHERE s.schemaname = coalesce(%(schema)s, current_schema()) AND s.tablename = %(name)s AND s.attname = 'status'
 
--- name: stats_oldest
--- Index read of the oldest unfinished row: cost independent of backlog size.
-SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8 AS age_seconds
-FROM {table} WHERE status IN ('pending', 'processing')
+-- name: stats_backlog
+-- The unfinished rows' attempts histogram and the age of the oldest, in one pass over
+-- at most %(cap)s pending rows (in due order, from {idx_pending}) and %(cap)s
+-- processing rows (by lease expiry, from {idx_processing}) — the indexes the claim
+-- reads anyway, so no index on created_at costs WAL on every insert and claim. Exact
+-- while the backlog is below the cap; beyond it, figures of the rows due first.
+WITH backlog AS (
+    (SELECT created_at, attempts FROM {table} WHERE status = 'pending' ORDER BY available_at, id LIMIT %(cap)s)
+    UNION ALL
+    (SELECT created_at, attempts FROM {table} WHERE status = 'processing' ORDER BY lease_until LIMIT %(cap)s)
+)
+SELECT attempts, count(*) AS n, extract(epoch FROM now() - min(created_at))::float8 AS oldest_age_seconds
+FROM backlog GROUP BY attempts ORDER BY attempts
 
 -- name: stats_expired
 SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until < now()
-
--- name: stats_attempts
--- Attempts used by the oldest %(cap)s unfinished rows (all of them below the cap),
--- read in created_at order from {idx_unfinished_created}: bounded cost.
-SELECT attempts, count(*) AS n FROM (
-    SELECT attempts FROM {table}
-    WHERE status IN ('pending', 'processing')
-    ORDER BY created_at
-    LIMIT %(cap)s
-) AS oldest
-GROUP BY attempts ORDER BY attempts
 
 -- name: stats_blocked
 -- Aggregates whose earliest unfinished ordered row is dead while ordered rows wait
@@ -513,17 +519,32 @@ SELECT id, status, lease_version FROM {table} WHERE id = ANY(%(ids)s)
 SELECT count(*) FROM {table} WHERE status = 'dead'
 
 -- name: purge_chunk
--- Bounded delete of old done rows; each chunk is its own short transaction.
-DELETE FROM {table}
-WHERE id IN (
-    SELECT id FROM {table}
-    WHERE status = 'done' AND done_at < now() - make_interval(secs => %(older_than_seconds)s)
-    ORDER BY done_at
+-- Retention without an index on done rows: walk the table in id order (the primary
+-- key) from %(after)s, %(limit)s rows a chunk, each chunk its own short transaction,
+-- and delete the done rows among them older than the cutoff. A row done before the
+-- cutoff was created before it, so the walk can stop at the first chunk holding no
+-- row created before the cutoff (rows of a transaction that ran across the
+-- cutoff may be left for the next purge). The DELETE re-checks status on the current
+-- row version, so a concurrent purge or finalize is never overwritten.
+WITH scanned AS (
+    SELECT id, created_at FROM {table}
+    WHERE id > %(after)s
+    ORDER BY id
     LIMIT %(limit)s
-    FOR UPDATE SKIP LOCKED
+), purged AS (
+    DELETE FROM {table} AS o
+    USING scanned AS s
+    WHERE o.id = s.id AND o.status = 'done'
+      AND o.done_at < now() - make_interval(secs => %(older_than_seconds)s)
+    RETURNING o.id
 )
+SELECT (SELECT count(*) FROM purged) AS deleted,
+       (SELECT max(id) FROM scanned) AS last_id,
+       (SELECT count(*) FROM scanned
+        WHERE created_at < now() - make_interval(secs => %(older_than_seconds)s)) AS old_rows
 
 -- name: count_purgeable
+-- Progress bar of an interactive purge only: a sequential count.
 SELECT count(*) FROM {table}
 WHERE status = 'done' AND done_at < now() - make_interval(secs => %(older_than_seconds)s)
 

@@ -34,11 +34,18 @@ QUERIES: dict[str, str] = _load_sections()
 # Index layout (the DDL is in queries.sql, section "index_<key>"; the index is named
 # "<table>_<key>_idx"). Every index costs WAL on each insert or update that enters it,
 # so an index exists only where a statement of this layout reads it.
-BASE_INDEXES: tuple[str, ...] = ("pending", "processing", "dead", "done", "unfinished_created", "dedup_key")
+# pending: the claim, the backlog gauges; processing: reclaim, reap, expired leases,
+# the backlog gauges; dead: dead-letter listing and retry --all; dedup_key: partial,
+# only rows enqueued with a key enter it.
+BASE_INDEXES: tuple[str, ...] = ("pending", "processing", "dead", "dedup_key")
 # Only where relay.ordered_event_types is set: the ordered claim and the blocked gauge.
 ORDERING_INDEXES: tuple[str, ...] = ("aggregate_active", "aggregate_dead")
 # Created by earlier versions, read by none of today's statements: migrate drops them.
-OBSOLETE_INDEXES: tuple[str, ...] = ("aggregate",)
+# aggregate: replaced by the two ordering indexes (issue 16); unfinished_created and
+# done: the gauges read the claim's indexes and purge walks the primary key (issue 12).
+OBSOLETE_INDEXES: tuple[str, ...] = ("aggregate", "unfinished_created", "done")
+# New pages are filled to half (see queries.sql, set_fillfactor).
+FILLFACTOR = 50
 
 
 def _short(name: str, suffix: str) -> str:
@@ -92,6 +99,7 @@ class TableSql:
             "fn_notify": self._qualified(_short(base, "notify_fn")),
             "trg_notify": sql.Identifier(_short(base, "notify_trg")),
             "channel_literal": sql.Literal(self.channel),
+            "fillfactor": sql.Literal(FILLFACTOR),
             "strict": sql.SQL(""),
         }
 

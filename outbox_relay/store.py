@@ -22,7 +22,7 @@ from psycopg import sql
 
 from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from .ordering import OrderingRule
-from .schema import BASE_INDEXES, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
+from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
 # stats(): up to this many dead rows the blocked-aggregates query walks the dead rows
@@ -277,6 +277,10 @@ class OutboxStore:
                     conn.execute(self.sql.query("create_table"))
                     if not self._column_exists(conn, "dedup_key"):
                         conn.execute(self.sql.query("add_dedup_key"))  # takes a short exclusive lock
+                    if not created and self._fillfactor(conn) is None:  # an operator's own value is kept
+                        conn.execute(self.sql.query("set_fillfactor"))
+                        notes.append(f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and "
+                                     "finalize on the same page)")
                     if created:  # an empty table: plain CREATE INDEX, in this transaction
                         for key in wanted:
                             conn.execute(self.sql.index_ddl(key, concurrently=False))
@@ -339,6 +343,10 @@ class OutboxStore:
     def _exists(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
         return bool(row and row[0])
+
+    def _fillfactor(self, conn: psycopg.Connection[Any]) -> int | None:
+        row = conn.execute(self.sql.query("table_fillfactor"), {"table": self.sql.regclass_text}).fetchone()
+        return int(row[0]) if row and row[0] is not None else None
 
     def _column_exists(self, conn: psycopg.Connection[Any], column: str) -> bool:
         row = conn.execute(self.sql.query("column_exists"),
@@ -538,10 +546,14 @@ class OutboxStore:
             depth = dict.fromkeys(STATUSES, 0)
             estimated: list[str] = []
             if include_depth:
+                unknown: list[str] = []  # done rows in a table above the cap (no index counts them)
                 for status, n in conn.execute(self.sql.query("stats_depth"), {"cap": count_cap}).fetchall():
-                    depth[status] = int(n)
+                    if n is None:
+                        unknown.append(status)
+                    else:
+                        depth[status] = int(n)
                 capped = [status for status, n in depth.items() if n >= count_cap]
-                if capped:
+                if capped or unknown:
                     rows = conn.execute(self.sql.query("stats_status_estimate"), {
                         "table": self.sql.regclass_text, "schema": self.sql.schema_name,
                         "name": self.sql.table_name}).fetchall()
@@ -549,10 +561,15 @@ class OutboxStore:
                     for status in capped:
                         depth[status] = max(count_cap, estimates.get(status, count_cap))
                         estimated.append(status)
-            oldest = conn.execute(self.sql.query("stats_oldest")).fetchone()
+                    for status in unknown:
+                        depth[status] = estimates.get(status, 0)
+                        estimated.append(status)
+            attempts: dict[int, int] = {}
+            oldest_age = 0.0
+            for a, n, age in conn.execute(self.sql.query("stats_backlog"), {"cap": count_cap}).fetchall():
+                attempts[int(a)] = int(n)
+                oldest_age = max(oldest_age, float(age))
             expired = conn.execute(self.sql.query("stats_expired")).fetchone()
-            attempts = {int(a): int(n) for a, n in conn.execute(self.sql.query("stats_attempts"),
-                                                                   {"cap": count_cap}).fetchall()}
             blocked: list[tuple[str, int]] = []
             dead_rows = depth["dead"] if include_depth else None
             if ordering.enabled and dead_rows != 0:  # no dead row, no blocked aggregate
@@ -567,7 +584,7 @@ class OutboxStore:
         return Stats(
             queue_depth=depth,
             estimated_statuses=estimated,
-            oldest_pending_age_seconds=float(oldest[0]) if oldest else 0.0,
+            oldest_pending_age_seconds=oldest_age,
             expired_leases=int(expired[0]) if expired else 0,
             attempts=attempts,
             blocked_aggregates=blocked,
@@ -625,11 +642,16 @@ class OutboxStore:
                                {"older_than_seconds": float(older_than_seconds)}).fetchone()
             return int(row[0]) if row else 0
 
-    def purge_chunk(self, older_than_seconds: float, limit: int) -> int:
+    def purge_chunk(self, older_than_seconds: float, limit: int, after: int = 0) -> tuple[int, int | None]:
+        """Delete the done rows older than the cutoff among the next ``limit`` rows by
+        id after ``after``. Returns (rows deleted, where the next chunk starts), the
+        latter None once no row further on can be old enough (see purge_chunk)."""
         with self._mapped("purge"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("purge_chunk"),
-                               {"older_than_seconds": float(older_than_seconds), "limit": limit})
-            return cur.rowcount
+            row = conn.execute(self.sql.query("purge_chunk"),
+                               {"older_than_seconds": float(older_than_seconds), "limit": limit,
+                                "after": after}).fetchone()
+        deleted, last_id, old_rows = (int(row[0]), row[1], int(row[2])) if row else (0, None, 0)
+        return deleted, (int(last_id) if last_id is not None and old_rows > 0 else None)
 
     # --- wake-ups --------------------------------------------------------------------
     def open_listener(self) -> Listener:

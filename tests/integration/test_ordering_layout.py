@@ -107,16 +107,29 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
     try:
         s.migrate()
         name = table.split(".")[1]
-        # An earlier version's layout: one per-aggregate index over pending, processing and dead rows.
+        # An earlier version's layout: one per-aggregate index over pending, processing
+        # and dead rows, indexes on created_at and done_at, no fillfactor.
         _sql(pg_dsn, table, f'CREATE INDEX "{name}_aggregate_idx" ON {{t}} (aggregate_id, id) '
                             "WHERE status IN ('pending', 'processing', 'dead')")
+        _sql(pg_dsn, table, f'CREATE INDEX "{name}_unfinished_created_idx" ON {{t}} (created_at) '
+                            "WHERE status IN ('pending', 'processing')")
+        _sql(pg_dsn, table, f"CREATE INDEX \"{name}_done_idx\" ON {{t}} (done_at) WHERE status = 'done'")
+        _sql(pg_dsn, table, "ALTER TABLE {t} RESET (fillfactor)")
         _insert(pg_dsn, table, [("X", "pending"), ("X", "dead"), ("Y", "pending")])
         notes = s.migrate(ordering=True)
         indexes = _indexes(pg_dsn, table)
-        assert f"{name}_aggregate_idx" not in indexes
+        for old in ("aggregate", "unfinished_created", "done"):
+            assert f"{name}_{old}_idx" not in indexes
         assert indexes[f"{name}_aggregate_active_idx"] and indexes[f"{name}_aggregate_dead_idx"]
         assert any("dropped index" in n for n in notes) and any("created index" in n for n in notes)
+        assert any("fillfactor" in n for n in notes)
+        assert _sql(pg_dsn, table, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)) == [
+            (["fillfactor=50"],)]
         assert s.migrate(ordering=True) == []  # nothing left to do
+        _sql(pg_dsn, table, "ALTER TABLE {t} SET (fillfactor = 80)")  # an operator's choice is kept
+        assert s.migrate(ordering=True) == []
+        assert _sql(pg_dsn, table, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)) == [
+            (["fillfactor=80"],)]
         assert s.missing_ordering_indexes() == []
 
         # An interrupted CREATE INDEX CONCURRENTLY leaves an invalid index: rebuilt.

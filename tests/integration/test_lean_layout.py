@@ -1,0 +1,35 @@
+"""The lean index layout (issue 12): no index on done_at or created_at. Purge walks the
+primary key; the backlog gauges read the claim's own indexes."""
+
+from __future__ import annotations
+
+from tests.helpers.db import make_row, run_sql
+
+
+def test_purge_walks_the_primary_key_and_stops_at_rows_newer_than_the_cutoff(store, pg_dsn, table):
+    old = [make_row(pg_dsn, table, status="done", created_ago_seconds=3 * 3600) for _ in range(3)]
+    run_sql(pg_dsn, table, "UPDATE {t} SET done_at = now() - interval '2 hours' WHERE id = ANY(%s)", (old,))
+    kept_dead = make_row(pg_dsn, table, status="dead", created_ago_seconds=3 * 3600)
+    new = [make_row(pg_dsn, table, status="done") for _ in range(2)]
+
+    assert store.purge_chunk(3600, 2, 0) == (2, old[1])
+    assert store.purge_chunk(3600, 2, old[1]) == (1, kept_dead)  # the dead row stays
+    # A chunk holding no row created before the cutoff ends the walk: nothing later can be old enough.
+    assert store.purge_chunk(3600, 2, kept_dead) == (0, None)
+    remaining = [r[0] for r in run_sql(pg_dsn, table, "SELECT id FROM {t} ORDER BY id")]
+    assert remaining == [kept_dead, *new]
+
+
+def test_backlog_gauges_read_the_pending_and_processing_indexes(store, pg_dsn, table):
+    make_row(pg_dsn, table, status="pending", attempts=2, created_ago_seconds=300, available_in_seconds=600)
+    make_row(pg_dsn, table, status="pending", created_ago_seconds=10)
+    make_row(pg_dsn, table, status="processing", attempts=1, created_ago_seconds=100)
+    make_row(pg_dsn, table, status="done", created_ago_seconds=900)  # finished: not in the backlog
+    stats = store.stats()
+    assert 300 <= stats.oldest_pending_age_seconds < 400  # the row waiting for its retry is the oldest
+    assert stats.attempts == {0: 1, 1: 1, 2: 1}
+    assert stats.queue_depth == {"pending": 2, "processing": 1, "done": 1, "dead": 0}
+    assert stats.estimated_statuses == []
+    indexes = {r[0] for r in run_sql(pg_dsn, table, "SELECT indexname FROM pg_indexes WHERE schemaname = %s",
+                                     (table.split(".")[0],))}
+    assert not {i for i in indexes if i.endswith(("_done_idx", "_unfinished_created_idx", "_aggregate_idx"))}
