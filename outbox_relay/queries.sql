@@ -274,8 +274,11 @@ WITH RECURSIVE aggregates AS (
             AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s)))
     LIMIT %(batch)s
 ), candidates AS (
+    -- = ANY(ARRAY(...)): the heads are computed once and looked up by primary key,
+    -- whatever the planner believes about the table (with statistics from a moment
+    -- when nothing was pending it would otherwise re-run the skip scan per row).
     SELECT o.id FROM {table} AS o
-    WHERE o.id IN (SELECT id FROM heads)
+    WHERE o.id = ANY(ARRAY(SELECT id FROM heads))
       AND ((o.status = 'pending' AND o.available_at <= now())
         OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
     FOR UPDATE OF o SKIP LOCKED
@@ -325,7 +328,7 @@ WITH heads AS (
     ) AS f
 ), locked AS (
     SELECT t.id FROM {table} AS t
-    WHERE t.id IN (SELECT id FROM followers WHERE contiguous)
+    WHERE t.id = ANY(ARRAY(SELECT id FROM followers WHERE contiguous))  -- once, by primary key
       AND t.status = 'pending'
     ORDER BY t.id          -- cutting at %(room)s keeps a prefix of every run
     LIMIT %(room)s
