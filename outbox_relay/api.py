@@ -78,9 +78,12 @@ def enqueue(
     order they obtain ids — the premise of per-aggregate ordered delivery. The lock
     is held until the caller's transaction ends; keep such transactions short.
 
-    ``dedup_key``: at most one row per key (unique index created by ``migrate``). On
-    a duplicate nothing is inserted, the transaction is *not* aborted, and the
-    existing row's id is returned with ``.duplicate = True``.
+    ``dedup_key``: at most one row per key, ever: the key is recorded in the table's
+    dedup key table (created by ``migrate``), which keeps it after the row was
+    delivered and deleted (``relay.on_done = "delete"``) or purged, until ``purge
+    --older-than`` removes keys older than its cutoff whose row is gone. On a
+    duplicate nothing is inserted, the transaction is *not* aborted, and the first
+    row's id is returned with ``.duplicate = True`` (that row may be gone by now).
 
     ``payload`` is any JSON-serialisable value (or a ``str`` holding JSON text);
     ``headers`` must map strings to strings. They reach Kafka as message headers.
@@ -133,12 +136,16 @@ def enqueue(
             row = cur.fetchone()
             assert row is not None
             return EnqueueResult(row[0])
-        cur.execute(sql.query("enqueue_dedup"), params)
-        row = cur.fetchone()
-        if row is not None:
-            return EnqueueResult(row[0])
+        # Two statements: the key first (the key table decides, and keeps the key after
+        # the row is delivered and deleted or purged), then the row linked to it.
+        cur.execute(sql.query("enqueue_dedup_key"), params)
+        if cur.fetchone() is not None:
+            cur.execute(sql.query("enqueue_dedup"), params)
+            row = cur.fetchone()
+            if row is not None:
+                return EnqueueResult(row[0])
         cur.execute(sql.query("find_dedup"), params)
         existing = cur.fetchone()
-        if existing is None:  # the conflicting row was deleted (purged) meanwhile
+        if existing is None or existing[0] is None:
             raise RuntimeError(f"dedup_key {dedup_key!r} conflicted but no row holds it")
         return EnqueueResult(existing[0], duplicate=True)

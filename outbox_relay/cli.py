@@ -116,13 +116,14 @@ def run(
     settings = _settings(config, relay={"workers": workers} if workers else None)
     from .relay import Relay, make_store
 
-    if settings.relay.ordered_event_types:
-        # Ordered claims without their indexes would scan the table: say so at once.
-        # (A database that does not answer yet, or a table not migrated yet, is what
-        # the relay's start-up waits for.)
-        problem = make_store(settings, pool_size=1).ordering_indexes_problem()
-        if problem:
-            _fail(problem, 2)
+    # A table set up for other settings (ordering indexes missing: ordered claims would
+    # scan the table; another on_done mode) is a configuration error: say so at once.
+    # A database that does not answer yet, or a table not migrated yet, is what the
+    # relay's start-up waits for.
+    problem = make_store(settings, pool_size=1).run_problem(
+        ordering=bool(settings.relay.ordered_event_types), on_done=settings.relay.on_done)
+    if problem:
+        _fail(problem, 2)
 
     with _errors():
         relay = Relay(settings)
@@ -141,14 +142,15 @@ def migrate(
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
-    The ordering indexes are created when relay.ordered_event_types is set."""
+    The ordering indexes are created when relay.ordered_event_types is set; the table's
+    mode is set to relay.on_done."""
     settings = _settings(config)
     ordering = bool(settings.relay.ordered_event_types)
     if drop_ordering_indexes and ordering:
         _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
     with _store(settings) as store:
         notes = store.migrate(notify_trigger=not no_notify_trigger, ordering=ordering,
-                              drop_ordering_indexes=drop_ordering_indexes)
+                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes)
     for note in notes:
         typer.echo(f"  {note}")
     typer.echo(f"migrated {settings.database.table}")
@@ -166,8 +168,10 @@ def status(
         store.require_table()
         stats = store.stats(ordered_types=list(settings.relay.ordered_event_types),
                             count_cap=settings.metrics.exact_count_limit)
+        on_done = store.on_done_mode()
     doc = {
         "table": settings.database.table,
+        "on_done": on_done,
         "queue_depth": stats.queue_depth,
         "queue_depth_estimated": stats.estimated_statuses,
         "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
@@ -178,7 +182,9 @@ def status(
     if json_out:
         typer.echo(json.dumps(doc))
         return
-    typer.echo(f"outbox {settings.database.table}")
+    typer.echo(f"outbox {settings.database.table}"
+               + ("  (delivered rows are deleted: done counts rows skipped by an operator)"
+                  if on_done == "delete" else ""))
     typer.echo(f"  {'status':<12}{'rows':>12}")
     for name, n in stats.queue_depth.items():
         note = "  (estimate)" if name in stats.estimated_statuses else ""
@@ -322,7 +328,13 @@ def purge(
             n, after = store.purge_chunk(seconds, chunk_size, after)
             removed += n
             update(n)
-    typer.echo(f"purged {removed} done rows older than {older_than}")
+        keys = 0
+        key_after: str | None = ""
+        while key_after is not None:  # dedup keys whose row is gone (delivered and deleted, or purged)
+            n, key_after = store.purge_dedup_keys_chunk(seconds, chunk_size, key_after)
+            keys += n
+    typer.echo(f"purged {removed} done rows older than {older_than}"
+               + (f" and {keys} dedup keys" if keys else ""))
 
 
 # --- demo ------------------------------------------------------------------------------

@@ -169,6 +169,11 @@ class RelaySettings(_Section):
         default=100, ge=1,
         description="Ordered claim: rows of one aggregate taken behind its head in one claim.",
     )
+    on_done: Literal["keep", "delete"] = Field(
+        default="keep",
+        description='What the finalize does with a delivered row: "keep" it as done until `purge`, or '
+                    '"delete" it (about half the WAL). A property of the table: `migrate` sets it, `run` checks it.',
+    )
     strict_lease: bool = Field(
         default=False,
         description="If true an owner whose lease expired can never finalize, even if nobody reclaimed the row.",

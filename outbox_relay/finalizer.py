@@ -112,7 +112,11 @@ class Finalizer:
             states = self._store.states([i.id for i in missing])
         except DatabaseError:
             return set()
-        return {i.id for i in missing if states.get(i.id) == (i.status, i.lease_version)}
+        # A done row that no longer exists was deleted as done: by this finalize in
+        # delete mode (relay.on_done = "delete"), or by a purge since; either way it was
+        # delivered and is finished, which is what this finalize meant to record.
+        return {i.id for i in missing
+                if states.get(i.id) == (i.status, i.lease_version) or (i.status == "done" and i.id not in states)}
 
 
 def log_batch(logger: structlog.typing.FilteringBoundLogger, result: BatchResult, *, owner: str) -> None:

@@ -95,12 +95,49 @@ SELECT EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = %(table)s::regclass AND attname = %(column)s AND NOT attisdropped)
 
 -- name: create_state_table
--- One row shared by all relays of this table: are they idle (waiting for work)?
+-- One row shared by all relays of this table: are they idle (waiting for work)? And
+-- what does the finalize do with a delivered row (relay.on_done, set by migrate: a
+-- property of the table, so every relay of it does the same)?
 CREATE TABLE IF NOT EXISTS {state_table} (
     singleton   boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    relays_idle boolean NOT NULL DEFAULT true
+    relays_idle boolean NOT NULL DEFAULT true,
+    on_done     text    NOT NULL DEFAULT 'keep' CHECK (on_done IN ('keep', 'delete'))
 );
 INSERT INTO {state_table} (singleton, relays_idle) VALUES (true, true) ON CONFLICT DO NOTHING
+
+-- name: add_on_done
+-- State tables created by an earlier version lack the mode (they kept done rows).
+ALTER TABLE {state_table} ADD COLUMN IF NOT EXISTS on_done text NOT NULL DEFAULT 'keep'
+    CHECK (on_done IN ('keep', 'delete'))
+
+-- name: set_on_done
+UPDATE {state_table} SET on_done = %(on_done)s WHERE on_done <> %(on_done)s RETURNING on_done
+
+-- name: table_mode
+SELECT on_done FROM {state_table}
+
+-- name: schema_current
+-- Has migrate brought this table to this version (state mode, dedup key table)?
+SELECT to_regclass(%(dedup_keys)s) IS NOT NULL
+   AND EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = to_regclass(%(state_table)s) AND attname = 'on_done' AND NOT attisdropped)
+
+-- name: create_dedup_keys
+-- enqueue(dedup_key=...): one row per key ever enqueued, so that a key is refused
+-- again after its row was delivered and deleted (delete mode) or purged. Narrow (no
+-- payload), written only by enqueues that carry a key; `purge --older-than` removes
+-- keys older than the cutoff whose row is gone.
+CREATE TABLE IF NOT EXISTS {dedup_keys} (
+    dedup_key  text        PRIMARY KEY,
+    outbox_id  bigint      NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: backfill_dedup_keys
+-- Keys of rows enqueued before the key table existed (or by an older enqueue()).
+INSERT INTO {dedup_keys} (dedup_key, outbox_id, created_at)
+SELECT dedup_key, id, created_at FROM {table} WHERE dedup_key IS NOT NULL
+ON CONFLICT (dedup_key) DO NOTHING
 
 -- name: create_notify_function
 -- NOTIFY makes committing transactions queue behind each other (a global lock at
@@ -353,23 +390,42 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
 -- come in as parallel arrays (decision.py decides, this only writes). Only the claim
 -- that still holds lease_version may write; rows that do not match are lost leases.
 -- {strict} is either empty or "AND o.lease_until > now()" (strict lease policy).
---   done:    done_at = now(), last_error cleared
+--   done:    the table's mode (on_done in {state_table}, set by migrate) says:
+--            keep:   done_at = now(), last_error cleared
+--            delete: the row is deleted — a DELETE record instead of a new row version
 --   pending: due after delay_seconds; a NULL error keeps the previous last_error
 --            (a release is not a failure); refund = 1 gives the claim's attempt back
 --   dead:    last_error = the reason
-UPDATE {table} AS o
-SET status = f.status,
-    done_at = CASE WHEN f.status = 'done' THEN now() ELSE o.done_at END,
-    available_at = CASE WHEN f.status = 'pending' THEN now() + make_interval(secs => f.delay_seconds)
-                        ELSE o.available_at END,
-    attempts = greatest(o.attempts - f.refund, 0),
-    last_error = CASE WHEN f.status = 'done' THEN NULL ELSE coalesce(f.error, o.last_error) END,
-    lease_owner = NULL,
-    lease_until = NULL
-FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[], %(delays)s::float8[],
-            %(errors)s::text[], %(refunds)s::int[]) AS f(id, version, status, delay_seconds, error, refund)
-WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
-RETURNING o.id
+WITH decided AS (
+    SELECT * FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[], %(statuses)s::text[],
+                         %(delays)s::float8[], %(errors)s::text[], %(refunds)s::int[])
+             AS f(id, version, status, delay_seconds, error, refund)
+), mode AS (
+    SELECT coalesce((SELECT on_done = 'delete' FROM {state_table}), false) AS delete_done
+), deleted AS (
+    DELETE FROM {table} AS o
+    USING decided AS f, mode
+    WHERE mode.delete_done AND f.status = 'done'
+      AND o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+    RETURNING o.id
+), updated AS (
+    UPDATE {table} AS o
+    SET status = f.status,
+        done_at = CASE WHEN f.status = 'done' THEN now() ELSE o.done_at END,
+        available_at = CASE WHEN f.status = 'pending' THEN now() + make_interval(secs => f.delay_seconds)
+                            ELSE o.available_at END,
+        attempts = greatest(o.attempts - f.refund, 0),
+        last_error = CASE WHEN f.status = 'done' THEN NULL ELSE coalesce(f.error, o.last_error) END,
+        lease_owner = NULL,
+        lease_until = NULL
+    FROM decided AS f, mode
+    WHERE NOT (mode.delete_done AND f.status = 'done')
+      AND o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+    RETURNING o.id
+)
+SELECT id FROM deleted
+UNION ALL
+SELECT id FROM updated
 
 -- name: extend_lease
 -- Heartbeat: push the deadline of rows this claim still owns. {strict}: under the
@@ -557,17 +613,56 @@ VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(top
         now() + make_interval(secs => %(delay_seconds)s))
 RETURNING id
 
+-- name: enqueue_dedup_key
+-- enqueue(dedup_key=...), step 1: claim the key. The key table's primary key decides:
+-- a concurrent enqueuer of the same key waits for ours, then sees the conflict; a key
+-- whose row was delivered and deleted (delete mode) or purged is still here. ON
+-- CONFLICT DO NOTHING never aborts the caller's transaction.
+INSERT INTO {dedup_keys} (dedup_key) VALUES (%(dedup_key)s)
+ON CONFLICT (dedup_key) DO NOTHING
+RETURNING dedup_key
+
 -- name: enqueue_dedup
--- ON CONFLICT DO NOTHING never aborts the caller's transaction; a concurrent
--- inserter of the same key waits for ours and then sees the conflict.
-INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
-VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
-        now() + make_interval(secs => %(delay_seconds)s), %(dedup_key)s)
-ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
-RETURNING id
+-- Step 2 (the key was new): the row, and the key's link to it. The outbox's own
+-- unique index on dedup_key still refuses a key held by a row an older enqueue()
+-- wrote without a key row.
+WITH new_row AS (
+    INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
+    VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
+            now() + make_interval(secs => %(delay_seconds)s), %(dedup_key)s)
+    ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING id
+), linked AS (
+    UPDATE {dedup_keys} AS k SET outbox_id = new_row.id FROM new_row WHERE k.dedup_key = %(dedup_key)s
+)
+SELECT id FROM new_row
 
 -- name: find_dedup
-SELECT id FROM {table} WHERE dedup_key = %(dedup_key)s
+-- The row a duplicate key belongs to (it may be delivered and gone by now); links a
+-- key claimed in step 1 to a row an older enqueue() wrote.
+WITH found AS (
+    SELECT coalesce((SELECT outbox_id FROM {dedup_keys} WHERE dedup_key = %(dedup_key)s),
+                    (SELECT id FROM {table} WHERE dedup_key = %(dedup_key)s)) AS id
+), linked AS (
+    UPDATE {dedup_keys} AS k SET outbox_id = found.id FROM found
+    WHERE k.dedup_key = %(dedup_key)s AND k.outbox_id IS NULL AND found.id IS NOT NULL
+)
+SELECT id FROM found
+
+-- name: purge_dedup_keys_chunk
+-- Retention of dedup keys: keys older than the cutoff whose row is no longer in the
+-- outbox (delivered and deleted, or purged), %(limit)s keys a chunk in key order.
+WITH scanned AS (
+    SELECT dedup_key FROM {dedup_keys} WHERE dedup_key > %(after)s ORDER BY dedup_key LIMIT %(limit)s
+), purged AS (
+    DELETE FROM {dedup_keys} AS k
+    USING scanned AS s
+    WHERE k.dedup_key = s.dedup_key
+      AND k.created_at < now() - make_interval(secs => %(older_than_seconds)s)
+      AND NOT EXISTS (SELECT 1 FROM {table} AS o WHERE o.id = k.outbox_id)
+    RETURNING k.dedup_key
+)
+SELECT (SELECT count(*) FROM purged), (SELECT max(dedup_key) FROM scanned)
 
 -- name: aggregate_lock
 -- Transaction-scoped: held until the caller commits, so two writers of one aggregate

@@ -88,6 +88,11 @@ class TableSql:
         """The table as text for to_regclass(): quoted parts, so case is kept."""
         return ".".join('"' + part + '"' for part in self.table.split("."))
 
+    def regclass_of(self, suffix: str) -> str:
+        """A companion table of this one ("relay_state", "dedup_keys") as to_regclass() text."""
+        name = '"' + _short(self.table_name, suffix) + '"'
+        return f'"{self.schema_name}".{name}' if self.schema_name else name
+
     @cached_property
     def _names(self) -> dict[str, sql.Composable]:
         base = self.table_name
@@ -96,6 +101,7 @@ class TableSql:
             **{f"idx_{key}": sql.Identifier(self.index_name(key))
                for key in (*BASE_INDEXES, *ORDERING_INDEXES, *OBSOLETE_INDEXES)},
             "state_table": self._qualified(_short(base, "relay_state")),
+            "dedup_keys": self._qualified(_short(base, "dedup_keys")),
             "fn_notify": self._qualified(_short(base, "notify_fn")),
             "trg_notify": sql.Identifier(_short(base, "notify_trg")),
             "channel_literal": sql.Literal(self.channel),

@@ -188,6 +188,7 @@ class OutboxStore:
         try:
             with psycopg.connect(self._dsn, **self._conn_kwargs) as conn:
                 row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
+                current = self._schema_current(conn)
         except psycopg.Error as exc:
             reason = redact_dsn(_first_line(exc), self._dsn)
             if connect_failure_is_permanent(exc):
@@ -195,6 +196,9 @@ class OutboxStore:
             return f"cannot connect to the database: {reason}"
         if not (row and row[0]):
             return f"table {self.table!r} does not exist: run `outbox-relay migrate` first"
+        if not current:
+            return (f"table {self.table!r} was set up by an older version of outbox-relay: "
+                    "run `outbox-relay migrate` first")
         return None
 
     def _probe_reason(self) -> str:
@@ -247,15 +251,18 @@ class OutboxStore:
                 yield conn
 
     # --- schema ----------------------------------------------------------------------
-    def migrate(self, *, notify_trigger: bool = True, ordering: bool = False,
+    def migrate(self, *, notify_trigger: bool = True, ordering: bool = False, on_done: str = "keep",
                 drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
         on an existing table indexes are built and dropped CONCURRENTLY (outside any
         transaction, no lock that blocks writers). ``ordering``: relay.ordered_event_types
         is set, so the ordering indexes must exist; without it they are left alone
-        (other relays may be ordered) unless ``drop_ordering_indexes``. Returns notes
-        for the operator (one line each)."""
+        (other relays may be ordered) unless ``drop_ordering_indexes``. ``on_done``
+        (relay.on_done) becomes the table's mode, which every relay's finalize reads.
+        Returns notes for the operator (one line each)."""
+        if on_done not in ("keep", "delete"):
+            raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
         notes: list[str] = []
         lock_key = "outbox-relay-migrate:" + self.table
         with self._mapped("migrate"), self._ddl_connection() as conn:
@@ -286,6 +293,14 @@ class OutboxStore:
                             conn.execute(self.sql.index_ddl(key, concurrently=False))
                     for statement in self.sql.statements("create_state_table"):
                         conn.execute(statement)
+                    if not self._state_has_mode(conn):
+                        conn.execute(self.sql.query("add_on_done"))
+                    if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
+                        notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
+                                     "kept so far stay until purge" if on_done == "delete" else
+                                     "finalize now keeps delivered rows as done (relay.on_done = keep)")
+                    conn.execute(self.sql.query("create_dedup_keys"))
+                    conn.execute(self.sql.query("backfill_dedup_keys"))
                     if notify_trigger:
                         conn.execute(self.sql.query("create_notify_function"))
                         for statement in self.sql.statements("create_notify_trigger"):
@@ -344,6 +359,12 @@ class OutboxStore:
         row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
         return bool(row and row[0])
 
+    def _state_has_mode(self, conn: psycopg.Connection[Any]) -> bool:
+        row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) "
+                           "AND attname = 'on_done' AND NOT attisdropped)",
+                           (self.sql.regclass_of("relay_state"),)).fetchone()
+        return bool(row and row[0])
+
     def _fillfactor(self, conn: psycopg.Connection[Any]) -> int | None:
         row = conn.execute(self.sql.query("table_fillfactor"), {"table": self.sql.regclass_text}).fetchone()
         return int(row[0]) if row and row[0] is not None else None
@@ -364,23 +385,42 @@ class OutboxStore:
             valid = self._index_validity(conn)
         return [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
 
-    def ordering_indexes_problem(self) -> str | None:
-        """For ``run`` with ordered types: why the table is not ready for ordered
-        delivery (ordering indexes missing), or None — also when the database does not
-        answer or the table does not exist yet, which the relay's start-up waits for.
-        Uses its own short-lived connection, not the pool."""
+    def _schema_current(self, conn: psycopg.Connection[Any]) -> bool:
+        row = conn.execute(self.sql.query("schema_current"), {
+            "dedup_keys": self.sql.regclass_of("dedup_keys"),
+            "state_table": self.sql.regclass_of("relay_state")}).fetchone()
+        return bool(row and row[0])
+
+    def run_problem(self, *, ordering: bool, on_done: str) -> str | None:
+        """For ``run``: why this table does not fit the relay's settings (ordering
+        indexes missing, another on_done mode), or None — also when the database does
+        not answer or the table is not migrated yet, which the relay's start-up waits
+        for. Uses its own short-lived connection, not the pool."""
         try:
             with psycopg.connect(self._dsn, **self._conn_kwargs) as conn:
-                if not self._exists(conn):
+                if not self._exists(conn) or not self._schema_current(conn):
                     return None
                 valid = self._index_validity(conn)
+                row = conn.execute(self.sql.query("table_mode")).fetchone()
         except psycopg.Error:
             return None
+        mode = str(row[0]) if row else "keep"
+        if mode != on_done:
+            return (f"relay.on_done is {on_done!r} but table {self.table!r} is set up for {mode!r}: "
+                    "run `outbox-relay migrate` with the same settings first")
         missing = [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
-        if not missing:
-            return None
-        return (f"relay.ordered_event_types is set but table {self.table!r} lacks the ordering indexes "
-                f"({', '.join(missing)}): run `outbox-relay migrate` with the same settings first")
+        if ordering and missing:
+            return (f"relay.ordered_event_types is set but table {self.table!r} lacks the ordering indexes "
+                    f"({', '.join(missing)}): run `outbox-relay migrate` with the same settings first")
+        return None
+
+    def on_done_mode(self) -> str:
+        """The table's relay.on_done mode (keep | delete), as migrate set it."""
+        with self._mapped("table mode"), self._pool.connection() as conn:
+            if not self._state_has_mode(conn):  # set up by an older version, which kept done rows
+                return "keep"
+            row = conn.execute(self.sql.query("table_mode")).fetchone()
+            return str(row[0]) if row else "keep"
     def mark_idle(self) -> None:
         """Ask inserts to NOTIFY (see create_notify_function): the relays are idle."""
         with self._mapped("mark idle"), self._pool.connection() as conn:
@@ -652,6 +692,17 @@ class OutboxStore:
                                 "after": after}).fetchone()
         deleted, last_id, old_rows = (int(row[0]), row[1], int(row[2])) if row else (0, None, 0)
         return deleted, (int(last_id) if last_id is not None and old_rows > 0 else None)
+
+    def purge_dedup_keys_chunk(self, older_than_seconds: float, limit: int,
+                               after: str = "") -> tuple[int, str | None]:
+        """Delete dedup keys older than the cutoff whose row is gone, among the next
+        ``limit`` keys after ``after``. Returns (keys deleted, next start or None at the end)."""
+        with self._mapped("purge"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("purge_dedup_keys_chunk"),
+                               {"older_than_seconds": float(older_than_seconds), "limit": limit,
+                                "after": after}).fetchone()
+        deleted, last_key = (int(row[0]), row[1]) if row else (0, None)
+        return deleted, (str(last_key) if last_key is not None else None)
 
     # --- wake-ups --------------------------------------------------------------------
     def open_listener(self) -> Listener:
