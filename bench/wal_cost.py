@@ -26,12 +26,14 @@ images, bytes; cluster-wide, flushed when the relay's backends exit) is printed 
 phase as a cross-check, and ``--app-alone`` adds the same writer into a table no relay
 reads (the insert's price without the relay, by LSN difference).
 
-Configurations (``--configs``, comma-separated):
-  keep          the defaults: done rows stay until ``purge``; no ordered types.
-  keep-ordered  relay.ordered_event_types = ["*"].
+Configurations (``--configs``, comma-separated; default keep,delete):
+  keep            the defaults: done rows stay until ``purge``; no ordered types.
+  keep-ordered    relay.ordered_event_types = ["*"].
+  delete          relay.on_done = "delete": the finalize deletes delivered rows.
+  delete-ordered  both.
 
-    .venv/bin/python bench/wal_cost.py                           # keep; ~200 B and ~1 KB
-    .venv/bin/python bench/wal_cost.py --configs keep,keep-ordered --events 5000
+    .venv/bin/python bench/wal_cost.py                           # keep, delete; ~200 B and ~1 KB
+    .venv/bin/python bench/wal_cost.py --configs keep,keep-ordered,delete,delete-ordered --app-alone
     .venv/bin/python bench/wal_cost.py --json > wal.json
 """
 
@@ -64,6 +66,11 @@ CONFIGS: dict[str, Config] = {
     "keep": Config("keep", "defaults: done rows kept until purge, no ordered types"),
     "keep-ordered": Config("keep-ordered", 'relay.ordered_event_types = ["*"]',
                            {"OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["*"]'}, ordered=True),
+    "delete": Config("delete", 'relay.on_done = "delete": the finalize deletes delivered rows',
+                     {"OUTBOX_RELAY_RELAY__ON_DONE": "delete"}),
+    "delete-ordered": Config("delete-ordered", 'relay.on_done = "delete", relay.ordered_event_types = ["*"]',
+                             {"OUTBOX_RELAY_RELAY__ON_DONE": "delete",
+                              "OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["*"]'}, ordered=True),
 }
 
 # --- WAL positions and records ------------------------------------------------------------
@@ -239,8 +246,12 @@ def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int,
         recs = records(conn, start, end, xids)
         run_space = lsn_diff(conn, start, end)
         depth = c.count_by_status(dsn, table)
-        if depth.get("done", 0) != args.events:
-            problems.append(f"not all rows done after the run: {depth}")
+        expected = {} if config.env.get("OUTBOX_RELAY_RELAY__ON_DONE") == "delete" else {"done": args.events}
+        if depth != expected:
+            problems.append(f"rows after the run: {depth}, expected {expected}")
+        unique, total = c.unique_message_ids(bootstrap, topic, args.events)
+        if unique != args.events:
+            problems.append(f"{unique} unique message ids on the topic ({total} messages), expected {args.events}")
 
         c.say(f"  {config.name} ~{payload_bytes} B: purge --older-than 0s ...")
         settle_stats()
@@ -307,8 +318,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     c.add_server_args(parser)
-    parser.add_argument("--configs", default="keep", help=f"comma-separated subset of {','.join(CONFIGS)} "
-                                                          "(default keep)")
+    parser.add_argument("--configs", default="keep,delete",
+                        help=f"comma-separated subset of {','.join(CONFIGS)} (default keep,delete)")
     parser.add_argument("--payload-bytes", default="200,1000", help="payload sizes (default 200,1000)")
     parser.add_argument("--events", type=int, default=20_000, help="events per measurement (default 20000)")
     parser.add_argument("--tx-rows", type=int, default=100, help="rows per application transaction (default 100)")
