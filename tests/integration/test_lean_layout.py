@@ -33,3 +33,27 @@ def test_backlog_gauges_read_the_pending_and_processing_indexes(store, pg_dsn, t
     indexes = {r[0] for r in run_sql(pg_dsn, table, "SELECT indexname FROM pg_indexes WHERE schemaname = %s",
                                      (table.split(".")[0],))}
     assert not {i for i in indexes if i.endswith(("_done_idx", "_unfinished_created_idx", "_aggregate_idx"))}
+
+
+def test_migrate_converges_an_old_layout_while_a_relay_drains_it(make_settings, store, pg_dsn, table):
+    """Indexes built and dropped CONCURRENTLY, fillfactor set: the relay keeps claiming
+    and finalizing through it, and nothing is lost."""
+    from outbox_relay.relay import Relay
+    from tests.helpers.db import insert_rows, statuses, wait_for
+
+    name = table.split(".")[1]
+    run_sql(pg_dsn, table, f'CREATE INDEX "{name}_unfinished_created_idx" ON {{t}} (created_at) '
+                           "WHERE status IN ('pending', 'processing')")
+    run_sql(pg_dsn, table, f"CREATE INDEX \"{name}_done_idx\" ON {{t}} (done_at) WHERE status = 'done'")
+    run_sql(pg_dsn, table, "ALTER TABLE {t} RESET (fillfactor)")
+    insert_rows(pg_dsn, table, 3000)
+    relay = Relay(make_settings(relay={"batch_size": 50}))
+    relay.start()
+    try:
+        notes = store.migrate(ordering=True)  # drops two indexes, builds two, while the relay works
+        insert_rows(pg_dsn, table, 500)
+        wait_for(lambda: statuses(pg_dsn, table) == {"done": 3500}, message="all rows done")
+    finally:
+        relay.stop()
+    assert sum("dropped index" in n for n in notes) == 2 and sum("created index" in n for n in notes) == 2
+    assert store.missing_ordering_indexes() == []
