@@ -88,7 +88,7 @@ def claim_params(owner: str, batch: int, *, ordered: bool) -> dict[str, Any]:
     r = DEFAULTS.relay
     return {"owner": owner, "batch": batch, "lease_seconds": float(r.lease_seconds), "max_attempts": r.max_attempts,
             "ordered_types": [], "all_ordered": ordered, "after": "", "excluded_types": [],
-            "max_batch_bytes": 2**62, "candidates": batch, "max_message_bytes": None}
+            "max_batch_bytes": 2**62, "candidates": batch, "max_message_bytes": None, "first_always": True}
 
 
 def time_claims(store: OutboxStore, *, batch: int, reps: int, ordered: bool) -> dict[str, Any]:

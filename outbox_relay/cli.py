@@ -114,16 +114,7 @@ def run(
 ) -> None:
     """Run the relay in the foreground until SIGTERM/SIGINT."""
     settings = _settings(config, relay={"workers": workers} if workers else None)
-    from .relay import Relay, make_store
-
-    # A table set up for other settings (ordering indexes missing: ordered claims would
-    # scan the table; another on_done mode) is a configuration error: say so at once.
-    # A database that does not answer yet, or a table not migrated yet, is what the
-    # relay's start-up waits for.
-    problem = make_store(settings, pool_size=1).run_problem(
-        ordering=bool(settings.relay.ordered_event_types), on_done=settings.relay.on_done)
-    if problem:
-        _fail(problem, 2)
+    from .relay import Relay
 
     with _errors():
         relay = Relay(settings)

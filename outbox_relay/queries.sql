@@ -314,11 +314,21 @@ WITH RECURSIVE aggregates AS (
     -- = ANY(ARRAY(...)): the heads are computed once and looked up by primary key,
     -- whatever the planner believes about the table (with statistics from a moment
     -- when nothing was pending it would otherwise re-run the skip scan per row).
-    SELECT o.id FROM {table} AS o
+    SELECT o.id, octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
+    FROM {table} AS o
     WHERE o.id = ANY(ARRAY(SELECT id FROM heads))
       AND ((o.status = 'pending' AND o.available_at <= now())
         OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
     FOR UPDATE OF o SKIP LOCKED
+), picked AS (
+    -- The byte budget, as in "claim": heads while their running sum fits what is left
+    -- of %(max_batch_bytes)s; the first one always when %(first_always)s (nothing else
+    -- was claimed yet), so one large head is claimed alone rather than never.
+    SELECT id, row_bytes FROM (
+        SELECT id, row_bytes, row_number() OVER w AS n, sum(row_bytes) OVER w AS bytes_through
+        FROM candidates WINDOW w AS (ORDER BY id)
+    ) AS sized
+    WHERE (%(first_always)s AND n = 1) OR bytes_through <= %(max_batch_bytes)s
 )
 UPDATE {table} AS o
 SET status = 'processing',
@@ -326,13 +336,11 @@ SET status = 'processing',
     lease_until = now() + make_interval(secs => %(lease_seconds)s),
     lease_version = o.lease_version + 1,
     attempts = o.attempts + 1
-FROM candidates
-WHERE o.id = candidates.id
+FROM picked
+WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-          CASE WHEN octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0)
-                    > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
-          o.topic, o.headers::text AS headers, o.created_at,
-          octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
+          CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
 
 -- name: claim_ordered_runs
 -- Behind each head just claimed (and still held by this transaction), take the
@@ -364,12 +372,19 @@ WITH heads AS (
         LIMIT %(run_length)s
     ) AS f
 ), locked AS (
-    SELECT t.id FROM {table} AS t
+    SELECT t.id, octet_length(t.payload::text) + coalesce(octet_length(t.headers::text), 0) AS row_bytes
+    FROM {table} AS t
     WHERE t.id = ANY(ARRAY(SELECT id FROM followers WHERE contiguous))  -- once, by primary key
       AND t.status = 'pending'
     ORDER BY t.id          -- cutting at %(room)s keeps a prefix of every run
     LIMIT %(room)s
     FOR UPDATE OF t SKIP LOCKED
+), picked AS (
+    -- The byte budget left after the heads; a cut in id order keeps a prefix of every run.
+    SELECT id, row_bytes FROM (
+        SELECT id, row_bytes, sum(row_bytes) OVER (ORDER BY id) AS bytes_through FROM locked
+    ) AS sized
+    WHERE bytes_through <= %(max_batch_bytes)s
 )
 UPDATE {table} AS o
 SET status = 'processing',
@@ -377,13 +392,11 @@ SET status = 'processing',
     lease_until = now() + make_interval(secs => %(lease_seconds)s),
     lease_version = o.lease_version + 1,
     attempts = o.attempts + 1
-FROM locked
-WHERE o.id = locked.id
+FROM picked
+WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
-          CASE WHEN octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0)
-                    > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
-          o.topic, o.headers::text AS headers, o.created_at,
-          octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
+          CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
 
 -- name: finalize
 -- Every outcome of a batch in ONE fenced statement (one round trip): the decisions

@@ -135,6 +135,14 @@ class Relay:
             database_problem = self.store.check_ready()  # raises DatabaseRefused
             if database_problem is not None:
                 problems["database"] = database_problem
+            else:
+                # A table set up for other settings (ordering indexes missing: ordered
+                # claims would scan the table; another on_done mode) is a configuration
+                # error, not something to wait for.
+                mismatch = self.store.run_problem(ordering=bool(s.relay.ordered_event_types),
+                                                  on_done=s.relay.on_done)
+                if mismatch is not None:
+                    raise ConfigError(mismatch)
             if self.publisher.must_answer_at_start and not self.publisher.probe(timeout_seconds=probe_seconds):
                 problems["target"] = f"cannot reach {self.publisher.describe_target()}: no broker answered"
             if not problems:

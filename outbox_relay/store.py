@@ -491,28 +491,38 @@ class OutboxStore:
                                                          max_batch_bytes=max(1, max_batch_bytes // 2)), rows)
                 head_room = batch - len(rows)
                 params = dict(params, batch=head_room)
+
+                def bytes_left() -> int:
+                    return max_batch_bytes - sum(r.size_bytes for r in rows)
+
+                def claim_heads(after: str, limit: int) -> list[Claimed]:
+                    head_params = dict(params, after=after, batch=limit, max_batch_bytes=bytes_left(),
+                                       first_always=not rows)
+                    return [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
+                                                             head_params).fetchall()]
+
                 # Round-robin over aggregates: start after where the last claim ended,
                 # wrap around to the beginning if that end of the range had too few.
-                heads = [] if head_room <= 0 else [
-                    Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
-                                                     dict(params, after=ordered_after)).fetchall()]
-                if head_room > 0 and len(heads) < head_room and ordered_after:
-                    seen = {h.id for h in heads}
-                    heads.extend(Claimed(*r) for r in cur.execute(
-                        self.sql.query("claim_ordered_heads"), dict(params, after="", batch=head_room - len(heads)))
-                        if r[0] not in seen)
+                heads: list[Claimed] = []
+                if head_room > 0 and (bytes_left() > 0 or not rows):
+                    heads = claim_heads(ordered_after, head_room)
+                    rows.extend(heads)
+                    if len(heads) < head_room and ordered_after and bytes_left() > 0:
+                        seen = {h.id for h in heads}
+                        more = [h for h in claim_heads("", head_room - len(heads)) if h.id not in seen]
+                        heads.extend(more)
+                        rows.extend(more)
                 if heads:
                     next_after = max(h.aggregate_id for h in heads)
-                rows.extend(heads)
-                if heads and run_length > 1 and batch > len(rows):
+                if heads and run_length > 1 and batch > len(rows) and bytes_left() > 0:
                     run_params = dict(params, run_length=run_length - 1, room=batch - len(rows),
                                       aggregate_ids=[h.aggregate_id for h in heads],
-                                      head_ids=[h.id for h in heads])
+                                      head_ids=[h.id for h in heads], max_batch_bytes=bytes_left())
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
                 room = batch - len(rows)
-                bytes_left = max_batch_bytes - sum(r.size_bytes for r in rows)
-                if not all_ordered and room > 0 and bytes_left > 0:
-                    reaped += self._plain_claim(cur, dict(unordered, batch=room, max_batch_bytes=bytes_left), rows)
+                if not all_ordered and room > 0 and bytes_left() > 0:
+                    reaped += self._plain_claim(cur, dict(unordered, batch=room, max_batch_bytes=bytes_left()),
+                                                rows)
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 

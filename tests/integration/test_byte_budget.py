@@ -104,3 +104,27 @@ def test_a_full_producer_queue_is_waited_out(make_settings, store, pg_dsn, table
         relay.stop()
     assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == {i: ("done", 1) for i in ids}
     assert isinstance(relay.publisher, KafkaPublisher) and relay.publisher.local_queue_full_waits > 0
+
+
+def test_ordered_claim_keeps_to_the_byte_budget_and_a_prefix_of_each_run(store, pg_dsn, table):
+    # Two aggregates of four rows each, ~30 KB per row; a budget of three rows.
+    ids = {agg: [] for agg in ("x", "y")}
+    for i in range(4):
+        for agg in ("x", "y"):
+            [row_id] = insert_rows(pg_dsn, table, 1, aggregates=1, payload_size=30_000)
+            run_sql(pg_dsn, table, "UPDATE {t} SET aggregate_id = %s WHERE id = %s", (agg, row_id))
+            ids[agg].append(row_id)
+    size = run_sql(pg_dsn, table, "SELECT max(octet_length(payload::text)) FROM {t}")[0][0]
+    claimed = store.claim(owner="o", batch=100, lease_seconds=30, max_attempts=3, ordered_types=["*"],
+                          run_length=10, max_batch_bytes=3 * size)
+    got = sorted(c.id for c in claimed.rows)
+    assert len(got) == 3 and sum(c.size_bytes for c in claimed.rows) <= 3 * size
+    for agg, agg_ids in ids.items():  # whatever was taken of an aggregate is its head and what follows
+        taken = [i for i in agg_ids if i in got]
+        assert taken == agg_ids[: len(taken)], (agg, taken)
+    # A head larger than the whole budget is still claimed alone (once the first
+    # claim's rows are finished: nothing behind an unfinished head is claimable).
+    store.mark_done([(c.id, c.lease_version) for c in claimed.rows])
+    rest = store.claim(owner="p", batch=100, lease_seconds=30, max_attempts=3, ordered_types=["*"],
+                       run_length=10, max_batch_bytes=1000)
+    assert len(rest.rows) == 1
