@@ -3,16 +3,31 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import psycopg
+import pytest
 
 from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
-from tests.helpers.db import rows
-from tests.helpers.db import statuses, wait_for
+from outbox_relay.store import OutboxStore
+from tests.helpers.db import rows, statuses, wait_for
 
 ALL = ["*"]
+
+
+@pytest.fixture
+def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
+    """Ordered tests: the table gets the ordering indexes (`migrate` with
+    relay.ordered_event_types set), which `run` requires."""
+    s = OutboxStore(pg_dsn, table, pool_size=8)
+    s.open()
+    s.migrate(ordering=True)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 def _insert(dsn, table, spec):

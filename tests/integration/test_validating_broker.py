@@ -23,6 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from outbox_relay import enqueue
 from outbox_relay.embedded import EmbeddedBroker, read_messages
 from outbox_relay.relay import Relay
+from outbox_relay.store import OutboxStore
 from tests.helpers.db import rows, wait_for
 
 # The value must be an object with an integer "amount" (the key is not validated).
@@ -51,6 +52,19 @@ def validating_broker(tmp_path: Path, topic_prefix: str) -> Iterator[tuple[Embed
         yield broker, topic
     finally:
         broker.stop()
+
+
+@pytest.fixture
+def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
+    """This module's relays order event types: the table gets the ordering indexes
+    (`migrate` with relay.ordered_event_types set), which `run` requires."""
+    s = OutboxStore(pg_dsn, table, pool_size=8)
+    s.open()
+    s.migrate(ordering=True)
+    try:
+        yield s
+    finally:
+        s.close()
 
 
 def _create_topic(bootstrap: str, topic: str, *, partitions: int, config: dict[str, str] | None = None) -> None:
