@@ -20,7 +20,7 @@ import typer
 from .config import Settings, load_settings, parse_duration
 from .errors import ConfigError, OutboxRelayError
 from .filters import FILTER_NAMES, DeadFilter, parse_filter
-from .operations import Action, change_dead, diagnose_aggregate, is_ordered, os_user, preview_dead, row_state
+from .operations import Action, change_dead, diagnose_aggregate, is_ordered, os_user, preview_dead, row_states
 from .store import DeadSummary
 
 app = typer.Typer(
@@ -421,20 +421,21 @@ def aggregate_show(
         with _errors():
             found, total = store.aggregate_rows(aggregate_id, limit=limit)
     verdict = diagnose_aggregate(found, ordered_types, max_attempts=settings.relay.max_attempts)
+    states = row_states(found, ordered_types)
     if json_out:
         typer.echo(json.dumps({
             "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
             "rows": [_jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
-                               | {"ordered": is_ordered(row["event_type"], ordered_types), "state": row_state(row)})
-                     for row in found]}))
+                               | {"ordered": is_ordered(row["event_type"], ordered_types), "state": state})
+                     for row, state in zip(found, states)]}))
         return
     typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows" + (f" (showing {len(found)})" if total > len(found) else ""))
     typer.echo(f"  {verdict}")
-    for row in found:
+    for row, state in zip(found, states):
         mark = "ordered" if is_ordered(row["event_type"], ordered_types) else "unordered"
         error = (row["last_error"] or "").replace("\n", " ")[:80]
         typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
-                   f"attempts={row['attempts']}  {row_state(row)}" + (f"  last_error: {error}" if error else ""))
+                   f"attempts={row['attempts']}  {state}" + (f"  last_error: {error}" if error else ""))
 
 
 @audit_app.command("list")

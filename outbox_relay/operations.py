@@ -157,6 +157,30 @@ def row_state(row: dict[str, Any]) -> str:
     return "due: the next claim takes it"
 
 
+def row_states(rows: list[dict[str, Any]], ordered_types: Sequence[str]) -> list[str]:
+    """Each row's state; an ordered row behind its aggregate's head waits for that head."""
+    head_id: int | None = None
+    states = []
+    for row in rows:
+        ordered = is_ordered(row["event_type"], ordered_types)
+        if ordered and head_id is None:
+            head_id = row["id"]
+            states.append(row_state(row))
+        elif ordered and row["status"] == "pending":
+            states.append(f"waits behind head {head_id}")
+        elif ordered and row["status"] == "dead":
+            states.append(f"dead (behind head {head_id})")
+        else:
+            states.append(row_state(row))
+    return states
+
+
+def blocking_head(rows: list[dict[str, Any]], ordered_types: Sequence[str]) -> int | None:
+    """The id of the aggregate's dead head, if that is what blocks it."""
+    ordered = [r for r in rows if is_ordered(r["event_type"], ordered_types)]
+    return ordered[0]["id"] if ordered and ordered[0]["status"] == "dead" else None
+
+
 def diagnose_aggregate(rows: list[dict[str, Any]], ordered_types: Sequence[str], *,
                        max_attempts: int) -> str:
     """What decides when this aggregate's unfinished rows move on, in one sentence."""
