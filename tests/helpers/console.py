@@ -24,8 +24,10 @@ def quoted(table: str) -> str:
 def seed_dead(dsn: str, table: str, n: int, *, event_type: str = "PaymentCaptured",
               aggregate_type: str = "payment", aggregate_prefix: str = "pay-", aggregates: int = 10,
               last_error: str = "retries exhausted: UNKNOWN_TOPIC_OR_PART", payload: dict[str, Any] | None = None,
-              attempts: int = 12, age_seconds: float = 0.0, status: str = "dead") -> list[int]:
-    """Insert n rows in one statement (status dead by default); their ids, ascending."""
+              attempts: int | None = None, age_seconds: float = 0.0, status: str = "dead") -> list[int]:
+    """Insert n rows in one statement (status dead by default, attempts used up); their ids, ascending."""
+    if attempts is None:
+        attempts = 12 if status == "dead" else 0
     with psycopg.connect(dsn, autocommit=True) as conn:
         ids = [r[0] for r in conn.execute(
             f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
