@@ -427,11 +427,12 @@ def aggregate_show(
             "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
             "rows": [_jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
                                | {"ordered": is_ordered(row["event_type"], ordered_types), "state": state})
-                     for row, state in zip(found, states)]}))
+                     for row, state in zip(found, states, strict=True)]}))
         return
-    typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows" + (f" (showing {len(found)})" if total > len(found) else ""))
+    shown = f" (showing {len(found)})" if total > len(found) else ""
+    typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows{shown}")
     typer.echo(f"  {verdict}")
-    for row, state in zip(found, states):
+    for row, state in zip(found, states, strict=True):
         mark = "ordered" if is_ordered(row["event_type"], ordered_types) else "unordered"
         error = (row["last_error"] or "").replace("\n", " ")[:80]
         typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
@@ -467,7 +468,8 @@ def audit_list(
 # --- the operator console --------------------------------------------------------------
 @app.command()
 def console(
-    host: Annotated[str | None, typer.Option("--host", help="Address to bind (default console.host, 127.0.0.1).")] = None,
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address to bind (default console.host, 127.0.0.1).")] = None,
     port: Annotated[int | None, typer.Option("--port", min=0, max=65535,
                                                 help="Port (default console.port, 9465; 0 = any free port).")] = None,
     config: ConfigOpt = None,

@@ -82,7 +82,7 @@ def parse_time_bound(text: str, now: Callable[[], dt.datetime]) -> dt.datetime:
         raise ValueError(
             f"invalid time {text!r}: use a duration ago (30m, 2h, 7d) or a timestamp (2025-01-31T12:00:00+00:00)"
         ) from None
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.timezone.utc)
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
 
 
 def parse_filter(values: Mapping[str, Any], now: Callable[[], dt.datetime]) -> DeadFilter:

@@ -36,10 +36,10 @@ from ..errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
 from ..filters import FILTER_NAMES, DeadFilter, parse_filter
 from ..operations import (
     Action,
+    blocking_head,
     change_dead,
     diagnose_aggregate,
     is_ordered,
-    blocking_head,
     preview_dead,
     row_states,
     selector_description,
@@ -66,6 +66,10 @@ SECURITY_HEADERS = [
 ]
 
 
+Handler = Callable[[Request, Principal], Awaitable[Response]]  # a page or API call of a known caller
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
 class BadRequest(Exception):
     """Input the console refuses; the message is shown to the caller (400)."""
 
@@ -73,7 +77,7 @@ class BadRequest(Exception):
 def _utc(value: dt.datetime | None) -> str:
     if value is None:
         return ""
-    return value.astimezone(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def _num(value: int | Count | None) -> str:
@@ -188,7 +192,7 @@ class Console:
             return Principal(user=session.user, source="console", can_act=True, csrf_token=session.csrf_token)
         return None
 
-    def _page(self, handler: Callable[[Request, Principal], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def _page(self, handler: Handler) -> Endpoint:
         async def endpoint(request: Request) -> Response:
             who = self._principal(request)
             if isinstance(who, Response):
@@ -205,7 +209,7 @@ class Console:
                 return self.render(request, who, "error.html", {"title": "Database problem", "message": str(exc)}, code)
         return endpoint
 
-    def _api(self, handler: Callable[[Request, Principal], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def _api(self, handler: Handler) -> Endpoint:
         async def endpoint(request: Request) -> Response:
             who = self._principal(request)
             if isinstance(who, Response):
@@ -412,7 +416,7 @@ class Console:
         verdict = diagnose_aggregate(found, self.ordered_types, max_attempts=self.settings.relay.max_attempts)
         states = row_states(found, self.ordered_types)
         rows = [dict(r, state=state, ordered=is_ordered(r["event_type"], self.ordered_types))
-                for r, state in zip(found, states)]
+                for r, state in zip(found, states, strict=True)]
         return self.render(request, who, "aggregate.html", {
             "aggregate_id": aggregate_id, "rows": rows, "total": total, "verdict": verdict,
             "dead_head": blocking_head(found, self.ordered_types)})
@@ -436,8 +440,8 @@ class Console:
         who = Principal(user="", source="anonymous", can_act=False)
         if self.sessions.read_only:
             return RedirectResponse("/", status_code=303)
-        return self.render(request, who, "login.html", {"error": None, "next": self._next(request.query_params.get("next")),
-                                                        "name": ""})
+        target = self._next(request.query_params.get("next"))
+        return self.render(request, who, "login.html", {"error": None, "next": target, "name": ""})
 
     async def login_submit(self, request: Request) -> Response:
         who = Principal(user="", source="anonymous", can_act=False)

@@ -65,7 +65,7 @@ def test_dead_list_filters(bad_deploy, pg_dsn, table):
     assert ids("--aggregate-id", "pay-1") == [i for i in b["target"] + b["other_error"]
                                              if row_aggregate(pg_dsn, table, i) == "pay-1"]
     # A timestamp bound (no zone = UTC) and keyset pagination by id.
-    future = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S")
+    future = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S")
     assert ids("--until", future, "--event-type", "OrderCreated") == b["other_type"]
     first_page = ids("--event-type", "OrderCreated", "--limit", "2")
     assert first_page == b["other_type"][:2]
@@ -123,7 +123,8 @@ def test_skip_by_filter_with_limit_and_reason_and_legacy_forms(bad_deploy, pg_ds
     states = row_states(pg_dsn, table, b["other_type"])
     assert [states[i][0] for i in b["other_type"]] == ["done", "done", "done", "dead"]  # the oldest 3 by id
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        error = conn.execute(f"SELECT last_error FROM {quoted(table)} WHERE id = %s", (b["other_type"][0],)).fetchone()[0]
+        error = conn.execute(f"SELECT last_error FROM {quoted(table)} WHERE id = %s",
+                             (b["other_type"][0],)).fetchone()[0]
     assert error == f"skipped by {os_user()}: replayed by hand"
 
     # Today's forms keep working and are audited too: ids (reason optional) and --all.

@@ -86,7 +86,7 @@ def test_retry_and_skip_by_filter_and_ids_are_audited(console_url, pg_dsn, table
 
         no_reason = http.post("/api/dead/skip", json={"ids": seeded["other"][:2]})
         assert no_reason.status_code == 400 and "reason" in no_reason.json()["error"]
-        skipped = http.post("/api/dead/skip", json={"ids": seeded["other"][:2] + [999_999], "reason": "OPS-7"}).json()
+        skipped = http.post("/api/dead/skip", json={"ids": [*seeded["other"][:2], 999_999], "reason": "OPS-7"}).json()
         assert (skipped["matched"], skipped["changed"]) == (2, 2)
         states = row_states(pg_dsn, table, seeded["other"])
         assert [states[i][0] for i in seeded["other"]] == ["done", "done", "dead", "dead"]

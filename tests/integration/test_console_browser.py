@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(180)
 TOKEN = "browser-test-token"
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None)
+CHROMEDRIVER = shutil.which("chromedriver")
 
 
 @pytest.fixture
