@@ -800,7 +800,7 @@ class OutboxStore:
             cur = conn.execute(self.sql.query("dead_page"),
                                dict(selector.sql_params(), after_id=after_id, limit=limit), prepare=False)
             names = [d.name for d in cur.description or ()]
-            return [dict(zip(names, row)) for row in cur.fetchall()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
     def dead_summary(self, selector: DeadFilter, *, timeout_ms: int, top: int = 10) -> DeadSummary | None:
         """Matching dead rows by event type, by error and by aggregate; None if the
@@ -848,7 +848,7 @@ class OutboxStore:
         with self._mapped("audit list"), self._pool.connection() as conn:
             cur = conn.execute(self.sql.query("audit_list"), {"limit": limit, "before_id": before_id})
             names = [d.name for d in cur.description or ()]
-            entries = [dict(zip(names, row)) for row in cur.fetchall()]
+            entries = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
         for entry in entries:
             entry["selector"] = json.loads(entry["selector"])
         return entries
@@ -858,14 +858,14 @@ class OutboxStore:
             cur = conn.execute(self.sql.query("row_detail"), {"id": row_id})
             names = [d.name for d in cur.description or ()]
             row = cur.fetchone()
-            return dict(zip(names, row)) if row else None
+            return dict(zip(names, row, strict=True)) if row else None
 
     def aggregate_rows(self, aggregate_id: str, *, limit: int = 100) -> tuple[list[dict[str, Any]], int]:
         """An aggregate's first ``limit`` unfinished rows in id order, and how many it has."""
         with self._mapped("read aggregate"), self._pool.connection() as conn:
             cur = conn.execute(self.sql.query("aggregate_rows"), {"aggregate_id": aggregate_id, "limit": limit})
             names = [d.name for d in cur.description or ()]
-            found = [dict(zip(names, row)) for row in cur.fetchall()]
+            found = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
             total_row = conn.execute(self.sql.query("aggregate_unfinished_count"),
                                      {"aggregate_id": aggregate_id}).fetchone()
         return found, int(total_row[0]) if total_row else 0
