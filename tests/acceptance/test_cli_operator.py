@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from outbox_relay.operations import os_user
-from tests.conftest import cli, cli_env
+from tests.helpers.cli import cli, cli_env
 from tests.helpers.console import quoted, row_states, seed_dead
 
 pytestmark = pytest.mark.timeout(300)

@@ -9,8 +9,8 @@ import pytest
 
 from outbox_relay.filters import DeadFilter
 from outbox_relay.metrics import RelayMetrics, StatsRefresher
-from tests.conftest import wait_for
 from tests.helpers.console import seed_dead
+from tests.helpers.db import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
