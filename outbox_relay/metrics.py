@@ -153,12 +153,22 @@ class _SlowExactCount:
         self._latest: dict[str, int] = {}
         self._started_at = float("-inf")
         self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """No more counts; one still running ends within its budget (a daemon thread)."""
+        with self._lock:
+            self._closed = True
+
+    def reopen(self) -> None:
+        with self._lock:
+            self._closed = False
 
     def request(self, statuses: list[str]) -> None:
         """Start a count of ``statuses`` unless one is running or the last began < interval ago."""
         with self._lock:
             running = self._thread is not None and self._thread.is_alive()
-            if running or time.monotonic() - self._started_at < self._interval:
+            if self._closed or running or time.monotonic() - self._started_at < self._interval:
                 return
             self._started_at = time.monotonic()
             self._thread = threading.Thread(target=self._count, args=(list(statuses),),
@@ -170,7 +180,8 @@ class _SlowExactCount:
             counts = self._store.exact_depth(budget_ms=self._budget_ms, statuses=statuses,
                                              first_upto=self._first_upto)
         except Exception as exc:  # a failed count keeps the previous one; the next request retries
-            log.warning("exact queue depth count failed", error=str(exc))
+            if not self._closed:  # after close() the store is going away: an expected failure
+                log.warning("exact queue depth count failed", error=str(exc))
             return
         with self._lock:
             self._latest.update({status: count.n for status, count in counts.items()})
@@ -237,6 +248,14 @@ class StatsRefresher(PeriodicService):
 
     def step(self) -> None:
         self.refresh_once()
+
+    def start(self) -> None:
+        self._exact.reopen()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self._exact.close()
 
 
 class MetricsServer:

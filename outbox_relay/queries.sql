@@ -707,15 +707,16 @@ DELETE FROM {table} WHERE received_at < now() - make_interval(secs => %(older_th
 
 -- ===================================================================================
 -- Operator console and CLI (issue 18): filtered dead-letter operations, exact
--- counts, aggregate diagnosis, the audit trail. Every filter value is a bound
--- parameter; NULL means "any". {dead_filter} is the predicate of the section
--- "dead_filter" below, {audit_table} the table's audit trail, {status} a quoted
--- status literal (so each count can use its status's partial index).
+-- counts, aggregate diagnosis, the audit trail. (This banner has no placeholders:
+-- it ends the section above, whose text is formatted.)
 -- ===================================================================================
 
 -- name: dead_filter
 -- The predicate shared by every filtered dead-row statement (schema.py fills it in as
--- {dead_filter}). error_contains is a case-insensitive substring test with strpos, so
+-- the placeholder dead_filter; the placeholder audit_table is the table's audit trail,
+-- and status_count_upto's status placeholder a quoted literal, so that each count can
+-- use its status's partial index). Every value is a bound parameter; NULL means
+-- "any". error_contains is a case-insensitive substring test with strpos, so
 -- LIKE wildcards in the operator's text mean nothing special. since/until bound
 -- created_at (half-open: since <= created_at < until).
 status = 'dead'
