@@ -12,6 +12,7 @@ gauges are reset rather than left frozen at a stale value, and
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any

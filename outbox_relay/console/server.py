@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-import sys
 
 import structlog
 import uvicorn
@@ -46,8 +45,7 @@ def serve(settings: Settings) -> None:
         if c.token is None and not _is_loopback(c.host):
             log.warning("console without console.token on a non-loopback address: it is read-only, but shows "
                         "every dead row's payload to anyone who can reach it", host=c.host)
-        # Bind first, so the port (also when 0 = any free one) is known and printed
-        # before serving; scripts and tests read this line.
+        # Bind first, so the port (also when 0 = any free one) is known before serving.
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -61,7 +59,8 @@ def serve(settings: Settings) -> None:
         port = sock.getsockname()[1]
         shown = f"[{c.host}]" if ":" in c.host else c.host
         mode = "read-only (no console.token)" if c.token is None else "token required"
-        print(f"outbox-relay console listening on http://{shown}:{port}/ ({mode})", file=sys.stderr, flush=True)
+        # Scripts and tests read the url from this line (also when port 0 chose one).
+        log.info("console listening", url=f"http://{shown}:{port}/", mode=mode)
         config = uvicorn.Config(create_app(settings, store), log_level="warning", access_log=False,
                                 server_header=False, proxy_headers=False, lifespan="off")
         uvicorn.Server(config).run(sockets=[sock])

@@ -10,8 +10,8 @@ pages (the README shows them).
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -68,10 +68,14 @@ def console_process(store, pg_dsn, table) -> Iterator[str]:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
-        line = proc.stderr.readline()
-        match = re.search(r"listening on (http://\S+?)/? ", line)
-        assert match, f"console did not start: {line}{proc.stderr.read() if proc.poll() is not None else ''}"
-        yield match.group(1)
+        seen = []
+        for line in proc.stderr:  # JSON log lines; the start-up line names the url
+            seen.append(line)
+            if '"console listening"' in line:
+                yield json.loads(line)["url"].rstrip("/")
+                break
+        else:
+            raise AssertionError("console did not start: " + "".join(seen))
     finally:
         proc.terminate()
         try:
