@@ -43,8 +43,9 @@ def serve(settings: Settings) -> None:
     try:
         store.require_table()
         if c.token is None and not _is_loopback(c.host):
-            log.warning("console without console.token on a non-loopback address: it is read-only, but shows "
-                        "every dead row's payload to anyone who can reach it", host=c.host)
+            log.warning("console without console.token on a non-loopback address: read-only, and it answers "
+                        "only requests addressed to a loopback name or to this address; set console.token "
+                        "to use it from elsewhere", host=c.host)
         # Bind first, so the port (also when 0 = any free one) is known before serving.
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
