@@ -24,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .decision import Kind
 from .publisher import PublisherObserver
 from .service import PeriodicService
-from .store import STATUSES, ClaimResult, OutboxStore
+from .store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
 
 if TYPE_CHECKING:
     from .finalizer import BatchResult
@@ -231,10 +231,13 @@ class StatsRefresher(PeriodicService):
             return False
         m.oldest_pending_age_seconds.set(stats.oldest_pending_age_seconds)
         m.expired_leases.set(stats.expired_leases)
-        if stats.estimated_statuses:
-            self._exact.request(stats.estimated_statuses)
+        # Done rows have no index: an exact count would read the whole table every
+        # interval, so above the cap the done gauge stays the planner's estimate.
+        countable = [status for status in stats.estimated_statuses if status in INDEXED_STATUSES]
+        if countable:
+            self._exact.request(countable)
         for status, n in stats.queue_depth.items():
-            if status in stats.estimated_statuses:
+            if status in countable:
                 exact = self._exact.latest(status)  # None until the first slow count is done
                 if exact is not None:
                     n = max(self._count_cap, exact)

@@ -754,7 +754,8 @@ SELECT now()
 
 -- name: status_count_upto
 -- Exact count of one status up to %(upto)s rows (NULL: all), read from that status's
--- partial index (an index-only scan once the visibility map is set).
+-- partial index (an index-only scan once the visibility map is set). Done rows have
+-- no index: their count reads the table, so it runs under the count's time budget.
 SELECT count(*) FROM (SELECT 1 FROM {table} WHERE status = {status} LIMIT %(upto)s) AS counted
 
 -- name: dead_count_upto
@@ -865,24 +866,33 @@ FROM {table}
 WHERE id = %(id)s
 
 -- name: aggregate_rows
--- An aggregate's unfinished rows in id order, from {idx_aggregate}.
+-- An aggregate's unfinished rows in id order. Two arms, so that with ordering on each
+-- reads its partial index ({idx_aggregate_active}, {idx_aggregate_dead}); without
+-- the ordering indexes this reads the table, bounded by the statement timeout.
 SELECT id, aggregate_type, event_type, status, attempts, created_at, available_at,
        lease_owner, lease_until, lease_version, last_error,
        available_at > now() AS not_due, coalesce(lease_until < now(), false) AS lease_expired,
        now() AS database_now
-FROM {table}
-WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing', 'dead')
+FROM (
+    (SELECT * FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing')
+     ORDER BY id LIMIT %(limit)s)
+    UNION ALL
+    (SELECT * FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status = 'dead'
+     ORDER BY id LIMIT %(limit)s)
+) AS unfinished
 ORDER BY id
 LIMIT %(limit)s
 
 -- name: aggregate_unfinished_count
-SELECT count(*) FROM {table}
-WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing', 'dead')
+SELECT (SELECT count(*) FROM {table}
+        WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing'))
+     + (SELECT count(*) FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status = 'dead')
 
 -- name: published_per_bucket
 -- Rows finalized done in the last %(window_seconds)s, per bucket of %(bucket_seconds)s
--- (bucket 0 = the most recent), from {idx_done}. Rows deleted on done
--- (relay.on_done = delete) or purged are not counted.
+-- (bucket 0 = the most recent). Done rows have no index, so this reads the table: the
+-- console runs it under a short timeout and says so when it runs out. Rows deleted on
+-- done (relay.on_done = delete) or purged are not counted.
 SELECT floor(extract(epoch FROM now() - done_at) / %(bucket_seconds)s)::int AS bucket, count(*) AS n
 FROM {table}
 WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window_seconds)s)

@@ -27,6 +27,8 @@ from .ordering import OrderingRule
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
+# Statuses with a partial index of their own: counting them reads only their entries.
+INDEXED_STATUSES = ("pending", "processing", "dead")
 # stats(): up to this many dead rows the blocked-aggregates query walks the dead rows
 # (three index probes each); above it, the aggregates that have work.
 BLOCKED_FROM_DEAD_ROWS = 1000
@@ -734,14 +736,15 @@ class OutboxStore:
                 "(this version records every retry/skip there); nothing was changed")
 
     def _bounded_count(self, query: Any, params: dict[str, Any], *, first_upto: int,
-                       budget_ms: int) -> Count:
+                       budget_ms: int, indexed: bool = True) -> Count:
         """Count exactly within ``budget_ms``; if that runs out, a lower bound.
 
-        Counts up to ``first_upto`` rows under the connection's own statement timeout
-        (cheap, always done), then up to 4x as many per step under what is left of the
-        budget, and finally without a limit. A step that runs out of time leaves the
-        previous step's limit as the proven lower bound. Re-counting from the start
-        at each step costs at most a third more than one full count.
+        Counts up to ``first_upto`` rows (from an index: cheap, always done, under the
+        connection's own statement timeout; without one, under the budget too), then up
+        to 4x as many per step under what is left of the budget, and finally without a
+        limit. A step that runs out of time leaves the previous step's limit as the
+        proven lower bound. Re-counting from the start at each step costs at most a
+        third more than one full count.
         """
         deadline = time.monotonic() + budget_ms / 1000.0
         upto: int | None = max(1, first_upto)
@@ -749,17 +752,18 @@ class OutboxStore:
         with self._pool.connection() as conn:
             first = True
             while True:
+                bounded = not first or not indexed
                 remaining_ms = int((deadline - time.monotonic()) * 1000)
-                if not first and remaining_ms < 1:
+                if bounded and remaining_ms < 1:
                     return Count(lower, exact=False)
                 try:
                     with conn.transaction():
-                        if not first:
+                        if bounded:
                             conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
                                 sql.Literal(remaining_ms)))
                         row = conn.execute(query, dict(params, upto=upto), prepare=False).fetchone()
                 except pg_errors.QueryCanceled:
-                    if first:
+                    if not bounded:
                         raise
                     return Count(lower, exact=False)
                 first = False
@@ -773,7 +777,8 @@ class OutboxStore:
                     first_upto: int = 100_000) -> dict[str, Count]:
         """Rows per status, counted exactly from each status's partial index while the
         shared budget lasts; a status whose count runs out is a lower bound. Counted
-        in the order dead, pending, processing, done (done is usually the largest)."""
+        in the order dead, pending, processing, done (done has no index and is usually
+        the largest: it gets what is left of the budget)."""
         order = [s for s in ("dead", "pending", "processing", "done") if s in statuses]
         deadline = time.monotonic() + budget_ms / 1000.0
         out: dict[str, Count] = {}
@@ -782,7 +787,7 @@ class OutboxStore:
                 left_ms = max(1, int((deadline - time.monotonic()) * 1000))
                 out[status] = self._bounded_count(
                     self.sql.query("status_count_upto", status=sql.Literal(status)), {},
-                    first_upto=first_upto, budget_ms=left_ms)
+                    first_upto=first_upto, budget_ms=left_ms, indexed=status in INDEXED_STATUSES)
         return {s: out[s] for s in statuses}
 
     def dead_count(self, selector: DeadFilter, *, budget_ms: int, first_upto: int = 100_000) -> Count:

@@ -197,7 +197,8 @@ def test_status_says_lower_bound_when_counting_runs_out(store, pg_dsn, table):
     env = cli_env(pg_dsn, table, OUTBOX_RELAY_METRICS__EXACT_COUNT_LIMIT="100",
                   OUTBOX_RELAY_METRICS__EXACT_COUNT_TIMEOUT_MS="1")
     doc = json.loads(run_ok("status", "--json", env=env))
-    assert doc["queue_depth_estimated"] == ["dead"]
+    # dead is a lower bound; done (no index: its count reads the table) may be one too.
+    assert "dead" in doc["queue_depth_estimated"] and set(doc["queue_depth_estimated"]) <= {"dead", "done"}
     assert 100 <= doc["queue_depth"]["dead"] < 50_000  # a proven lower bound, never more than there is
     human = run_ok("status", env=env)
     dead_line = next(line for line in human.splitlines() if line.strip().startswith("dead"))
