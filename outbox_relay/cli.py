@@ -7,6 +7,7 @@ traceback.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import sys
@@ -18,6 +19,9 @@ import typer
 
 from .config import Settings, load_settings, parse_duration
 from .errors import ConfigError, OutboxRelayError
+from .filters import FILTER_NAMES, DeadFilter, parse_filter
+from .operations import Action, change_dead, diagnose_aggregate, is_ordered, os_user, preview_dead, row_states
+from .store import DeadSummary
 
 app = typer.Typer(
     name="outbox-relay",
@@ -28,6 +32,10 @@ app = typer.Typer(
 )
 dead_app = typer.Typer(help="Inspect and repair dead rows.", no_args_is_help=True)
 app.add_typer(dead_app, name="dead")
+aggregate_app = typer.Typer(help="Inspect one aggregate.", no_args_is_help=True)
+app.add_typer(aggregate_app, name="aggregate")
+audit_app = typer.Typer(help="The operators' retry/skip trail.", no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
 T = TypeVar("T")
@@ -57,6 +65,8 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
         pass
     if settings.kafka.sasl_password is not None:
         secrets.append(settings.kafka.sasl_password.get_secret_value())
+    if settings.console.token is not None:
+        secrets.append(settings.console.token.get_secret_value())
     configure_logging(settings.log.level, settings.log.format, secrets=secrets)
     return settings
 
@@ -153,18 +163,23 @@ def status(
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Queue depth per status, oldest pending age, expired leases, attempts, blocked aggregates."""
+    """Queue depth per status (exact), oldest pending age, expired leases, attempts, blocked aggregates."""
     settings = _settings(config)
     with _store(settings) as store:
         store.require_table()
-        stats = store.stats(ordered_types=list(settings.relay.ordered_event_types),
+        stats = store.stats(ordered_types=list(settings.relay.ordered_event_types), include_depth=False,
                             count_cap=settings.metrics.exact_count_limit)
         on_done = store.on_done_mode()
+        # Exact counts from each status's partial index; a status whose count runs out
+        # of metrics.exact_count_timeout_ms is a lower bound ("≥ N").
+        depth = store.exact_depth(budget_ms=settings.metrics.exact_count_timeout_ms,
+                                  first_upto=settings.metrics.exact_count_limit)
+    lower_bounds = [name for name, count in depth.items() if not count.exact]
     doc = {
         "table": settings.database.table,
         "on_done": on_done,
-        "queue_depth": stats.queue_depth,
-        "queue_depth_estimated": stats.estimated_statuses,
+        "queue_depth": {name: count.n for name, count in depth.items()},
+        "queue_depth_estimated": lower_bounds,  # statuses whose count is a lower bound
         "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
         "expired_leases": stats.expired_leases,
         "attempts": {str(k): v for k, v in sorted(stats.attempts.items())},
@@ -176,10 +191,10 @@ def status(
     typer.echo(f"outbox {settings.database.table}"
                + ("  (delivered rows are deleted: done counts rows skipped by an operator)"
                   if on_done == "delete" else ""))
-    typer.echo(f"  {'status':<12}{'rows':>12}")
-    for name, n in stats.queue_depth.items():
-        note = "  (estimate)" if name in stats.estimated_statuses else ""
-        typer.echo(f"  {name:<12}{n:>12}{note}")
+    typer.echo(f"  {'status':<12}{'rows':>14}")
+    for name, count in depth.items():
+        note = "  (lower bound: counting ran out of time)" if not count.exact else ""
+        typer.echo(f"  {name:<12}{count!s:>14}{note}")
     typer.echo(f"  oldest pending age   {stats.oldest_pending_age_seconds:.1f}s")
     typer.echo(f"  expired leases       {stats.expired_leases}")
     if stats.attempts:
@@ -192,31 +207,94 @@ def status(
 
 
 # --- dead letters ----------------------------------------------------------------------
+# The filters of `dead list|retry|skip` (the console's API takes the same names).
+EventTypeOpt = Annotated[str | None, typer.Option("--event-type", help="Only this event type.")]
+AggregateTypeOpt = Annotated[str | None, typer.Option("--aggregate-type", help="Only this aggregate type.")]
+AggregateIdOpt = Annotated[str | None, typer.Option("--aggregate-id", help="Only this aggregate.")]
+ErrorContainsOpt = Annotated[str | None, typer.Option(
+    "--error-contains", help="Only rows whose last_error contains TEXT (case-insensitive).")]
+SinceOpt = Annotated[str | None, typer.Option(
+    "--since", help="Only rows created at or after: a duration ago (2h, 7d) or a timestamp.")]
+UntilOpt = Annotated[str | None, typer.Option(
+    "--until", help="Only rows created before: a duration ago (2h, 7d) or a timestamp.")]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _filter(store: Any, **values: Any) -> DeadFilter:
+    """CLI filter options -> DeadFilter; a bad value exits 2 naming the option."""
+    try:
+        return parse_filter({k: v for k, v in values.items() if v is not None}, store.database_now)
+    except ValueError as exc:
+        message = str(exc)
+        name = message.split(":", 1)[0]
+        if name in FILTER_NAMES:  # "since: ..." -> "--since: ..."
+            message = "--" + name.replace("_", "-") + message[len(name):]
+        _fail(message, 2)
+        raise  # unreachable
+
+
+def _print_summary(summary: DeadSummary | None, indent: str = "  ") -> None:
+    if summary is None:
+        typer.echo(f"{indent}(breakdown not available: grouping ran out of time)")
+        return
+    if summary.by_event_type:
+        typer.echo(f"{indent}by event type: " + ", ".join(f"{name} {n}" for name, n in summary.by_event_type))
+    if summary.by_error:
+        typer.echo(f"{indent}by error:")
+        for error, n in summary.by_error:
+            typer.echo(f"{indent}  {n:>8}  {error[:120] or '(none)'}")
+    sample = ", ".join(summary.sample_aggregates[:5])
+    more = ", …" if summary.aggregates > 5 else ""
+    typer.echo(f"{indent}aggregates: {summary.aggregates}" + (f" ({sample}{more})" if sample else ""))
+
+
 @dead_app.command("list")
 def dead_list(
     json_out: Annotated[bool, typer.Option("--json", help="JSON array output.")] = False,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many rows.")] = 100,
-    event_type: Annotated[str | None, typer.Option("--event-type", help="Only this event type.")] = None,
-    aggregate_id: Annotated[str | None, typer.Option("--aggregate-id", help="Only this aggregate.")] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=100_000, help="At most this many rows.")] = 100,
+    after_id: Annotated[int, typer.Option("--after-id", min=0, help="Rows with a larger id (next page).")] = 0,
+    event_type: EventTypeOpt = None,
+    aggregate_type: AggregateTypeOpt = None,
+    aggregate_id: AggregateIdOpt = None,
+    error_contains: ErrorContainsOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """List dead rows, oldest first."""
+    """List dead rows in id order, then how many match (exactly) by event type, error and aggregate."""
     settings = _settings(config)
+    budget_ms = settings.metrics.exact_count_timeout_ms
     with _store(settings) as store:
         store.require_table()
-        rows = store.dead_list(limit=limit, event_type=event_type, aggregate_id=aggregate_id)
-    if json_out:
-        for row in rows:
-            row["created_at"] = row["created_at"].isoformat()
-        typer.echo(json.dumps(rows))
-        return
+        selector = _filter(store, event_type=event_type, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                           error_contains=error_contains, since=since, until=until)
+        with _errors():
+            rows = store.dead_page(selector, after_id=after_id, limit=limit)
+            if json_out:
+                typer.echo(json.dumps([_jsonable(row) for row in rows]))
+                return
+            matched = store.dead_count(selector, budget_ms=budget_ms)
+            summary = store.dead_summary(selector, timeout_ms=budget_ms) if matched.n else None
     if not rows:
-        typer.echo("no dead rows")
+        typer.echo("no dead rows" if not selector.has_conditions() and not after_id
+                   else "no dead rows match" + (f" after id {after_id}" if after_id else ""))
         return
     for row in rows:
         error = (row["last_error"] or "").replace("\n", " ")
         typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['aggregate_type']}/{row['aggregate_id']}  "
                    f"attempts={row['attempts']}  {row['created_at']:%Y-%m-%d %H:%M:%S}  {error[:120]}")
+    typer.echo(f"{matched} dead rows match; showing {len(rows)}"
+               + (f" (next page: --after-id {rows[-1]['id']})" if len(rows) == limit else ""))
+    _print_summary(summary)
 
 
 def _report_unmatched(store: Any, ids: list[int], changed: set[int]) -> int:
@@ -232,67 +310,184 @@ def _report_unmatched(store: Any, ids: list[int], changed: set[int]) -> int:
     return len(missing)
 
 
-def _chunks(ids: list[int], size: int) -> Iterator[list[int]]:
-    for start in range(0, len(ids), size):
-        yield ids[start:start + size]
+def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: int | None, dry_run: bool,
+                 reason: str | None, chunk_size: int, config: str | None, filters: dict[str, Any]) -> None:
+    """Shared body of `dead retry` and `dead skip`: ids, --all or a filter; dry run or
+    chunked change with an audit entry."""
+    given_filters = {k: v for k, v in filters.items() if v is not None}
+    if sum([bool(ids), all_rows, bool(given_filters)]) != 1:
+        _fail("give dead row ids, --all, or filters (--event-type, --aggregate-type, --aggregate-id, "
+              "--error-contains, --since, --until): exactly one of them", 2)
+    if limit is not None and ids:
+        _fail("--limit applies to --all or a filter, not to ids", 2)
+    past = {"retry": "retried", "skip": "skipped"}[action]
+    settings = _settings(config)
+    budget_ms = settings.metrics.exact_count_timeout_ms
+    with _store(settings) as store:
+        store.require_table()
+        id_list = list(dict.fromkeys(ids or []))
+        if id_list:
+            selector = DeadFilter(ids=tuple(id_list))
+        else:
+            selector = _filter(store, **given_filters, limit=limit)
+        with _errors():
+            if dry_run:
+                preview = preview_dead(store, selector, budget_ms=budget_ms)
+                typer.echo(f"dry run: {preview.matched} dead rows would be {past}; nothing changed")
+                if preview.matched.n and selector.limit is None:
+                    _print_summary(preview.summary)
+                problems = 0
+                if id_list:
+                    dead = {i for i, st in store.statuses(id_list).items() if st == "dead"}
+                    problems = _report_unmatched(store, id_list, dead)
+                if problems:
+                    raise typer.Exit(1)
+                return
+            matched = store.dead_count(selector, budget_ms=budget_ms)
+            result = change_dead(store, action, selector, actor=os_user(), source="cli", reason=reason,
+                                 chunk_size=chunk_size, budget_ms=budget_ms, matched=matched,
+                                 progress=_progress(matched.n, {"retry": "retrying", "skip": "skipping"}[action]),
+                                 keep_ids=bool(id_list))
+            problems = _report_unmatched(store, id_list, set(result.changed_ids)) if id_list else 0
+    typer.echo(f"{past} {result.changed} dead rows (audit entry {result.audit_id})")
+    if problems:
+        raise typer.Exit(1)
+
+
+LimitChangeOpt = Annotated[int | None, typer.Option(
+    "--limit", min=1, help="Change at most this many rows (the oldest by id).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Only say how many rows (and which) would change.")]
+ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1, max=10_000, help="Rows per transaction.")]
 
 
 @dead_app.command("retry")
 def dead_retry(
     ids: Annotated[list[int] | None, typer.Argument(help="Dead row ids.")] = None,
     all_rows: Annotated[bool, typer.Option("--all", help="Every dead row.")] = False,
-    chunk_size: Annotated[int, typer.Option("--chunk-size", min=1, help="Rows per transaction.")] = 1000,
+    event_type: EventTypeOpt = None,
+    aggregate_type: AggregateTypeOpt = None,
+    aggregate_id: AggregateIdOpt = None,
+    error_contains: ErrorContainsOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    limit: LimitChangeOpt = None,
+    dry_run: DryRunOpt = False,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded in the audit trail).")] = None,
+    chunk_size: ChunkOpt = 1000,
     config: ConfigOpt = None,
 ) -> None:
     """Move dead rows back to pending: attempts 0, due now (last_error kept until the next outcome)."""
-    if bool(ids) == all_rows:
-        _fail("give dead row ids or --all (not both)", 2)
-    settings = _settings(config)
-    with _store(settings) as store:
-        store.require_table()
-        if all_rows:
-            update = _progress(store.count_dead(), "retrying")
-            total = 0
-            while True:
-                n = store.dead_retry_all_chunk(chunk_size)
-                total += n
-                update(n)
-                if n < chunk_size:
-                    break
-            typer.echo(f"retried {total} dead rows")
-            return
-        id_list = list(dict.fromkeys(ids or []))
-        update = _progress(len(id_list), "retrying")
-        changed: set[int] = set()
-        for chunk in _chunks(id_list, chunk_size):
-            changed |= store.dead_retry(chunk)
-            update(len(chunk))
-        problems = _report_unmatched(store, id_list, changed)
-    typer.echo(f"retried {len(changed)} dead rows")
-    if problems:
-        raise typer.Exit(1)
+    _dead_change("retry", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
+        "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
+        "error_contains": error_contains, "since": since, "until": until})
 
 
 @dead_app.command("skip")
 def dead_skip(
-    ids: Annotated[list[int], typer.Argument(help="Dead row ids to mark done without publishing.")],
-    reason: Annotated[str, typer.Option("--reason", help="Why (recorded in last_error).")] = "skipped by operator",
+    ids: Annotated[list[int] | None, typer.Argument(help="Dead row ids to mark done without publishing.")] = None,
+    all_rows: Annotated[bool, typer.Option("--all", help="Every dead row.")] = False,
+    event_type: EventTypeOpt = None,
+    aggregate_type: AggregateTypeOpt = None,
+    aggregate_id: AggregateIdOpt = None,
+    error_contains: ErrorContainsOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    limit: LimitChangeOpt = None,
+    dry_run: DryRunOpt = False,
+    reason: Annotated[str | None, typer.Option(
+        "--reason", help="Why (recorded in last_error and in the audit trail).")] = None,
+    chunk_size: ChunkOpt = 1000,
     config: ConfigOpt = None,
 ) -> None:
     """Mark dead rows done deliberately (unblocks an ordered aggregate). Nothing is published."""
+    _dead_change("skip", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
+        "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
+        "error_contains": error_contains, "since": since, "until": until})
+
+
+# --- aggregates and the audit trail ----------------------------------------------------
+@aggregate_app.command("show")
+def aggregate_show(
+    aggregate_id: Annotated[str, typer.Argument(help="The aggregate_id.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="At most this many rows.")] = 100,
+    config: ConfigOpt = None,
+) -> None:
+    """An aggregate's unfinished rows in id order, and what holds it back."""
     settings = _settings(config)
-    id_list = list(dict.fromkeys(ids))
+    ordered_types = list(settings.relay.ordered_event_types)
     with _store(settings) as store:
         store.require_table()
-        changed: set[int] = set()
-        update = _progress(len(id_list), "skipping")
-        for chunk in _chunks(id_list, 1000):
-            changed |= store.dead_skip(chunk, f"skipped: {reason}")
-            update(len(chunk))
-        problems = _report_unmatched(store, id_list, changed)
-    typer.echo(f"skipped {len(changed)} dead rows")
-    if problems:
-        raise typer.Exit(1)
+        with _errors():
+            found, total = store.aggregate_rows(aggregate_id, limit=limit)
+    verdict = diagnose_aggregate(found, ordered_types, max_attempts=settings.relay.max_attempts)
+    states = row_states(found, ordered_types)
+    if json_out:
+        typer.echo(json.dumps({
+            "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
+            "rows": [_jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
+                               | {"ordered": is_ordered(row["event_type"], ordered_types), "state": state})
+                     for row, state in zip(found, states, strict=True)]}))
+        return
+    shown = f" (showing {len(found)})" if total > len(found) else ""
+    typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows{shown}")
+    typer.echo(f"  {verdict}")
+    for row, state in zip(found, states, strict=True):
+        mark = "ordered" if is_ordered(row["event_type"], ordered_types) else "unordered"
+        error = (row["last_error"] or "").replace("\n", " ")[:80]
+        typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
+                   f"attempts={row['attempts']}  {state}" + (f"  last_error: {error}" if error else ""))
+
+
+@audit_app.command("list")
+def audit_list(
+    json_out: Annotated[bool, typer.Option("--json", help="JSON array output.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="At most this many entries.")] = 50,
+    before_id: Annotated[int | None, typer.Option("--before-id", min=1, help="Older entries (next page).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Every retry/skip by an operator (CLI or console), newest first."""
+    settings = _settings(config)
+    with _store(settings) as store:
+        store.require_table()
+        store.require_audit_table()
+        entries = store.audit_list(limit=limit, before_id=before_id)
+    if json_out:
+        typer.echo(json.dumps([_jsonable(e) for e in entries]))
+        return
+    if not entries:
+        typer.echo("no audit entries")
+        return
+    for e in entries:
+        state = f"{e['rows_changed']} changed" + ("" if e["finished_at"] else " (unfinished: interrupted or running)")
+        matched = "?" if e["rows_matched"] is None else e["rows_matched"]
+        typer.echo(f"{e['id']:>6}  {e['started_at']:%Y-%m-%d %H:%M:%S%z}  {e['action']:<5} {e['source']}:{e['actor']}  "
+                   f"{json.dumps(e['selector'])}  matched {matched}, {state}  reason: {e['reason'] or 'none given'}")
+
+
+# --- the operator console --------------------------------------------------------------
+@app.command()
+def console(
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address to bind (default console.host, 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", min=0, max=65535,
+                                                help="Port (default console.port, 9465; 0 = any free port).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Serve the operator console (web pages + JSON API) until SIGTERM/SIGINT."""
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    settings = _settings(config, console=overrides or None)
+    try:
+        from .console.server import serve
+    except ImportError as exc:
+        _fail(f"the console needs the `console` extra: pip install 'outbox-relay[console]' ({exc})", 1)
+        raise
+    with _errors():
+        serve(settings)
 
 
 # --- retention -------------------------------------------------------------------------

@@ -227,7 +227,15 @@ class MetricsSettings(_Section):
     query_timeout_ms: int = Field(default=2000, ge=1, description="statement_timeout of each gauge query.")
     exact_count_limit: int = Field(
         default=100_000, ge=1,
-        description="Rows per status counted exactly; above it the depth is the planner's estimate (bounded cost).",
+        description="Rows per status counted at every refresh; above it the gauge shows the last slow exact count.",
+    )
+    exact_count_interval_seconds: float = Field(
+        default=60.0, gt=0,
+        description="How often a status above exact_count_limit is counted exactly for the depth gauge.",
+    )
+    exact_count_timeout_ms: int = Field(
+        default=10_000, ge=1,
+        description="Time budget of an exact count (gauge, status, dead list, console); past it: a lower bound (>= N).",
     )
 
 
@@ -262,6 +270,21 @@ class OtelSettings(_Section):
     )
 
 
+class ConsoleSettings(_Section):
+    """The operator console (`outbox-relay console`, extra `console`)."""
+
+    token: SecretStr | None = Field(
+        default=None,
+        description="Access token (secret) for pages, API and actions; unset = read-only console that refuses actions.",
+    )
+    host: str = Field(default="127.0.0.1", description="Address the console binds.")
+    port: int = Field(default=9465, ge=0, le=65535, description="Port of the console (0 = any free port).")
+    page_size: int = Field(default=50, ge=1, le=500, description="Dead rows / audit entries per page.")
+    statement_timeout_ms: int = Field(default=5000, ge=100, description="statement_timeout of every console query.")
+    chunk_size: int = Field(default=1000, ge=1, le=10_000, description="Rows per transaction of a bulk retry/skip.")
+    session_hours: float = Field(default=12.0, gt=0, description="How long a console login lasts.")
+
+
 class LogSettings(_Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(default="INFO", description="Log level.")
     format: Literal["auto", "json", "console"] = Field(
@@ -288,6 +311,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     http: HttpPublisherSettings = Field(default_factory=HttpPublisherSettings)
     otel: OtelSettings = Field(default_factory=OtelSettings)
+    console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     log: LogSettings = Field(default_factory=LogSettings)
 
     @classmethod

@@ -2,7 +2,9 @@
 
 Counters are counted in process. Gauges describing the table are read from the
 database every ``metrics.refresh_interval_seconds`` with the cheap, index-backed
-queries of ``queries.sql`` under a statement timeout; if a refresh fails the
+queries of ``queries.sql`` under a statement timeout (a queue depth above
+``metrics.exact_count_limit`` comes from an exact count made at most every
+``metrics.exact_count_interval_seconds``, see _SlowExactCount); if a refresh fails the
 gauges are reset rather than left frozen at a stale value, and
 ``outbox_relay_stats_refresh_errors_total`` counts the failure.
 """
@@ -10,6 +12,7 @@ gauges are reset rather than left frozen at a stale value, and
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
@@ -21,7 +24,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .decision import Kind
 from .publisher import PublisherObserver
 from .service import PeriodicService
-from .store import STATUSES, ClaimResult, OutboxStore
+from .store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
 
 if TYPE_CHECKING:
     from .finalizer import BatchResult
@@ -132,19 +135,84 @@ class RelayMetrics(PublisherObserver):
         return generate_latest(self.registry)
 
 
+class _SlowExactCount:
+    """Exact counts of the statuses above ``metrics.exact_count_limit`` (issue 18).
+
+    The per-refresh count stops at the cap; above it the planner's estimate is stale
+    exactly when an operator looks (right after a bulk failure). So a status above the
+    cap is counted exactly — at most once per ``interval_seconds``, within its own
+    time budget, in a thread of its own so the fast gauges never wait for it — and the
+    gauge shows that count until the next one.
+    """
+
+    def __init__(self, store: OutboxStore, *, interval_seconds: float, budget_ms: int, first_upto: int) -> None:
+        self._store = store
+        self._interval = interval_seconds
+        self._budget_ms = budget_ms
+        self._first_upto = first_upto
+        self._lock = threading.Lock()
+        self._latest: dict[str, int] = {}
+        self._started_at = float("-inf")
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """No more counts; one still running ends within its budget (a daemon thread)."""
+        with self._lock:
+            self._closed = True
+
+    def reopen(self) -> None:
+        with self._lock:
+            self._closed = False
+
+    def request(self, statuses: list[str]) -> None:
+        """Start a count of ``statuses`` unless one is running or the last began < interval ago."""
+        with self._lock:
+            running = self._thread is not None and self._thread.is_alive()
+            if self._closed or running or time.monotonic() - self._started_at < self._interval:
+                return
+            self._started_at = time.monotonic()
+            self._thread = threading.Thread(target=self._count, args=(list(statuses),),
+                                            name="metrics-exact-count", daemon=True)
+            self._thread.start()
+
+    def _count(self, statuses: list[str]) -> None:
+        try:
+            counts = self._store.exact_depth(budget_ms=self._budget_ms, statuses=statuses,
+                                             first_upto=self._first_upto)
+        except Exception as exc:  # a failed count keeps the previous one; the next request retries
+            if not self._closed:  # after close() the store is going away: an expected failure
+                log.warning("exact queue depth count failed", error=str(exc))
+            return
+        with self._lock:
+            self._latest.update({status: count.n for status, count in counts.items()})
+
+    def latest(self, status: str) -> int | None:
+        with self._lock:
+            return self._latest.get(status)
+
+    def forget(self, status: str) -> None:
+        """The status is below the cap again (counted exactly every refresh)."""
+        with self._lock:
+            self._latest.pop(status, None)
+
+
 class StatsRefresher(PeriodicService):
     """Background thread: reads the table's gauges every interval. start/stop are idempotent."""
 
     thread_name = "metrics-refresh"
 
     def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
-                 timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000) -> None:
+                 timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000,
+                 exact_count_interval_seconds: float = 60.0, exact_count_timeout_ms: int = 10_000) -> None:
         super().__init__(interval_seconds, run_first=True)
         self._store = store
         self._metrics = metrics
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
         self._count_cap = count_cap
+        self._exact = _SlowExactCount(store, interval_seconds=exact_count_interval_seconds,
+                                      budget_ms=exact_count_timeout_ms, first_upto=count_cap)
 
     def refresh_once(self) -> bool:
         m = self._metrics
@@ -163,7 +231,18 @@ class StatsRefresher(PeriodicService):
             return False
         m.oldest_pending_age_seconds.set(stats.oldest_pending_age_seconds)
         m.expired_leases.set(stats.expired_leases)
+        # Done rows have no index: an exact count would read the whole table every
+        # interval, so above the cap the done gauge stays the planner's estimate.
+        countable = [status for status in stats.estimated_statuses if status in INDEXED_STATUSES]
+        if countable:
+            self._exact.request(countable)
         for status, n in stats.queue_depth.items():
+            if status in countable:
+                exact = self._exact.latest(status)  # None until the first slow count is done
+                if exact is not None:
+                    n = max(self._count_cap, exact)
+            else:
+                self._exact.forget(status)
             m.queue_depth.labels(status=status).set(n)
         m.attempts.clear()
         for attempts, n in stats.attempts.items():
@@ -173,6 +252,14 @@ class StatsRefresher(PeriodicService):
 
     def step(self) -> None:
         self.refresh_once()
+
+    def start(self) -> None:
+        self._exact.reopen()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self._exact.close()
 
 
 class MetricsServer:

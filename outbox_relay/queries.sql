@@ -704,3 +704,197 @@ RETURNING 1
 
 -- name: inbox_purge
 DELETE FROM {table} WHERE received_at < now() - make_interval(secs => %(older_than_seconds)s)
+
+-- ===================================================================================
+-- Operator console and CLI (issue 18): filtered dead-letter operations, exact
+-- counts, aggregate diagnosis, the audit trail. (This banner has no placeholders:
+-- it ends the section above, whose text is formatted.)
+-- ===================================================================================
+
+-- name: dead_filter
+-- The predicate shared by every filtered dead-row statement (schema.py fills it in as
+-- the placeholder dead_filter; the placeholder audit_table is the table's audit trail,
+-- and status_count_upto's status placeholder a quoted literal, so that each count can
+-- use its status's partial index). Every value is a bound parameter; NULL means
+-- "any". error_contains is a case-insensitive substring test with strpos, so
+-- LIKE wildcards in the operator's text mean nothing special. since/until bound
+-- created_at (half-open: since <= created_at < until).
+status = 'dead'
+AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+AND (%(error_contains)s::text IS NULL
+     OR strpos(lower(coalesce(last_error, '')), lower(%(error_contains)s::text)) > 0)
+AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+
+-- name: create_audit_table
+-- One row per retry/skip by an operator (CLI or console), appended before the first
+-- chunk and brought up to date by every chunk in the chunk's own transaction, so
+-- rows_changed is exact even if the operation is interrupted (finished_at stays NULL).
+CREATE TABLE IF NOT EXISTS {audit_table} (
+    id            bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    started_at    timestamptz NOT NULL DEFAULT now(),
+    finished_at   timestamptz NULL,
+    actor         text        NOT NULL,
+    source        text        NOT NULL,
+    action        text        NOT NULL CHECK (action IN ('retry', 'skip')),
+    selector      jsonb       NOT NULL,
+    rows_matched  bigint      NULL,
+    rows_changed  bigint      NOT NULL DEFAULT 0,
+    reason        text        NULL
+)
+
+-- name: audit_table_exists
+SELECT to_regclass(%(audit_table)s) IS NOT NULL
+
+-- name: database_now
+SELECT now()
+
+-- name: status_count_upto
+-- Exact count of one status up to %(upto)s rows (NULL: all), read from that status's
+-- partial index (an index-only scan once the visibility map is set). Done rows have
+-- no index: their count reads the table, so it runs under the count's time budget.
+SELECT count(*) FROM (SELECT 1 FROM {table} WHERE status = {status} LIMIT %(upto)s) AS counted
+
+-- name: dead_count_upto
+SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {dead_filter} LIMIT %(upto)s) AS counted
+
+-- name: dead_page
+-- One page of matching dead rows in id order, after %(after_id)s (keyset pagination).
+SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, topic
+FROM {table}
+WHERE {dead_filter} AND id > %(after_id)s
+ORDER BY id
+LIMIT %(limit)s
+
+-- name: dead_by_event_type
+SELECT event_type, count(*) AS n
+FROM {table}
+WHERE {dead_filter}
+GROUP BY event_type
+ORDER BY n DESC, event_type
+LIMIT %(top)s
+
+-- name: dead_by_error
+-- Errors grouped by their first line (cut to 200 characters).
+SELECT left(split_part(coalesce(last_error, ''), chr(10), 1), 200) AS error, count(*) AS n
+FROM {table}
+WHERE {dead_filter}
+GROUP BY 1
+ORDER BY n DESC, 1
+LIMIT %(top)s
+
+-- name: dead_aggregates
+-- How many aggregates the matching rows belong to, and the first few of them.
+SELECT (SELECT count(DISTINCT aggregate_id) FROM {table} WHERE {dead_filter}) AS aggregates,
+       ARRAY(SELECT DISTINCT aggregate_id FROM {table} WHERE {dead_filter}
+             ORDER BY aggregate_id LIMIT %(top)s) AS sample
+
+-- name: dead_retry_chunk
+-- One bounded chunk of a filtered retry, in its own short transaction (autocommit):
+-- the next %(chunk)s matching rows after %(after_id)s, SKIP LOCKED so it never waits
+-- for a row someone else is changing; the audit entry is updated in the same
+-- transaction. Same effect as dead_retry: pending, attempts 0, due now.
+WITH chunk AS (
+    SELECT id FROM {table}
+    WHERE {dead_filter} AND id > %(after_id)s
+    ORDER BY id
+    LIMIT %(chunk)s
+    FOR UPDATE SKIP LOCKED
+), changed AS (
+    UPDATE {table} AS o
+    SET status = 'pending', attempts = 0, available_at = now()
+    FROM chunk
+    WHERE o.id = chunk.id
+    RETURNING o.id
+), audited AS (
+    UPDATE {audit_table}
+    SET rows_changed = rows_changed + (SELECT count(*) FROM changed)
+    WHERE id = %(audit_id)s
+    RETURNING id
+)
+SELECT id FROM changed ORDER BY id
+
+-- name: dead_skip_chunk
+-- As dead_retry_chunk, but marks the rows done without publishing (as dead_skip).
+WITH chunk AS (
+    SELECT id FROM {table}
+    WHERE {dead_filter} AND id > %(after_id)s
+    ORDER BY id
+    LIMIT %(chunk)s
+    FOR UPDATE SKIP LOCKED
+), changed AS (
+    UPDATE {table} AS o
+    SET status = 'done', done_at = now(), last_error = %(reason)s
+    FROM chunk
+    WHERE o.id = chunk.id
+    RETURNING o.id
+), audited AS (
+    UPDATE {audit_table}
+    SET rows_changed = rows_changed + (SELECT count(*) FROM changed)
+    WHERE id = %(audit_id)s
+    RETURNING id
+)
+SELECT id FROM changed ORDER BY id
+
+-- name: audit_begin
+INSERT INTO {audit_table} (actor, source, action, selector, rows_matched, reason)
+VALUES (%(actor)s, %(source)s, %(action)s, %(selector)s::jsonb, %(rows_matched)s, %(reason)s)
+RETURNING id
+
+-- name: audit_finish
+UPDATE {audit_table} SET finished_at = now() WHERE id = %(audit_id)s
+
+-- name: audit_list
+-- Newest first, keyset pagination before %(before_id)s.
+SELECT id, started_at, finished_at, actor, source, action, selector::text AS selector,
+       rows_matched, rows_changed, reason
+FROM {audit_table}
+WHERE (%(before_id)s::bigint IS NULL OR id < %(before_id)s::bigint)
+ORDER BY id DESC
+LIMIT %(limit)s
+
+-- name: row_detail
+-- One row with everything an operator needs to understand it (any status).
+SELECT id, aggregate_type, aggregate_id, event_type, jsonb_pretty(payload) AS payload, topic,
+       jsonb_pretty(headers) AS headers, created_at, status, available_at, attempts,
+       lease_owner, lease_until, lease_version, last_error, done_at, dedup_key,
+       now() AS database_now
+FROM {table}
+WHERE id = %(id)s
+
+-- name: aggregate_rows
+-- An aggregate's unfinished rows in id order. Two arms, so that with ordering on each
+-- reads its partial index ({idx_aggregate_active}, {idx_aggregate_dead}); without
+-- the ordering indexes this reads the table, bounded by the statement timeout.
+SELECT id, aggregate_type, event_type, status, attempts, created_at, available_at,
+       lease_owner, lease_until, lease_version, last_error,
+       available_at > now() AS not_due, coalesce(lease_until < now(), false) AS lease_expired,
+       now() AS database_now
+FROM (
+    (SELECT * FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing')
+     ORDER BY id LIMIT %(limit)s)
+    UNION ALL
+    (SELECT * FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status = 'dead'
+     ORDER BY id LIMIT %(limit)s)
+) AS unfinished
+ORDER BY id
+LIMIT %(limit)s
+
+-- name: aggregate_unfinished_count
+SELECT (SELECT count(*) FROM {table}
+        WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing'))
+     + (SELECT count(*) FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status = 'dead')
+
+-- name: published_per_bucket
+-- Rows finalized done in the last %(window_seconds)s, per bucket of %(bucket_seconds)s
+-- (bucket 0 = the most recent). Done rows have no index, so this reads the table: the
+-- console runs it under a short timeout and says so when it runs out. Rows deleted on
+-- done (relay.on_done = delete) or purged are not counted.
+SELECT floor(extract(epoch FROM now() - done_at) / %(bucket_seconds)s)::int AS bucket, count(*) AS n
+FROM {table}
+WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window_seconds)s)
+GROUP BY 1
+ORDER BY 1

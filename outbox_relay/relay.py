@@ -193,7 +193,9 @@ class Relay:
                                              interval_seconds=s.metrics.refresh_interval_seconds,
                                              timeout_ms=s.metrics.query_timeout_ms,
                                              ordered_types=list(s.relay.ordered_event_types),
-                                             count_cap=s.metrics.exact_count_limit)
+                                             count_cap=s.metrics.exact_count_limit,
+                                             exact_count_interval_seconds=s.metrics.exact_count_interval_seconds,
+                                             exact_count_timeout_ms=s.metrics.exact_count_timeout_ms)
             self._refresher.start()
         for thread in self._threads:
             thread.start()

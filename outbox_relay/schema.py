@@ -94,6 +94,12 @@ class TableSql:
         return f'"{self.schema_name}".{name}' if self.schema_name else name
 
     @cached_property
+    def audit_regclass_text(self) -> str:
+        """The audit table (operator retry/skip trail) as text for to_regclass()."""
+        audit = _short(self.table_name, "audit")
+        return ".".join('"' + part + '"' for part in ([self.schema_name] if self.schema_name else []) + [audit])
+
+    @cached_property
     def _names(self) -> dict[str, sql.Composable]:
         base = self.table_name
         return {
@@ -107,6 +113,9 @@ class TableSql:
             "channel_literal": sql.Literal(self.channel),
             "fillfactor": sql.Literal(FILLFACTOR),
             "strict": sql.SQL(""),
+            # Operator console / CLI (issue 18): the audit trail and the shared dead-row filter.
+            "audit_table": self._qualified(_short(base, "audit")),
+            "dead_filter": sql.SQL(_strip_comments(QUERIES["dead_filter"])),
         }
 
     def index_name(self, key: str) -> str:
@@ -121,8 +130,9 @@ class TableSql:
         return sql.SQL(QUERIES["drop_index"]).format(
             index=self._qualified(self.index_name(key)), concurrently=sql.SQL("CONCURRENTLY" if concurrently else ""))
 
-    def query(self, name: str, *, strict: bool = False) -> sql.Composed:
-        names = dict(self._names)
+    def query(self, name: str, *, strict: bool = False, **extra: sql.Composable) -> sql.Composed:
+        """``extra``: further placeholders of this one statement, e.g. status=sql.Literal("dead")."""
+        names = dict(self._names, **extra)
         if strict:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
         return sql.SQL(QUERIES[name]).format(**names)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -21,10 +22,13 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseRefused, DatabaseUnavailable, SchemaMissing
+from .filters import DeadFilter
 from .ordering import OrderingRule
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
+# Statuses with a partial index of their own: counting them reads only their entries.
+INDEXED_STATUSES = ("pending", "processing", "dead")
 # stats(): up to this many dead rows the blocked-aggregates query walks the dead rows
 # (three index probes each); above it, the aggregates that have work.
 BLOCKED_FROM_DEAD_ROWS = 1000
@@ -85,6 +89,27 @@ class Stats:
     attempts: dict[int, int]
     blocked_aggregates: list[tuple[str, int]]
     estimated_statuses: list[str] = field(default_factory=list)  # counts above the exact-count cap
+
+
+@dataclass(frozen=True, slots=True)
+class Count:
+    """A row count that is exact, or a lower bound when counting ran out of time."""
+
+    n: int
+    exact: bool = True
+
+    def __str__(self) -> str:
+        return str(self.n) if self.exact else f"\u2265 {self.n}"
+
+
+@dataclass(slots=True)
+class DeadSummary:
+    """Matching dead rows grouped for an operator (top entries only)."""
+
+    by_event_type: list[tuple[str, int]]
+    by_error: list[tuple[str, int]]
+    aggregates: int
+    sample_aggregates: list[str]
 
 
 _PASSWORD_RE = re.compile(r"(password\s*=\s*)(\S+)|(://[^:/@\s]*:)([^@\s]*)(@)", re.IGNORECASE)
@@ -293,6 +318,7 @@ class OutboxStore:
                             conn.execute(self.sql.index_ddl(key, concurrently=False))
                     for statement in self.sql.statements("create_state_table"):
                         conn.execute(statement)
+                    conn.execute(self.sql.query("create_audit_table"))  # operator retry/skip trail (issue 18)
                     if not self._state_has_mode(conn):
                         conn.execute(self.sql.query("add_on_done"))
                     if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
@@ -684,6 +710,188 @@ class OutboxStore:
         with self._mapped("count dead"), self._pool.connection() as conn:
             row = conn.execute(self.sql.query("count_dead")).fetchone()
             return int(row[0]) if row else 0
+
+    # --- operator console / CLI (issue 18): filters, exact counts, audit ------------------
+    # Everything the CLI's filtered dead-letter commands and the console read or change.
+    # Filters are bound parameters (filters.DeadFilter.sql_params); statements run with
+    # prepare=False so PostgreSQL plans each one with the actual filter values (a
+    # generic plan could not use the partial indexes). Bulk changes go chunk by chunk,
+    # one short autocommit statement each, through operations.change_dead.
+    def database_now(self) -> dt.datetime:
+        with self._mapped("read clock"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("database_now")).fetchone()
+            assert row is not None
+            return row[0]  # type: ignore[no-any-return]
+
+    def audit_table_exists(self) -> bool:
+        with self._mapped("check audit table"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("audit_table_exists"),
+                               {"audit_table": self.sql.audit_regclass_text}).fetchone()
+            return bool(row and row[0])
+
+    def require_audit_table(self) -> None:
+        if not self.audit_table_exists():
+            raise SchemaMissing(
+                f"the audit table of {self.table!r} does not exist: run `outbox-relay migrate` "
+                "(this version records every retry/skip there); nothing was changed")
+
+    def _bounded_count(self, query: Any, params: dict[str, Any], *, first_upto: int,
+                       budget_ms: int, indexed: bool = True) -> Count:
+        """Count exactly within ``budget_ms``; if that runs out, a lower bound.
+
+        Counts up to ``first_upto`` rows (from an index: cheap, always done, under the
+        connection's own statement timeout; without one, under the budget too), then up
+        to 4x as many per step under what is left of the budget, and finally without a
+        limit. A step that runs out of time leaves the previous step's limit as the
+        proven lower bound. Re-counting from the start at each step costs at most a
+        third more than one full count.
+        """
+        deadline = time.monotonic() + budget_ms / 1000.0
+        upto: int | None = max(1, first_upto)
+        lower = 0
+        with self._pool.connection() as conn:
+            first = True
+            while True:
+                bounded = not first or not indexed
+                remaining_ms = int((deadline - time.monotonic()) * 1000)
+                if bounded and remaining_ms < 1:
+                    return Count(lower, exact=False)
+                try:
+                    with conn.transaction():
+                        if bounded:
+                            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
+                                sql.Literal(remaining_ms)))
+                        row = conn.execute(query, dict(params, upto=upto), prepare=False).fetchone()
+                except pg_errors.QueryCanceled:
+                    if not bounded:
+                        raise
+                    return Count(lower, exact=False)
+                first = False
+                n = int(row[0]) if row else 0
+                if upto is None or n < upto:
+                    return Count(n, exact=True)
+                lower = n
+                upto = upto * 4 if upto < 64_000_000 else None
+
+    def exact_depth(self, *, budget_ms: int, statuses: Sequence[str] = STATUSES,
+                    first_upto: int = 100_000) -> dict[str, Count]:
+        """Rows per status, counted exactly from each status's partial index while the
+        shared budget lasts; a status whose count runs out is a lower bound. Counted
+        in the order dead, pending, processing, done (done has no index and is usually
+        the largest: it gets what is left of the budget)."""
+        order = [s for s in ("dead", "pending", "processing", "done") if s in statuses]
+        deadline = time.monotonic() + budget_ms / 1000.0
+        out: dict[str, Count] = {}
+        with self._mapped("count rows"):
+            for status in order:
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                out[status] = self._bounded_count(
+                    self.sql.query("status_count_upto", status=sql.Literal(status)), {},
+                    first_upto=first_upto, budget_ms=left_ms, indexed=status in INDEXED_STATUSES)
+        return {s: out[s] for s in statuses}
+
+    def dead_count(self, selector: DeadFilter, *, budget_ms: int, first_upto: int = 100_000) -> Count:
+        """Dead rows matching ``selector`` (its limit applied), exactly while the budget lasts."""
+        with self._mapped("count dead rows"):
+            count = self._bounded_count(self.sql.query("dead_count_upto"), selector.sql_params(),
+                                        first_upto=first_upto, budget_ms=budget_ms)
+        if selector.limit is not None and count.n >= selector.limit:
+            return Count(selector.limit, exact=True)
+        return count
+
+    def dead_page(self, selector: DeadFilter, *, after_id: int = 0, limit: int = 100) -> list[dict[str, Any]]:
+        """One page of matching dead rows in id order after ``after_id``."""
+        with self._mapped("dead list"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("dead_page"),
+                               dict(selector.sql_params(), after_id=after_id, limit=limit), prepare=False)
+            names = [d.name for d in cur.description or ()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+    def dead_summary(self, selector: DeadFilter, *, timeout_ms: int, top: int = 10) -> DeadSummary | None:
+        """Matching dead rows by event type, by error and by aggregate; None if the
+        grouping did not finish within ``timeout_ms`` (huge dead-letter backlogs)."""
+        params = dict(selector.sql_params(), top=top)
+        try:
+            with self._mapped("dead summary"), self._pool.connection() as conn, conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, timeout_ms))))
+                by_type = [(r[0], int(r[1])) for r in
+                           conn.execute(self.sql.query("dead_by_event_type"), params, prepare=False).fetchall()]
+                by_error = [(r[0], int(r[1])) for r in
+                            conn.execute(self.sql.query("dead_by_error"), params, prepare=False).fetchall()]
+                agg = conn.execute(self.sql.query("dead_aggregates"), params, prepare=False).fetchone()
+        except DatabaseUnavailable as exc:
+            if isinstance(exc.__cause__, pg_errors.QueryCanceled):
+                return None
+            raise
+        return DeadSummary(by_event_type=by_type, by_error=by_error,
+                           aggregates=int(agg[0]) if agg else 0, sample_aggregates=list(agg[1]) if agg else [])
+
+    def dead_change_chunk(self, action: str, selector: DeadFilter, *, after_id: int, chunk: int,
+                          audit_id: int, reason: str | None = None) -> list[int]:
+        """Retry or skip the next ``chunk`` matching rows after ``after_id`` in one short
+        transaction that also adds them to audit entry ``audit_id``; their ids, ascending."""
+        name = {"retry": "dead_retry_chunk", "skip": "dead_skip_chunk"}[action]
+        params = dict(selector.sql_params(), after_id=after_id, chunk=chunk, audit_id=audit_id, reason=reason)
+        with self._mapped(f"dead {action}", commit_unknown=True), self._pool.connection() as conn:
+            return [int(r[0]) for r in conn.execute(self.sql.query(name), params, prepare=False).fetchall()]
+
+    def audit_begin(self, *, actor: str, source: str, action: str, selector: dict[str, Any],
+                    rows_matched: int | None, reason: str | None) -> int:
+        with self._mapped("audit"), self._pool.connection() as conn:
+            row = conn.execute(self.sql.query("audit_begin"), {
+                "actor": actor, "source": source, "action": action, "selector": json.dumps(selector),
+                "rows_matched": rows_matched, "reason": reason}).fetchone()
+            assert row is not None
+            return int(row[0])
+
+    def audit_finish(self, audit_id: int) -> None:
+        with self._mapped("audit"), self._pool.connection() as conn:
+            conn.execute(self.sql.query("audit_finish"), {"audit_id": audit_id})
+
+    def audit_list(self, *, limit: int = 50, before_id: int | None = None) -> list[dict[str, Any]]:
+        """Audit entries, newest first."""
+        with self._mapped("audit list"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("audit_list"), {"limit": limit, "before_id": before_id})
+            names = [d.name for d in cur.description or ()]
+            entries = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        for entry in entries:
+            entry["selector"] = json.loads(entry["selector"])
+        return entries
+
+    def row_detail(self, row_id: int) -> dict[str, Any] | None:
+        with self._mapped("read row"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("row_detail"), {"id": row_id})
+            names = [d.name for d in cur.description or ()]
+            row = cur.fetchone()
+            return dict(zip(names, row, strict=True)) if row else None
+
+    def aggregate_rows(self, aggregate_id: str, *, limit: int = 100) -> tuple[list[dict[str, Any]], int]:
+        """An aggregate's first ``limit`` unfinished rows in id order, and how many it has."""
+        with self._mapped("read aggregate"), self._pool.connection() as conn:
+            cur = conn.execute(self.sql.query("aggregate_rows"), {"aggregate_id": aggregate_id, "limit": limit})
+            names = [d.name for d in cur.description or ()]
+            found = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            total_row = conn.execute(self.sql.query("aggregate_unfinished_count"),
+                                     {"aggregate_id": aggregate_id}).fetchone()
+        return found, int(total_row[0]) if total_row else 0
+
+    def published_per_bucket(self, *, window_seconds: int = 3600, bucket_seconds: int = 300,
+                             timeout_ms: int = 2000) -> list[int] | None:
+        """Rows finalized done per bucket over the window, oldest bucket first; None if
+        counting did not finish within ``timeout_ms``."""
+        buckets = [0] * (window_seconds // bucket_seconds)
+        try:
+            with self._mapped("published rate"), self._pool.connection() as conn, conn.transaction():
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, timeout_ms))))
+                for bucket, n in conn.execute(self.sql.query("published_per_bucket"), {
+                        "window_seconds": window_seconds, "bucket_seconds": bucket_seconds}).fetchall():
+                    if 0 <= bucket < len(buckets):
+                        buckets[len(buckets) - 1 - bucket] = int(n)
+        except DatabaseUnavailable as exc:
+            if isinstance(exc.__cause__, pg_errors.QueryCanceled):
+                return None
+            raise
+        return buckets
 
     # --- retention -------------------------------------------------------------------
     def count_purgeable(self, older_than_seconds: float) -> int:

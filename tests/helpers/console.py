@@ -1,0 +1,87 @@
+"""Helpers of the operator-console tests: seed dead rows straight into a table, and
+serve the console's real ASGI app over real HTTP (uvicorn in a thread)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+from outbox_relay.config import Settings, load_settings
+
+
+def quoted(table: str) -> str:
+    schema, name = table.split(".")
+    return f'"{schema}"."{name}"'
+
+
+def seed_dead(dsn: str, table: str, n: int, *, event_type: str = "PaymentCaptured",
+              aggregate_type: str = "payment", aggregate_prefix: str = "pay-", aggregates: int = 10,
+              last_error: str = "retries exhausted: UNKNOWN_TOPIC_OR_PART", payload: dict[str, Any] | None = None,
+              attempts: int | None = None, age_seconds: float = 0.0, status: str = "dead") -> list[int]:
+    """Insert n rows in one statement (status dead by default, attempts used up); their ids, ascending."""
+    if attempts is None:
+        attempts = 12 if status == "dead" else 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ids = [r[0] for r in conn.execute(
+            f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
+            " last_error, created_at)"
+            " SELECT %(at)s, %(prefix)s || (g %% %(aggs)s), %(et)s, %(payload)s::jsonb, %(status)s, %(attempts)s,"
+            "        %(err)s, now() - make_interval(secs => %(age)s)"
+            " FROM generate_series(1, %(n)s) AS g RETURNING id",
+            {"at": aggregate_type, "prefix": aggregate_prefix, "aggs": aggregates, "et": event_type,
+             "payload": json.dumps(payload or {"amount": 100}), "status": status, "attempts": attempts,
+             "err": last_error if status == "dead" else None, "age": age_seconds, "n": n}).fetchall()]
+    return sorted(ids)
+
+
+def row_states(dsn: str, table: str, ids: list[int]) -> dict[int, tuple[str, int]]:
+    """id -> (status, attempts)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {r[0]: (r[1], r[2]) for r in conn.execute(
+            f"SELECT id, status, attempts FROM {quoted(table)} WHERE id = ANY(%s)", (ids,)).fetchall()}
+
+
+def console_settings(dsn: str, table: str, *, token: str | None = None, **console: Any) -> Settings:
+    section: dict[str, Any] = {"host": "127.0.0.1", "port": 0, **console}
+    if token is not None:
+        section["token"] = token
+    return load_settings(None, database={"dsn": dsn, "table": table}, console=section,
+                         log={"level": "WARNING", "format": "json"})
+
+
+@contextmanager
+def running_console(settings: Settings) -> Iterator[str]:
+    """The console app served by uvicorn on a free loopback port; yields its base URL."""
+    import uvicorn
+
+    from outbox_relay.console.app import create_app
+    from outbox_relay.console.server import make_console_store
+
+    store = make_console_store(settings)
+    store.open()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, store), log_level="warning", lifespan="off",
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("console did not start")
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+        store.close()

@@ -1,0 +1,180 @@
+"""The operator console in a real headless Chromium (Debian's chromium +
+chromium-driver, driven by Selenium), served by the real `outbox-relay console`
+command: log in, filter the dead rows, preview and retry by filter, see the audit
+entry, and check in PostgreSQL that exactly those rows changed.
+
+Skipped with a note where Chromium or its driver is not installed (`./dev test`
+installs them). Set OUTBOX_RELAY_SCREENSHOTS=docs to save screenshots of the main
+pages (the README shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.helpers.console import quoted, row_states, seed_dead
+
+pytestmark = pytest.mark.timeout(180)
+TOKEN = "browser-test-token"
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    if not CHROMIUM or not CHROMEDRIVER:
+        pytest.skip("Chromium and chromedriver are not installed (Debian: apt-get install chromium chromium-driver; "
+                    "./dev test installs them when it runs as root)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (test extra)")
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="outbox-relay-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                 f"--user-data-dir={profile}", "--window-size=1366,860", "--lang=en-US"):
+        options.add_argument(flag)
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager look for downloads
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.implicitly_wait(0)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def console_process(store, pg_dsn, table) -> Iterator[str]:
+    """`outbox-relay console --port 0` as a subprocess; yields its base URL."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
+    env.update({"OUTBOX_RELAY_DATABASE__DSN": pg_dsn, "OUTBOX_RELAY_DATABASE__TABLE": table,
+                "OUTBOX_RELAY_CONSOLE__TOKEN": TOKEN, "OUTBOX_RELAY_LOG__FORMAT": "json",
+                "OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["PaymentCaptured"]'})
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "console", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # JSON log lines; the start-up line names the url
+            seen.append(line)
+            if '"console listening"' in line:
+                yield json.loads(line)["url"].rstrip("/")
+                break
+        else:
+            raise AssertionError("console did not start: " + "".join(seen))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def navigate(driver: Any, action: Any, *, to: str, exact: bool = False) -> None:
+    """Click and wait until the browser has arrived at a URL containing ``to`` (or equal
+    to it): a click returns before the navigation it starts has finished."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def arrived(d: Any) -> bool:
+        here = d.current_url
+        return (here == to if exact else to in here) and d.execute_script("return document.readyState") == "complete"
+
+    action()
+    WebDriverWait(driver, 20, poll_frequency=0.05).until(arrived, message=f"the browser did not arrive at {to}")
+
+
+def shoot(driver: Any, name: str) -> None:
+    target = os.environ.get("OUTBOX_RELAY_SCREENSHOTS")
+    if target:
+        folder = ROOT / target if not Path(target).is_absolute() else Path(target)
+        folder.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(folder / f"console-{name}.png"))
+
+
+def test_operator_retries_by_filter_in_the_browser(browser, console_process, pg_dsn, table):
+    from selenium.webdriver.common.by import By
+
+    target = seed_dead(pg_dsn, table, 6, aggregates=3)                               # what must be retried
+    other_error = seed_dead(pg_dsn, table, 3, last_error="permanent: MSG_SIZE_TOO_LARGE",
+                            aggregate_prefix="refund-", aggregates=3)
+    other_type = seed_dead(pg_dsn, table, 4, event_type="OrderCreated", aggregate_type="order",
+                           aggregate_prefix="order-", payload={"note": "<script>document.title='pwned'</script>"},
+                           last_error="permanent: invalid record")
+    seed_dead(pg_dsn, table, 5, status="pending", aggregate_prefix="refund-", aggregates=3)  # behind dead heads
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:  # an hour of published history for the overview
+        conn.execute(f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status,"
+                     " created_at, done_at) SELECT 'order', 'order-' || g, 'OrderPaid', '{}', 'done',"
+                     " now() - make_interval(secs => g + 1), now() - make_interval(secs => g)"
+                     " FROM generate_series(1, 3500, 2) AS g")
+    b = browser
+    url = console_process
+
+    # Log in: every page needs the token; the name goes into the audit trail.
+    b.get(url + "/dead")
+    assert "/login" in b.current_url
+    shoot(b, "login")
+    b.find_element(By.ID, "name").send_keys("alice")
+    b.find_element(By.ID, "token").send_keys(TOKEN)
+    navigate(b, b.find_element(By.ID, "login").click, to="/dead")
+    assert b.find_element(By.ID, "matched").text == "13"
+
+    navigate(b, b.find_element(By.LINK_TEXT, "Overview").click, to=url + "/", exact=True)
+    assert b.find_element(By.ID, "depth-dead").text == "13"
+    assert b.find_element(By.ID, "depth-done").text == "1,750"
+    shoot(b, "overview")
+
+    # Filter: the PaymentCaptured rows that hit UNKNOWN_TOPIC.
+    navigate(b, b.find_element(By.LINK_TEXT, "Dead rows").click, to="/dead")
+    b.find_element(By.NAME, "event_type").send_keys("PaymentCaptured")
+    b.find_element(By.NAME, "error_contains").send_keys("unknown_topic")
+    navigate(b, b.find_element(By.ID, "apply-filter").click, to="error_contains=unknown_topic")
+    assert b.find_element(By.ID, "matched").text == "6"
+    listed = [int(e.get_attribute("value")) for e in b.find_elements(By.CSS_SELECTOR, "input[name=id]")]
+    assert listed == target
+    shoot(b, "dead-rows")
+
+    # Preview, then confirm: nothing changes before the confirmation.
+    navigate(b, b.find_element(By.ID, "retry-matching").click, to="/dead/preview")
+    assert "6 dead rows will be" in b.find_element(By.ID, "preview-count").text
+    assert {s for s, _ in row_states(pg_dsn, table, target).values()} == {"dead"}
+    b.find_element(By.ID, "reason").send_keys("topic created after the deploy, OPS-42")
+    shoot(b, "preview")
+    navigate(b, b.find_element(By.ID, "confirm").click, to="/audit?done=")
+
+    # The audit entry, and the rows really changed in PostgreSQL (only those).
+    assert "Done" in b.find_element(By.ID, "done").text
+    entry = b.find_element(By.CSS_SELECTOR, "tr.highlight")
+    text = entry.text
+    assert "alice" in text and "retry" in text and "OPS-42" in text and "PaymentCaptured" in text
+    assert entry.find_element(By.CSS_SELECTOR, "td.changed").text == "6"
+    shoot(b, "audit")
+    assert set(row_states(pg_dsn, table, target).values()) == {("pending", 0)}
+    assert {s for s, _ in row_states(pg_dsn, table, other_error + other_type).values()} == {"dead"}
+
+    # A payload carrying a script is shown as text and never runs.
+    b.get(f"{url}/rows/{other_type[0]}")
+    assert "<script>document.title='pwned'</script>" in b.find_element(By.ID, "payload").text
+    assert "pwned" not in b.title
+    shoot(b, "row")
+
+    # An aggregate blocked by its dead head says so; one whose head was retried is due.
+    b.get(f"{url}/aggregates/pay-1")
+    assert "is due" in b.find_element(By.ID, "verdict").text
+    b.get(f"{url}/aggregates/refund-1")
+    assert f"blocked by dead head {other_error[0]}" in b.find_element(By.ID, "verdict").text
+    shoot(b, "aggregate")
