@@ -54,20 +54,7 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
         raise  # unreachable
     from .logs import configure_logging
 
-    secrets = [settings.database.dsn.get_secret_value()]
-    try:
-        import psycopg
-
-        password = psycopg.conninfo.conninfo_to_dict(secrets[0]).get("password")
-        if password:
-            secrets.append(str(password))
-    except Exception:
-        pass
-    if settings.kafka.sasl_password is not None:
-        secrets.append(settings.kafka.sasl_password.get_secret_value())
-    if settings.console.token is not None:
-        secrets.append(settings.console.token.get_secret_value())
-    configure_logging(settings.log.level, settings.log.format, secrets=secrets)
+    configure_logging(settings.log.level, settings.log.format, secrets=settings.secret_values)
     return settings
 
 

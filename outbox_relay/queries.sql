@@ -683,6 +683,14 @@ SELECT (SELECT count(*) FROM purged), (SELECT max(dedup_key) FROM scanned)
 -- lock users only through this hash of (table, aggregate_id).
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 
+-- name: bound_statement
+-- database.transaction_pooler: the statement_timeout of the one statement (or the
+-- one transaction) that follows in the same transaction, set inside it because a
+-- transaction-pooling proxy takes no startup options and keeps no session state.
+-- is_local = true: it ends with the transaction, so nothing leaks to the next
+-- client of the server connection (pooler.py).
+SELECT set_config('statement_timeout', %s, true)
+
 -- Consumer side (outbox_relay.consumer): the inbox table lives in the CONSUMER's
 -- database; {table} is the inbox table there.
 

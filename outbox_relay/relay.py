@@ -41,6 +41,8 @@ def make_store(settings: Settings, *, pool_size: int | None = None,
         connect_timeout_seconds=settings.database.connect_timeout_seconds,
         statement_timeout_ms=settings.database.statement_timeout_ms,
         application_name=application_name,
+        transaction_pooler=settings.database.transaction_pooler,
+        listen_dsn=settings.database.listen_dsn.get_secret_value() if settings.database.listen_dsn else None,
     )
 
 
@@ -185,9 +187,13 @@ class Relay:
             self.workers.append(worker)
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)
-        if s.relay.listen_notify:
+        if s.listens_for_wakeups:
             self._listener = NotificationListener(self.store, self.wakeup, self._stop_claiming)
             self._listener.start()
+        elif s.relay.listen_notify:
+            # Said once: LISTEN through a transaction pooler would never hear anything.
+            log.info("transaction pooler without database.listen_dsn: no LISTEN, idle workers poll",
+                     poll_interval_seconds=s.relay.poll_interval_seconds)
         if s.metrics.enabled:
             self._refresher = StatsRefresher(self.store, self.metrics,
                                              interval_seconds=s.metrics.refresh_interval_seconds,

@@ -24,6 +24,7 @@ from psycopg import sql
 from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseRefused, DatabaseUnavailable, SchemaMissing
 from .filters import DeadFilter
 from .ordering import OrderingRule
+from .pooler import PoolerConnection, configure_bound
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
@@ -169,23 +170,41 @@ class OutboxStore:
         connect_timeout_seconds: float = 5.0,
         statement_timeout_ms: int = 10_000,
         application_name: str = "outbox-relay",
+        transaction_pooler: bool = False,
+        listen_dsn: str | None = None,
     ) -> None:
         self._dsn = dsn
         self.sql = TableSql(table)
         self.table = table
         self._connect_timeout = connect_timeout_seconds
-        options = f"-c statement_timeout={int(statement_timeout_ms)}"
-        self._conn_kwargs: dict[str, Any] = {
+        self.transaction_pooler = transaction_pooler
+        # The LISTEN connection needs a session of its own: never through a pooler.
+        self._listen_dsn = listen_dsn or (None if transaction_pooler else dsn)
+        # A direct connection sets statement_timeout once, as a startup option.
+        self._direct_kwargs: dict[str, Any] = {
             "autocommit": True,
             "connect_timeout": max(1, round(connect_timeout_seconds)),
             "application_name": application_name,
-            "options": options,
+            "options": f"-c statement_timeout={int(statement_timeout_ms)}",
         }
+        pool_class: type[psycopg.Connection[Any]] = psycopg.Connection
+        configure = None
+        if transaction_pooler:
+            # Through a transaction-pooling proxy: no startup options, no server-side
+            # prepared statements, each statement bounded inside its own transaction.
+            self._conn_kwargs = {k: v for k, v in self._direct_kwargs.items() if k != "options"}
+            self._conn_kwargs["prepare_threshold"] = None
+            pool_class = PoolerConnection
+            configure = configure_bound(statement_timeout_ms)
+        else:
+            self._conn_kwargs = self._direct_kwargs
         self._pool = psycopg_pool.ConnectionPool(
             dsn,
+            connection_class=pool_class,
             min_size=1,
             max_size=max(1, pool_size),
             kwargs=self._conn_kwargs,
+            configure=configure,
             open=False,
             name="outbox-relay",
             timeout=max(connect_timeout_seconds, 5.0),
@@ -228,7 +247,7 @@ class OutboxStore:
 
     def _probe_reason(self) -> str:
         try:
-            with psycopg.connect(self._dsn, **self._conn_kwargs):
+            with psycopg.Connection.connect(self._dsn, **self._conn_kwargs):
                 return "connection pool timed out"
         except psycopg.Error as exc:
             return redact_dsn(_first_line(exc), self._dsn)
@@ -246,7 +265,8 @@ class OutboxStore:
         self.close()
 
     def redact(self, text: str) -> str:
-        return redact_dsn(text, self._dsn)
+        text = redact_dsn(text, self._dsn)
+        return redact_dsn(text, self._listen_dsn) if self._listen_dsn and self._listen_dsn != self._dsn else text
 
     @contextlib.contextmanager
     def _mapped(self, what: str, *, commit_unknown: bool = False) -> Iterator[None]:
@@ -923,10 +943,20 @@ class OutboxStore:
         return deleted, (str(last_key) if last_key is not None else None)
 
     # --- wake-ups --------------------------------------------------------------------
+    @property
+    def can_listen(self) -> bool:
+        """False behind a transaction pooler without ``database.listen_dsn``: LISTEN
+        through the proxy would never hear a notification, so the relay polls."""
+        return self._listen_dsn is not None
+
     def open_listener(self) -> Listener:
-        """A dedicated (non-pooled) autocommit connection LISTENing on the table's channel."""
+        """A dedicated (non-pooled) autocommit connection LISTENing on the table's
+        channel: on the DSN itself, or on ``listen_dsn`` (always a direct connection)."""
+        if self._listen_dsn is None:
+            raise DatabaseError("listen: database.transaction_pooler is set and database.listen_dsn is not: "
+                                "LISTEN through a transaction pooler never hears a notification")
         with self._mapped("listen"):
-            conn = psycopg.connect(self._dsn, **self._conn_kwargs)
+            conn = psycopg.connect(self._listen_dsn, **self._direct_kwargs)
             try:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
             except BaseException:

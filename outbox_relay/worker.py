@@ -103,7 +103,7 @@ class WorkerConfig:
             backoff_cap_seconds=s.relay.backoff_cap_seconds,
             publish_timeout_seconds=timeout,
             max_error_chars=s.relay.max_error_chars,
-            listen_notify=s.relay.listen_notify,
+            listen_notify=s.listens_for_wakeups,
             max_batch_bytes=s.relay.max_batch_bytes,
             max_message_bytes=publisher.max_message_bytes() if publisher is not None else None,
             wire_format=wire,
