@@ -106,10 +106,11 @@ class PoolerConnection(psycopg.Connection[Any]):
         in_transaction = self.info.transaction_status == pq.TransactionStatus.INTRANS
         _state.in_bounded_pipeline = True
         try:
-            with self.pipeline() as pipeline:
+            # Leaving the pipeline sends the one Sync and waits for both results (an
+            # explicit sync() before it would cost a second round trip).
+            with self.pipeline():
                 psycopg.Cursor(self).execute(_BOUND_STATEMENT, (str(self.statement_timeout_ms),), prepare=False)
                 cursor.execute_unbounded(query, params, prepare=prepare, binary=binary)
-                pipeline.sync()
         finally:
             _state.in_bounded_pipeline = False
         if in_transaction:
