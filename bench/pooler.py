@@ -26,9 +26,9 @@ ordered_types=["*"]) direct, in pooler mode (the set_config travels with the
 transaction's first statement) and with SET LOCAL in its own round trip.
 
 Round trips per statement are measured in a short separate pass behind a TCP
-forwarder that delays every chunk by half of --probe-rtt-ms (10 ms) each way: the
-median latency divided by that round-trip time (pipelined messages overlap in
-flight as on a real network, so a pipeline counts once). --rtt-ms D puts every
+forwarder that delays every chunk by half of --probe-rtt-ms (10 ms) each way: how
+much slower the median is there, divided by the added round-trip time (pipelined
+messages overlap in flight as on a real network, so a pipeline counts once). --rtt-ms D puts every
 timed connection behind such a link with D ms round trip (a network between relay
 and proxy); the default times on loopback.
 Every variant is also checked for the one property that matters: a statement
@@ -269,6 +269,8 @@ def main() -> int:
                         help="round trip of the link that counts round trips (latency / this)")
     parser.add_argument("--probe-ops", type=int, default=10, help="operations timed behind that link")
     args = parser.parse_args()
+    if args.probe_rtt_ms <= args.rtt_ms:
+        parser.error("--probe-rtt-ms must be larger than --rtt-ms")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if EmbeddedPgBouncer.binary() is None:
         c.say("pgbouncer is not installed (Debian package 'pgbouncer'): nothing to measure")
@@ -320,20 +322,23 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
     c.say("checking which variants bound a statement ...")
     bounded = {v.name: v.bounded() for v in variants}
 
-    c.say(f"counting round trips (behind a {args.probe_rtt_ms:g} ms round-trip link) ...")
-    probe_s = args.probe_rtt_ms / 1000.0
-    round_trips: dict[str, tuple[float, float]] = {}
-    for v in variants:
-        with v.connect(probes["direct" if v.dsn == direct_dsn else "proxy"]) as conn:
-            for _ in range(10):  # past psycopg's prepare threshold
-                cycle(conn, v.runner, sql_of, 1)
-            timed = [cycle(conn, v.runner, sql_of, 1) for _ in range(args.probe_ops)]
-        round_trips[v.name] = (round(c.median([t[0] for t in timed]) / probe_s, 1),
-                               round(c.median([t[1] for t in timed]) / probe_s, 1))
+    # Round trips: the same operation timed behind the probe link and on the timed
+    # connection; the difference over the difference in round-trip time leaves the
+    # execution time out (a pipelined statement and its set_config count once).
+    extra_rtt_s = (args.probe_rtt_ms - args.rtt_ms) / 1000.0
+
+    def trips(probed_s: float, timed_s: float) -> float:
+        return round(max(0.0, probed_s - timed_s) / extra_rtt_s, 1)
 
     for batch in batch_sizes:
         c.say(f"single statements, batch {batch} ...")
         timings: dict[str, tuple[list[float], list[float]]] = {v.name: ([], []) for v in variants}
+        probed: dict[str, list[tuple[float, float]]] = {}
+        for v in variants:
+            with v.connect(probes["direct" if v.dsn == direct_dsn else "proxy"]) as conn:
+                for _ in range(10):  # past psycopg's prepare threshold
+                    cycle(conn, v.runner, sql_of, batch)
+                probed[v.name] = [cycle(conn, v.runner, sql_of, batch) for _ in range(args.probe_ops)]
         conns = {v.name: v.connect() for v in variants}
         try:
             for conn_v in variants:  # warm up: past the prepare threshold, caches filled
@@ -354,8 +359,10 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                      "claim_ms_p90": 1000 * c.pct(timings[v.name][0], 90),
                      "finalize_ms_p50": 1000 * c.median(timings[v.name][1]),
                      "finalize_ms_p90": 1000 * c.pct(timings[v.name][1], 90),
-                     "claim_round_trips": round_trips[v.name][0],
-                     "finalize_round_trips": round_trips[v.name][1],
+                     "claim_round_trips": trips(c.median([t[0] for t in probed[v.name]]),
+                                                c.median(timings[v.name][0])),
+                     "finalize_round_trips": trips(c.median([t[1] for t in probed[v.name]]),
+                                                   c.median(timings[v.name][1])),
                      "bounded": bounded[v.name]}
             for v in variants}
 
@@ -363,7 +370,7 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
     for batch in batch_sizes:
         c.say(f"ordered claim (one transaction), batch {batch} ...")
         times: dict[str, list[float]] = {}
-        trips: dict[str, float] = {}
+        probed_times: dict[str, float] = {}
         with contextlib.ExitStack() as stack:
             stores = {
                 "direct (today)": stack.enter_context(OutboxStore(direct_dsn, table, pool_size=1)),
@@ -372,17 +379,16 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                 "pooler, SET LOCAL own round trip":
                     stack.enter_context(pooler_store(proxy_dsn, table, SetLocalOwnRoundTrip)),
             }
-            probed = {
+            probed_stores = {
                 "direct (today)": stack.enter_context(OutboxStore(probes["direct"], table, pool_size=1)),
                 "pooler mode (set_config with the first statement)":
                     stack.enter_context(pooler_store(probes["proxy"], table, PoolerConnection)),
                 "pooler, SET LOCAL own round trip":
                     stack.enter_context(pooler_store(probes["proxy"], table, SetLocalOwnRoundTrip)),
             }
-            for name, probed_store in probed.items():
+            for name, probed_store in probed_stores.items():
                 ordered_cycle(probed_store, batch)
-                trips[name] = round(c.median([ordered_cycle(probed_store, batch)
-                                              for _ in range(args.probe_ops)]) / probe_s, 1)
+                probed_times[name] = c.median([ordered_cycle(probed_store, batch) for _ in range(args.probe_ops)])
             for name, st in stores.items():
                 for _ in range(5):
                     ordered_cycle(st, batch)
@@ -392,7 +398,7 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                     times[name].extend(ordered_cycle(st, batch) for _ in range(max(10, args.ops // 3)))
         report["ordered"][str(batch)] = {
             name: {"claim_ms_p50": 1000 * c.median(t), "claim_ms_p90": 1000 * c.pct(t, 90),
-                   "round_trips": trips[name]} for name, t in times.items()}
+                   "round_trips": trips(probed_times[name], c.median(t))} for name, t in times.items()}
     return report
 
 

@@ -193,7 +193,9 @@ class Relay:
         elif s.relay.listen_notify:
             # Said once: LISTEN through a transaction pooler would never hear anything.
             log.info("transaction pooler without database.listen_dsn: no LISTEN, idle workers poll",
-                     poll_interval_seconds=s.relay.poll_interval_seconds)
+                     poll_interval_seconds=s.relay.poll_interval_seconds,
+                     hint="set database.listen_dsn to a direct DSN for wake-ups; without any listening relay, "
+                          "`migrate --no-notify-trigger` spares writers the NOTIFY")
         if s.metrics.enabled:
             self._refresher = StatsRefresher(self.store, self.metrics,
                                              interval_seconds=s.metrics.refresh_interval_seconds,

@@ -247,7 +247,7 @@ class OutboxStore:
 
     def _probe_reason(self) -> str:
         try:
-            with psycopg.Connection.connect(self._dsn, **self._conn_kwargs):
+            with psycopg.connect(self._dsn, **self._conn_kwargs):
                 return "connection pool timed out"
         except psycopg.Error as exc:
             return redact_dsn(_first_line(exc), self._dsn)

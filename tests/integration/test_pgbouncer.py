@@ -262,3 +262,27 @@ def test_pooler_without_listen_dsn_never_listens(pgbouncer, pg_dsn, table, make_
         wait_for(lambda: statuses(pg_dsn, table) == {"done": 5}, timeout=30, message="polled rows done")
     finally:
         relay.stop()
+
+
+def test_listen_dsn_password_is_never_printed(pg_dsn, table, broker, topic_prefix):
+    """An unreachable listen_dsn: the relay runs (polling) and says why, without its password."""
+    secret = "l1sten-s3cret"
+    env = cli_env(pg_dsn, table, broker.bootstrap_servers, OUTBOX_RELAY_METRICS__PORT="0",
+                  OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+                  OUTBOX_RELAY_DATABASE__LISTEN_DSN=f"postgresql://relay:{secret}@127.0.0.1:1/db?connect_timeout=1")
+    assert cli("migrate", env=env).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--workers", "1"],
+                            env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        insert_rows(pg_dsn, table, 3)
+        wait_for(lambda: statuses(pg_dsn, table) == {"done": 3}, timeout=60, message="rows done by polling")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert "listen connection lost" in err
+    assert secret not in out + err
+    invalid = cli("status", env=dict(env, OUTBOX_RELAY_DATABASE__LISTEN_DSN=f"host='x password={secret}"))
+    assert invalid.returncode == 2 and "database.listen_dsn" in invalid.stderr
+    assert secret not in invalid.stdout + invalid.stderr
