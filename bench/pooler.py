@@ -217,7 +217,8 @@ class Variant:
 # --- the timed loop ----------------------------------------------------------------------
 def claim_params(batch: int) -> dict[str, Any]:
     return {"owner": "bench", "batch": batch, "lease_seconds": 60.0, "max_attempts": 2_000_000_000,
-            "ordered_types": [], "all_ordered": False, "excluded_types": []}
+            "ordered_types": [], "all_ordered": False, "excluded_types": [],
+            "max_batch_bytes": 2**62, "candidates": batch, "max_message_bytes": None}
 
 
 def finalize_params(rows: list[Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Self, cast
 
@@ -135,7 +135,7 @@ class BoundedCursor(psycopg.Cursor[Any]):
         return super().execute(cast(QueryNoTemplate, query), params, prepare=prepare, binary=binary)
 
 
-def configure_bound(timeout_ms: int) -> Any:
+def configure_bound(timeout_ms: int) -> Callable[[psycopg.Connection[Any]], None]:
     """The pool's ``configure`` callback: give each new connection its timeout."""
 
     def configure(conn: psycopg.Connection[Any]) -> None:

@@ -12,7 +12,7 @@ import datetime as dt
 import json
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +188,7 @@ class OutboxStore:
             "options": f"-c statement_timeout={int(statement_timeout_ms)}",
         }
         pool_class: type[psycopg.Connection[Any]] = psycopg.Connection
-        configure = None
+        configure: Callable[[psycopg.Connection[Any]], None] | None = None
         if transaction_pooler:
             # Through a transaction-pooling proxy: no startup options, no server-side
             # prepared statements, each statement bounded inside its own transaction.
@@ -198,6 +198,7 @@ class OutboxStore:
             configure = configure_bound(statement_timeout_ms)
         else:
             self._conn_kwargs = self._direct_kwargs
+        self._connection_class, self._configure = pool_class, configure
         self._pool = psycopg_pool.ConnectionPool(
             dsn,
             connection_class=pool_class,
@@ -230,7 +231,7 @@ class OutboxStore:
         what waiting cannot fix (authentication, TLS verification, unknown role or
         database). Uses its own short-lived connection, not the pool."""
         try:
-            with psycopg.connect(self._dsn, **self._conn_kwargs) as conn:
+            with self._connect_once() as conn:
                 row = conn.execute(self.sql.query("table_exists"), {"table": self.sql.regclass_text}).fetchone()
                 current = self._schema_current(conn)
         except psycopg.Error as exc:
@@ -245,9 +246,16 @@ class OutboxStore:
                     "run `outbox-relay migrate` first")
         return None
 
+    def _connect_once(self) -> psycopg.Connection[Any]:
+        """A connection outside the pool, set up as the pool's are."""
+        conn = self._connection_class.connect(self._dsn, **self._conn_kwargs)
+        if self._configure is not None:
+            self._configure(conn)
+        return conn
+
     def _probe_reason(self) -> str:
         try:
-            with psycopg.connect(self._dsn, **self._conn_kwargs):
+            with self._connect_once():
                 return "connection pool timed out"
         except psycopg.Error as exc:
             return redact_dsn(_first_line(exc), self._dsn)
