@@ -6,7 +6,7 @@ Starts an embedded PostgreSQL 18 (or --dsn) and a private pgbouncer (Debian pack
 it, fills one outbox table with --rows pending rows, and times the relay's two hot
 statements, one claim (``claim``, --batch-sizes rows) then the fenced ``finalize``
 of what it claimed (back to pending, attempt refunded, so the backlog keeps its
-size), on one connection per variant, variants interleaved round by round:
+size), on one connection per variant, the variants interleaved cycle by cycle:
 
   direct, prepared          today's direct connection: statement_timeout as a startup
                             option, psycopg's automatic prepared statements (after 5 runs)
@@ -228,6 +228,11 @@ def finalize_params(rows: list[Any]) -> dict[str, Any]:
             "delays": [0.0] * n, "errors": [None] * n, "refunds": [1] * n}
 
 
+def rotated(items: list[Any], shift: int) -> list[Any]:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
 def cycle(conn: psycopg.Connection[Any], runner: Runner, sql_of: Any, batch: int) -> tuple[float, float]:
     started = time.perf_counter()
     rows = [r for r in runner(conn, sql_of.query("claim"), claim_params(batch)) if not r[0]]
@@ -263,8 +268,8 @@ def main() -> int:
     c.add_server_args(parser)
     parser.add_argument("--rows", type=int, default=5000, help="pending rows in the table")
     parser.add_argument("--batch-sizes", default="1,100", help="claim batch sizes, comma-separated")
-    parser.add_argument("--ops", type=int, default=150, help="claim+finalize cycles per variant per round")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds (variants interleaved in each)")
+    parser.add_argument("--ops", type=int, default=400,
+                        help="claim+finalize cycles per variant, variants interleaved cycle by cycle")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="added network round trip (forwarder), ms")
     parser.add_argument("--probe-rtt-ms", type=float, default=10.0,
                         help="round trip of the link that counts round trips (latency / this)")
@@ -318,8 +323,8 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
         Variant("proxy, BEGIN/SET LOCAL/stmt/COMMIT pipelined", proxy_dsn, run_begin_set_local_commit_pipelined),
         Variant("proxy, SET LOCAL own round trip", proxy_dsn, run_set_local_own_round_trip),
     ]
-    report: dict[str, Any] = {"rows": args.rows, "rtt_ms": args.rtt_ms, "ops_per_round": args.ops,
-                              "rounds": args.rounds, "single": {}, "ordered": {}}
+    report: dict[str, Any] = {"rows": args.rows, "rtt_ms": args.rtt_ms, "ops": args.ops,
+                              "single": {}, "ordered": {}}
     c.say("checking which variants bound a statement ...")
     bounded = {v.name: v.bounded() for v in variants}
 
@@ -345,13 +350,13 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
             for conn_v in variants:  # warm up: past the prepare threshold, caches filled
                 for _ in range(10):
                     cycle(conns[conn_v.name], conn_v.runner, sql_of, batch)
-            for _ in range(args.rounds):
-                for v in variants:
-                    claims, finals = timings[v.name]
-                    for _ in range(args.ops):
-                        claim_s, final_s = cycle(conns[v.name], v.runner, sql_of, batch)
-                        claims.append(claim_s)
-                        finals.append(final_s)
+            # Cycle by cycle, in a rotating order: every variant sees the same load
+            # from whatever else runs on the machine.
+            for op in range(args.ops):
+                for v in rotated(variants, op):
+                    claim_s, final_s = cycle(conns[v.name], v.runner, sql_of, batch)
+                    timings[v.name][0].append(claim_s)
+                    timings[v.name][1].append(final_s)
         finally:
             for conn in conns.values():
                 conn.close()
@@ -367,7 +372,6 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                      "bounded": bounded[v.name]}
             for v in variants}
 
-    ordered_rounds = max(1, args.rounds)
     for batch in batch_sizes:
         c.say(f"ordered claim (one transaction), batch {batch} ...")
         times: dict[str, list[float]] = {}
@@ -394,9 +398,9 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                 for _ in range(5):
                     ordered_cycle(st, batch)
                 times[name] = []
-            for _ in range(ordered_rounds):
-                for name, st in stores.items():
-                    times[name].extend(ordered_cycle(st, batch) for _ in range(max(10, args.ops // 3)))
+            for op in range(max(10, args.ops // 3)):
+                for name in rotated(list(stores), op):
+                    times[name].append(ordered_cycle(stores[name], batch))
         report["ordered"][str(batch)] = {
             name: {"claim_ms_p50": 1000 * c.median(t), "claim_ms_p90": 1000 * c.pct(t, 90),
                    "round_trips": trips(probed_times[name], c.median(t))} for name, t in times.items()}
@@ -406,7 +410,7 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
 def render(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     rtt = f"{report['rtt_ms']:g} ms added round trip" if report["rtt_ms"] else "loopback, no added delay"
     lines = [f"PostgreSQL {report['server_version']}, pgbouncer pool_mode=transaction; {report['rows']} pending rows; "
-             f"{rtt}; {report['rounds']} rounds x {report['ops_per_round']} ops per variant", ""]
+             f"{rtt}; {report['ops']} cycles per variant, interleaved", ""]
     for batch, table in report["single"].items():
         lines.append(f"claim + finalize, batch {batch}: median (p90) ms per statement, round trips per statement")
         lines.append(f"  {'variant':<46}{'claim':>16}{'finalize':>16}{'trips':>8}  bounded")
