@@ -8,9 +8,12 @@ statements, one claim (``claim``, --batch-sizes rows) then the fenced ``finalize
 of what it claimed (back to pending, attempt refunded, so the backlog keeps its
 size), on one connection per variant, the variants interleaved cycle by cycle:
 
-  direct, prepared          today's direct connection: statement_timeout as a startup
-                            option, psycopg's automatic prepared statements (after 5 runs)
-  direct, not prepared      the same with prepare_threshold=None
+  direct, prepared, custom plans   the relay's direct connection: statement_timeout as a
+                            startup option, psycopg's automatic prepared statements (after
+                            5 runs), plan_cache_mode=force_custom_plan
+  direct, prepared, generic plans allowed   the same with PostgreSQL's default plan_cache_mode
+                            (auto: after 5 custom plans it may keep a generic one)
+  direct, not prepared      prepare_threshold=None
   proxy, no timeout         through pgbouncer, unbounded: what the statements cost there
                             (a reference, not a mode: an ALTER ROLE/DATABASE ... SET
                             statement_timeout costs the same but any client of the proxy
@@ -63,6 +66,12 @@ from outbox_relay.pooler import PoolerConnection
 from outbox_relay.store import OutboxStore
 
 TIMEOUT_MS = 10_000
+# Executions before timing: psycopg prepares at the 6th, PostgreSQL plans the next 5
+# with the actual values and may then settle on its generic plan (from the 11th).
+WARM_UP = 12
+DIRECT_CUSTOM = "direct, prepared, custom plans (relay)"
+DIRECT_GENERIC = "direct, prepared, generic plans allowed"
+DIRECT_UNPREPARED = "direct, not prepared"
 CHECK_TIMEOUT_MS = 200  # the "bounded" check: pg_sleep(1) must be cancelled at this timeout
 
 
@@ -186,9 +195,10 @@ class SetLocalOwnRoundTrip(PoolerConnection):
 
 class Variant:
     def __init__(self, name: str, dsn: str, runner: Runner, *, prepared: bool = False, pooler: bool = False,
-                 startup_timeout: bool = False) -> None:
+                 startup_timeout: bool = False, custom_plans: bool = False) -> None:
         self.name, self.dsn, self.runner = name, dsn, runner
         self.prepared, self.pooler, self.startup_timeout = prepared, pooler, startup_timeout
+        self.custom_plans = custom_plans
 
     def connect(self, dsn: str | None = None, timeout_ms: int = TIMEOUT_MS) -> psycopg.Connection[Any]:
         kwargs: dict[str, Any] = {"autocommit": True}
@@ -196,6 +206,8 @@ class Variant:
             kwargs["prepare_threshold"] = None
         if self.startup_timeout:
             kwargs["options"] = f"-c statement_timeout={timeout_ms}"
+            if self.custom_plans:
+                kwargs["options"] += " -c plan_cache_mode=force_custom_plan"
         if self.pooler:
             pooled = PoolerConnection.connect(dsn or self.dsn, **kwargs)
             pooled.statement_timeout_ms = timeout_ms
@@ -267,9 +279,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_server_args(parser)
     parser.add_argument("--rows", type=int, default=5000, help="pending rows in the table")
-    parser.add_argument("--batch-sizes", default="1,100", help="claim batch sizes, comma-separated")
+    parser.add_argument("--batch-sizes", default="1,100,1000", help="claim batch sizes, comma-separated")
     parser.add_argument("--ops", type=int, default=400,
-                        help="claim+finalize cycles per variant, variants interleaved cycle by cycle")
+                        help="claim+finalize cycles per variant at batch <= 10 (fewer for larger batches: "
+                             "ops*10/batch, at least 20), variants interleaved cycle by cycle")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="added network round trip (forwarder), ms")
     parser.add_argument("--probe-rtt-ms", type=float, default=10.0,
                         help="round trip of the link that counts round trips (latency / this)")
@@ -290,7 +303,11 @@ def main() -> int:
         with psycopg.connect(dsn) as conn, conn.transaction():
             c.copy_backlog(conn, table, args.rows, aggregates=max(1, args.rows // 10), payload_bytes=200)
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(f"VACUUM ANALYZE {c.ident(table).as_string(conn)}")
+            # Statistics as ANALYZE takes them (again before each batch size) and no
+            # autovacuum in between: a plan cannot change in the middle of a run.
+            name = c.ident(table).as_string(conn)
+            conn.execute(f"ALTER TABLE {name} SET (autovacuum_enabled = false)")
+            conn.execute(f"VACUUM ANALYZE {name}")
         sql_of = OutboxStore(dsn, table).sql
         probe_direct = Forwarder(target_of(dsn), delay_ms=args.probe_rtt_ms)
         probe_proxy = Forwarder(("127.0.0.1", bouncer.port), delay_ms=args.probe_rtt_ms)
@@ -316,8 +333,9 @@ def main() -> int:
 def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of: Any, direct_dsn: str,
             proxy_dsn: str, *, probes: dict[str, str]) -> dict[str, Any]:
     variants = [
-        Variant("direct, prepared (today)", direct_dsn, run_plain, prepared=True, startup_timeout=True),
-        Variant("direct, not prepared", direct_dsn, run_plain, startup_timeout=True),
+        Variant(DIRECT_CUSTOM, direct_dsn, run_plain, prepared=True, startup_timeout=True, custom_plans=True),
+        Variant(DIRECT_GENERIC, direct_dsn, run_plain, prepared=True, startup_timeout=True),
+        Variant(DIRECT_UNPREPARED, direct_dsn, run_plain, startup_timeout=True),
         Variant("proxy, no timeout (reference)", proxy_dsn, run_plain),
         Variant("proxy, set_config pipelined (pooler mode)", proxy_dsn, run_plain, pooler=True),
         Variant("proxy, BEGIN/SET LOCAL/stmt/COMMIT pipelined", proxy_dsn, run_begin_set_local_commit_pipelined),
@@ -338,21 +356,26 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
 
     for batch in batch_sizes:
         c.say(f"single statements, batch {batch} ...")
+        with psycopg.connect(direct_dsn, autocommit=True) as conn:
+            conn.execute(f"ANALYZE {c.ident(table).as_string(conn)}")  # no row is processing now
+        cycles = max(20, args.ops * 10 // max(10, batch))
         timings: dict[str, tuple[list[float], list[float]]] = {v.name: ([], []) for v in variants}
         probed: dict[str, list[tuple[float, float]]] = {}
-        for v in variants:
+        # Round trips do not depend on the batch size: measured at the smallest, where
+        # execution time varies least.
+        for v in (variants if batch == min(batch_sizes) else []):
             with v.connect(probes["direct" if v.dsn == direct_dsn else "proxy"]) as conn:
-                for _ in range(10):  # past psycopg's prepare threshold
+                for _ in range(WARM_UP):
                     cycle(conn, v.runner, sql_of, batch)
                 probed[v.name] = [cycle(conn, v.runner, sql_of, batch) for _ in range(args.probe_ops)]
         conns = {v.name: v.connect() for v in variants}
         try:
-            for conn_v in variants:  # warm up: past the prepare threshold, caches filled
-                for _ in range(10):
+            for conn_v in variants:
+                for _ in range(WARM_UP):
                     cycle(conns[conn_v.name], conn_v.runner, sql_of, batch)
             # Cycle by cycle, in a rotating order: every variant sees the same load
             # from whatever else runs on the machine.
-            for op in range(args.ops):
+            for op in range(cycles):
                 for v in rotated(variants, op):
                     claim_s, final_s = cycle(conns[v.name], v.runner, sql_of, batch)
                     timings[v.name][0].append(claim_s)
@@ -361,14 +384,14 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
             for conn in conns.values():
                 conn.close()
         report["single"][str(batch)] = {
-            v.name: {"claim_ms_p50": 1000 * c.median(timings[v.name][0]),
+            v.name: {"cycles": cycles, "claim_ms_p50": 1000 * c.median(timings[v.name][0]),
                      "claim_ms_p90": 1000 * c.pct(timings[v.name][0], 90),
                      "finalize_ms_p50": 1000 * c.median(timings[v.name][1]),
                      "finalize_ms_p90": 1000 * c.pct(timings[v.name][1], 90),
                      "claim_round_trips": trips(c.median([t[0] for t in probed[v.name]]),
-                                                c.median(timings[v.name][0])),
+                                                c.median(timings[v.name][0])) if probed else None,
                      "finalize_round_trips": trips(c.median([t[1] for t in probed[v.name]]),
-                                                   c.median(timings[v.name][1])),
+                                                   c.median(timings[v.name][1])) if probed else None,
                      "bounded": bounded[v.name]}
             for v in variants}
 
@@ -378,20 +401,20 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
         probed_times: dict[str, float] = {}
         with contextlib.ExitStack() as stack:
             stores = {
-                "direct (today)": stack.enter_context(OutboxStore(direct_dsn, table, pool_size=1)),
+                "direct": stack.enter_context(OutboxStore(direct_dsn, table, pool_size=1)),
                 "pooler mode (set_config with the first statement)":
                     stack.enter_context(pooler_store(proxy_dsn, table, PoolerConnection)),
                 "pooler, SET LOCAL own round trip":
                     stack.enter_context(pooler_store(proxy_dsn, table, SetLocalOwnRoundTrip)),
             }
             probed_stores = {
-                "direct (today)": stack.enter_context(OutboxStore(probes["direct"], table, pool_size=1)),
+                "direct": stack.enter_context(OutboxStore(probes["direct"], table, pool_size=1)),
                 "pooler mode (set_config with the first statement)":
                     stack.enter_context(pooler_store(probes["proxy"], table, PoolerConnection)),
                 "pooler, SET LOCAL own round trip":
                     stack.enter_context(pooler_store(probes["proxy"], table, SetLocalOwnRoundTrip)),
             }
-            for name, probed_store in probed_stores.items():
+            for name, probed_store in (probed_stores if batch == min(batch_sizes) else {}).items():
                 ordered_cycle(probed_store, batch)
                 probed_times[name] = c.median([ordered_cycle(probed_store, batch) for _ in range(args.probe_ops)])
             for name, st in stores.items():
@@ -403,30 +426,39 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                     times[name].append(ordered_cycle(stores[name], batch))
         report["ordered"][str(batch)] = {
             name: {"claim_ms_p50": 1000 * c.median(t), "claim_ms_p90": 1000 * c.pct(t, 90),
-                   "round_trips": trips(probed_times[name], c.median(t))} for name, t in times.items()}
+                   "round_trips": trips(probed_times[name], c.median(t)) if probed_times else None}
+            for name, t in times.items()}
     return report
+
+
+def _trips(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def render(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     rtt = f"{report['rtt_ms']:g} ms added round trip" if report["rtt_ms"] else "loopback, no added delay"
     lines = [f"PostgreSQL {report['server_version']}, pgbouncer pool_mode=transaction; {report['rows']} pending rows; "
-             f"{rtt}; {report['ops']} cycles per variant, interleaved", ""]
+             f"{rtt}; variants interleaved cycle by cycle", ""]
     for batch, table in report["single"].items():
-        lines.append(f"claim + finalize, batch {batch}: median (p90) ms per statement, round trips per statement")
+        cycles = next(iter(table.values()))["cycles"]
+        lines.append(f"claim + finalize, batch {batch}, {cycles} cycles: median (p90) ms per statement, "
+                     "round trips per statement")
         lines.append(f"  {'variant':<46}{'claim':>16}{'finalize':>16}{'trips':>8}  bounded")
         for name, r in table.items():
             lines.append(f"  {name:<46}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f})"
                          f"{r['finalize_ms_p50']:>7.3f} ({r['finalize_ms_p90']:>6.3f})"
-                         f"{r['claim_round_trips']:>5.1f}/{r['finalize_round_trips']:<4.1f}  "
+                         f"{_trips(r['claim_round_trips']):>5}/{_trips(r['finalize_round_trips']):<4}  "
                          f"{'yes' if r['bounded'] else 'NO'}")
-        prepared, unprepared = table["direct, prepared (today)"], table["direct, not prepared"]
+        unprepared = table[DIRECT_UNPREPARED]
         reference, chosen = table["proxy, no timeout (reference)"], table["proxy, set_config pipelined (pooler mode)"]
-        claim_gain = unprepared["claim_ms_p50"] / prepared["claim_ms_p50"]
-        finalize_gain = unprepared["finalize_ms_p50"] / prepared["finalize_ms_p50"]
-        helps = (prepared["claim_ms_p50"] + prepared["finalize_ms_p50"]
-                 < unprepared["claim_ms_p50"] + unprepared["finalize_ms_p50"])
-        lines.append(f"  direct connection, prepared vs not: claim x{claim_gain:.2f}, finalize x{finalize_gain:.2f} "
-                     f"faster prepared ({'they help: keep them' if helps else 'they do not help'})")
+        for name in (DIRECT_CUSTOM, DIRECT_GENERIC):
+            prepared = table[name]
+            claim_gain = unprepared["claim_ms_p50"] / prepared["claim_ms_p50"]
+            finalize_gain = unprepared["finalize_ms_p50"] / prepared["finalize_ms_p50"]
+            helps = (prepared["claim_ms_p50"] + prepared["finalize_ms_p50"]
+                     < unprepared["claim_ms_p50"] + unprepared["finalize_ms_p50"])
+            lines.append(f"  {name} vs not prepared: claim x{claim_gain:.2f}, finalize x{finalize_gain:.2f} "
+                         f"({'faster' if helps else 'no faster'} in sum)")
         lines.append(f"  the bound in pooler mode: claim {chosen['claim_ms_p50'] - reference['claim_ms_p50']:+.3f} ms, "
                      f"finalize {chosen['finalize_ms_p50'] - reference['finalize_ms_p50']:+.3f} ms vs the unbounded "
                      "statement through the proxy")
@@ -435,7 +467,8 @@ def render(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
         lines.append(f"ordered claim (several statements, one transaction), batch {batch}: "
                      "median (p90) ms, round trips")
         for name, r in table.items():
-            lines.append(f"  {name:<52}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f}){r['round_trips']:>6.1f}")
+            lines.append(f"  {name:<52}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f})"
+                         f"{_trips(r['round_trips']):>6}")
         lines.append("")
     return lines
 

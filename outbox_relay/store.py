@@ -180,12 +180,18 @@ class OutboxStore:
         self.transaction_pooler = transaction_pooler
         # The LISTEN connection needs a session of its own: never through a pooler.
         self._listen_dsn = listen_dsn or (None if transaction_pooler else dsn)
-        # A direct connection sets statement_timeout once, as a startup option.
+        # A direct connection sets statement_timeout once, as a startup option. psycopg
+        # prepares a statement after 5 executions, which saves parsing the long claim
+        # and finalize on every batch; but after 5 more PostgreSQL may switch a prepared
+        # statement to its generic plan, and the finalize's generic plan (estimated for
+        # 10-element arrays and the few rows processing when statistics were taken)
+        # takes 10x longer on a 1000-row batch. Custom plans keep the saving without
+        # that cliff (bench/pooler.py measures all three).
         self._direct_kwargs: dict[str, Any] = {
             "autocommit": True,
             "connect_timeout": max(1, round(connect_timeout_seconds)),
             "application_name": application_name,
-            "options": f"-c statement_timeout={int(statement_timeout_ms)}",
+            "options": f"-c statement_timeout={int(statement_timeout_ms)} -c plan_cache_mode=force_custom_plan",
         }
         pool_class: type[psycopg.Connection[Any]] = psycopg.Connection
         configure: Callable[[psycopg.Connection[Any]], None] | None = None
