@@ -21,7 +21,14 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from .errors import CommitOutcomeUnknown, DatabaseError, DatabaseRefused, DatabaseUnavailable, SchemaMissing
+from .errors import (
+    CommitOutcomeUnknown,
+    ConfigError,
+    DatabaseError,
+    DatabaseRefused,
+    DatabaseUnavailable,
+    SchemaMissing,
+)
 from .filters import DeadFilter
 from .ordering import OrderingRule
 from .pooler import PoolerConnection, configure_bound
@@ -30,6 +37,10 @@ from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES
 STATUSES = ("pending", "processing", "done", "dead")
 # Statuses with a partial index of their own: counting them reads only their entries.
 INDEXED_STATUSES = ("pending", "processing", "dead")
+MIGRATE_NEEDS_DIRECT = (
+    "migrate needs a direct connection to PostgreSQL, not a transaction pooler (it holds a session "
+    "advisory lock and builds indexes CONCURRENTLY without a statement timeout): run it with "
+    "database.dsn pointing at the database itself and database.transaction_pooler = false")
 # stats(): up to this many dead rows the blocked-aggregates query walks the dead rows
 # (three index probes each); above it, the aggregates that have work.
 BLOCKED_FROM_DEAD_ROWS = 1000
@@ -322,6 +333,11 @@ class OutboxStore:
         Returns notes for the operator (one line each)."""
         if on_done not in ("keep", "delete"):
             raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
+        if self.transaction_pooler:
+            # Through a transaction pooler the session lock could be taken on one server
+            # connection and released on another, and the DDL connection's startup option
+            # (no statement_timeout for CREATE INDEX CONCURRENTLY) is refused.
+            raise ConfigError(MIGRATE_NEEDS_DIRECT)
         notes: list[str] = []
         lock_key = "outbox-relay-migrate:" + self.table
         with self._mapped("migrate"), self._ddl_connection() as conn:
@@ -457,7 +473,7 @@ class OutboxStore:
         not answer or the table is not migrated yet, which the relay's start-up waits
         for. Uses its own short-lived connection, not the pool."""
         try:
-            with psycopg.connect(self._dsn, **self._conn_kwargs) as conn:
+            with self._connect_once() as conn:
                 if not self._exists(conn) or not self._schema_current(conn):
                     return None
                 valid = self._index_validity(conn)
