@@ -299,7 +299,7 @@ def main() -> int:
         table = c.new_table("pooler")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{table.split(".")[0]}"')
-        c.migrate(dsn, table, notify_trigger=False)
+        c.migrate(dsn, table, notify_trigger=False, ordering=True)  # the ordered claim needs its indexes
         with psycopg.connect(dsn) as conn, conn.transaction():
             c.copy_backlog(conn, table, args.rows, aggregates=max(1, args.rows // 10), payload_bytes=200)
         with psycopg.connect(dsn, autocommit=True) as conn:
