@@ -196,7 +196,7 @@ class OutboxStore:
         # and finalize on every batch; but after 5 more PostgreSQL may switch a prepared
         # statement to its generic plan, and the finalize's generic plan (estimated for
         # 10-element arrays and the few rows processing when statistics were taken)
-        # takes 10x longer on a 1000-row batch. Custom plans keep the saving without
+        # takes 3-10x longer on a 1000-row batch. Custom plans keep the saving without
         # that cliff (bench/pooler.py measures all three).
         self._direct_kwargs: dict[str, Any] = {
             "autocommit": True,

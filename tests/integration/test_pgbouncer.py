@@ -301,7 +301,7 @@ def test_listen_dsn_password_is_never_printed(pg_dsn, table, broker, topic_prefi
 
 def test_direct_connections_plan_prepared_statements_with_actual_values(store):
     """Direct mode keeps psycopg's prepared statements but never PostgreSQL's generic
-    plan (bench/pooler.py: 10x slower finalize of 1000-row batches)."""
+    plan (bench/pooler.py: 3-10x slower finalize of 1000-row batches)."""
     with store.connection() as conn:
         assert conn.execute("SHOW plan_cache_mode").fetchone()[0] == "force_custom_plan"
         assert conn.execute("SHOW statement_timeout").fetchone()[0] == "10s"
