@@ -24,6 +24,9 @@ def make_console_store(settings: Settings) -> OutboxStore:
         connect_timeout_seconds=settings.database.connect_timeout_seconds,
         statement_timeout_ms=settings.console.statement_timeout_ms,  # bounds every console query
         application_name="outbox-relay-console",
+        # The console holds no session (no LISTEN, transaction-scoped locks only), so a
+        # transaction pooler serves it like the relay's own statements.
+        transaction_pooler=settings.database.transaction_pooler,
     )
 
 

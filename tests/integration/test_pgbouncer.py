@@ -305,3 +305,26 @@ def test_direct_connections_plan_prepared_statements_with_actual_values(store):
     with store.connection() as conn:
         assert conn.execute("SHOW plan_cache_mode").fetchone()[0] == "force_custom_plan"
         assert conn.execute("SHOW statement_timeout").fetchone()[0] == "10s"
+
+
+def test_console_works_through_pgbouncer(pgbouncer, pg_dsn, table):
+    """The operator console needs no session either: list, retry and audit through the proxy."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from outbox_relay.config import load_settings
+    from tests.helpers.console import running_console
+
+    _migrate_direct(pg_dsn, table)
+    dead = [make_row(pg_dsn, table, status="dead", attempts=12, last_error="boom") for _ in range(3)]
+    settings = load_settings(None, database={"dsn": pgbouncer.dsn, "table": table, "transaction_pooler": True},
+                             console={"host": "127.0.0.1", "port": 0, "token": "t0ken-for-the-test"},
+                             log={"level": "WARNING", "format": "json"})
+    with running_console(settings) as url, httpx.Client(
+            base_url=url, headers={"Authorization": "Bearer t0ken-for-the-test"}) as http:
+        for _ in range(8):  # past psycopg's prepare threshold: nothing may be prepared
+            assert http.get("/api/status").status_code == 200
+        assert [r["id"] for r in http.get("/api/dead").json()["rows"]] == dead
+        retried = http.post("/api/dead/retry", json={"ids": dead[:2]})
+        assert retried.status_code == 200 and retried.json()["changed"] == 2, retried.text
+        assert len(http.get("/api/audit").json()["entries"]) == 1
+    assert statuses(pg_dsn, table) == {"pending": 2, "dead": 1}
