@@ -16,6 +16,10 @@ import pytest
 from tests.helpers.cli import ROOT, cli, cli_env
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
+
 PLUGIN = ROOT / "tests" / "plugins" / "jsonl_publisher"
 
 

@@ -19,10 +19,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from outbox_relay.embedded import EmbeddedBroker, EmbeddedPostgres, free_port
 from outbox_relay.store import OutboxStore
 from tests.helpers.cli import ROOT
 from tests.helpers.db import insert_rows, statuses, wait_for
+
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
 
 
 def http_get(port: int, path: str) -> tuple[int, str]:

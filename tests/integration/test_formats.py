@@ -21,6 +21,10 @@ from outbox_relay.worker import Worker, WorkerConfig
 from tests.helpers.db import run_sql
 from tests.helpers.http_target import HttpTarget
 
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
+
 PAYLOADS = [{"order_id": 1, "amount": 12.5, "note": "ü"}, {"order_id": 2, "lines": [1, 2, 3]}]
 
 

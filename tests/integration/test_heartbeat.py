@@ -4,9 +4,14 @@ lease was taken over stops waiting and counts its lost leases."""
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from outbox_relay.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
+
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
 
 
 def _lease_until(dsn, table):

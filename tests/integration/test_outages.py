@@ -6,9 +6,14 @@ import threading
 import time
 
 import psycopg
+import pytest
 
 from outbox_relay.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
+
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
 
 
 def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table, own_broker):
@@ -115,9 +120,9 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
 
 
 def test_outage_batch_on_its_last_attempt_is_released_not_dead(pg_dsn, table, store):
+    from outbox_relay.breaker import CircuitBreaker
     from outbox_relay.metrics import RelayMetrics
     from outbox_relay.publisher import RetryableError, SimplePublisher
-    from outbox_relay.breaker import CircuitBreaker
     from outbox_relay.worker import Worker, WorkerConfig
 
     ids = insert_rows(pg_dsn, table, 3)

@@ -32,6 +32,10 @@ from outbox_relay.store import OutboxStore
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, make_row, run_sql, statuses, wait_for
 
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
+
 pytestmark = pytest.mark.timeout(300)
 
 

@@ -11,6 +11,10 @@ from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
+
 
 
 

@@ -36,6 +36,10 @@ from tests.helpers.db import run_sql, statuses, wait_for
 from tests.helpers.http_target import HttpTarget, Step
 from tests.helpers.otlp_receiver import OtlpReceiver
 
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
+
 
 def sdk(name: str) -> tuple[TracerProvider, InMemorySpanExporter]:
     provider = TracerProvider()

@@ -26,6 +26,10 @@ from outbox_relay.relay import Relay
 from outbox_relay.store import OutboxStore
 from tests.helpers.db import rows, wait_for
 
+# Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
+# ./dev runs it on the first pass only (see pyproject.toml markers).
+pytestmark = pytest.mark.first_pass_only
+
 # The value must be an object with an integer "amount" (the key is not validated).
 VALUE_SCHEMA = {
     "type": "object",
