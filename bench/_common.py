@@ -107,11 +107,13 @@ def new_table(prefix: str) -> str:
     return f"bench_{prefix}_{RUN_ID}.outbox"
 
 
-def migrate(dsn: str, table: str, *, notify_trigger: bool = True, ordering: bool = False) -> None:
-    """``outbox-relay migrate``; ``ordering``: as with relay.ordered_event_types set."""
+def migrate(dsn: str, table: str, *, notify_trigger: bool = True, ordering: bool = False,
+            on_done: str = "keep") -> None:
+    """``outbox-relay migrate``; ``ordering``: as with relay.ordered_event_types set;
+    ``on_done``: the table's relay.on_done mode."""
     store = OutboxStore(dsn, table, pool_size=1)
     with store:
-        store.migrate(notify_trigger=notify_trigger, ordering=ordering)
+        store.migrate(notify_trigger=notify_trigger, ordering=ordering, on_done=on_done)
 
 
 def drop_schema(dsn: str, table: str) -> None:

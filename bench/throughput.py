@@ -308,7 +308,7 @@ def _warm_pool(store: OutboxStore, size: int) -> None:
 
 def run_db_bound(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
     table = c.new_table("dbbound")
-    c.migrate(dsn, table)
+    c.migrate(dsn, table, on_done=args.on_done)
     with psycopg.connect(dsn) as conn, conn.transaction():
         c.copy_backlog(conn, table, args.events, aggregates=args.aggregates, payload_bytes=args.payload_bytes)
     store = OutboxStore(dsn, table, pool_size=args.workers + 2)
@@ -352,7 +352,8 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
               extra_env: dict[str, str] | None = None, sampled_every: int = 0) -> dict[str, Any]:
     table = c.new_table(label.replace("-", ""))
     topic = f"bench.{c.RUN_ID}.{label}"
-    c.migrate(dsn, table, ordering=ordered)  # with the NOTIFY trigger, as `outbox-relay migrate` does by default
+    # with the NOTIFY trigger, as `outbox-relay migrate` does by default
+    c.migrate(dsn, table, ordering=ordered, on_done=args.on_done)
     c.add_dead_aggregates(dsn, table, dead_aggregates, payload_bytes=args.payload_bytes, analyze=False)
     c.create_topic(bootstrap, topic)
     env = c.relay_env(dsn, table, bootstrap, topic)
@@ -360,6 +361,7 @@ def run_relay(dsn: str, bootstrap: str, args: argparse.Namespace, events: int, l
         env["OUTBOX_RELAY_RELAY__BATCH_SIZE"] = str(args.batch_size)
     if ordered:
         env["OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES"] = '["*"]'
+    env["OUTBOX_RELAY_RELAY__ON_DONE"] = args.on_done
     env.update(extra_env or {})
     aggregates = aggregates or args.aggregates
     relay = c.RelayProcess(["--workers", str(args.workers)], env)
@@ -444,8 +446,12 @@ def _finish(label: str, dsn: str, bootstrap: str | None, table: str, topic: str 
     n = events if events is not None else args.events
     depth = c.count_by_status(dsn, table)
     problems = []
-    if depth.get("done", 0) != n or depth.get("dead", 0) != dead or sum(depth.values()) != n + dead:
-        problems.append(f"rows not all done: {depth}")
+    # In delete mode (relay.on_done=delete; the seed keeps its rows) delivered rows are gone.
+    deleted = args.on_done == "delete" and label != "seed"
+    expected_done = 0 if deleted else n
+    if depth.get("done", 0) != expected_done or depth.get("dead", 0) != dead or \
+            sum(depth.values()) != expected_done + dead:
+        problems.append(f"rows not all {'delivered' if deleted else 'done'}: {depth}")
     result: dict[str, Any] = {
         "variant": label, "events": n, "seconds": round(elapsed, 3),
         "events_per_second": round(n / elapsed, 1) if elapsed > 0 else None,
@@ -481,6 +487,8 @@ def main() -> int:
                         help="idle time of the started relay before the backlog commits (default 2)")
     parser.add_argument("--rss-events", type=int, default=0,
                         help="also drain this many events with the relay and report its peak RSS (e.g. 100000)")
+    parser.add_argument("--on-done", choices=("keep", "delete"), default="keep",
+                        help="relay.on_done of the db-bound and relay variants (and their tables)")
     parser.add_argument("--variants", default="seed,db-bound,relay",
                         help="comma-separated subset of seed,db-bound,relay,ordered,ordered-dead,otel (default "
                              "seed,db-bound,relay; 'ordered' adds the relay with ordered_event_types=[\"*\"] on few "

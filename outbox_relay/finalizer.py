@@ -15,6 +15,7 @@ that already carry our decided status and our (unchanged) lease_version were our
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ class BatchResult:
     lost: list[int] = field(default_factory=list)  # finalize rejected: a newer claim owns the row
     unfinalized: list[int] = field(default_factory=list)  # database down: lease expiry recovers them
     elapsed_seconds: float | None = None  # claim -> finalize, for the publish latency histogram
+    _counts: Counter[Kind] | None = field(default=None, init=False, repr=False)
 
     @property
     def claimed(self) -> int:
@@ -45,8 +47,15 @@ class BatchResult:
 
     def count(self, kind: Kind) -> int:
         """Rows of this kind whose finalize was accepted."""
-        return sum(1 for row, d in zip(self.rows, self.decisions, strict=True)
-                   if d.kind is kind and row.id in self.accepted)
+        return self.counts().get(kind, 0)
+
+    def counts(self) -> Counter[Kind]:
+        """Accepted rows per kind (computed once: metrics ask for every kind)."""
+        if self._counts is None:
+            accepted = self.accepted
+            self._counts = Counter(d.kind for row, d in zip(self.rows, self.decisions, strict=True)
+                                   if row.id in accepted)
+        return self._counts
 
     @property
     def done(self) -> int:
@@ -121,6 +130,8 @@ class Finalizer:
 
 def log_batch(logger: structlog.typing.FilteringBoundLogger, result: BatchResult, *, owner: str) -> None:
     """The per-row log lines of a finalized batch: dead rows and lost leases."""
+    if not result.lost and not result.counts().get(Kind.DEAD):
+        return  # the common case: nothing to say per row
     for row, decision in zip(result.rows, result.decisions, strict=True):
         if row.id in result.accepted:
             if decision.kind is Kind.DEAD:

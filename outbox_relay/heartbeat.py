@@ -28,7 +28,7 @@ log = structlog.get_logger("outbox_relay.heartbeat")
 
 @dataclass(eq=False)
 class InFlight:
-    claims: list[tuple[int, int]]
+    rows: Sequence[Claimed]
     owner: str
     extended_at: float = field(default_factory=time.monotonic)
     lost: set[int] = field(default_factory=set)
@@ -37,6 +37,11 @@ class InFlight:
     # Never extend past this (monotonic): a batch whose worker died or hangs must not
     # keep its rows leased forever; after it, lease expiry recovers them.
     extend_until: float = float("inf")
+
+    @property
+    def claims(self) -> list[tuple[int, int]]:
+        """(id, lease_version) of every row; built only when an extension is due."""
+        return [(r.id, r.lease_version) for r in self.rows]
 
 
 class LeaseKeeper(PeriodicService):
@@ -53,7 +58,7 @@ class LeaseKeeper(PeriodicService):
         self._batches: set[InFlight] = set()
 
     def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> InFlight:
-        batch = InFlight(claims=[(r.id, r.lease_version) for r in rows], owner=owner)
+        batch = InFlight(rows=rows, owner=owner)
         if max_seconds is not None:
             batch.extend_until = time.monotonic() + max_seconds
         with self._lock:
@@ -86,5 +91,5 @@ class LeaseKeeper(PeriodicService):
                                 outbox_id=row_id, lease_version=version, lease_owner=batch.owner)
             if kept:
                 log.info("lease extended", rows=len(kept), lease_owner=batch.owner, lease_seconds=self._lease)
-            if len(batch.lost) == len(batch.claims):
+            if len(batch.lost) == len(batch.rows):
                 batch.cancel.set()
