@@ -713,7 +713,8 @@ RETURNING 1
 -- name: inbox_purge
 DELETE FROM {table} WHERE received_at < now() - make_interval(secs => %(older_than_seconds)s)
 
--- ===================================================================================
+-- ============================================================================
+
 -- Operator console and CLI (issue 18): filtered dead-letter operations, exact
 -- counts, aggregate diagnosis, the audit trail. (This banner has no placeholders:
 -- it ends the section above, whose text is formatted.)
@@ -906,3 +907,40 @@ FROM {table}
 WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window_seconds)s)
 GROUP BY 1
 ORDER BY 1
+=======
+-- name: grant_connect
+-- Least privilege (`outbox-relay grants`): role is a validated role name and schema
+-- the table's schema, both quoted identifiers. The table's owner runs `migrate`,
+-- and the roles below never need to own anything.
+GRANT CONNECT ON DATABASE {database} TO {role}
+
+-- name: grant_relay
+-- `run`: claim, heartbeat and finalize change only the delivery columns, never what
+-- the application wrote. SELECT ... FOR UPDATE needs UPDATE on one column, which this
+-- gives. The state table holds the relays' idle flag (LISTEN/NOTIFY wake-ups).
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version, last_error, done_at)
+    ON {table} TO {role};
+GRANT SELECT, UPDATE ON {state_table} TO {role}
+
+-- name: grant_relay_delete
+-- relay.on_done = delete: done rows are deleted instead of kept.
+GRANT DELETE ON {table} TO {role}
+
+-- name: grant_operator
+-- `status`, `dead list|retry|skip`, `purge`: read every row; retry/skip change a dead
+-- row's status, attempts, due time and last_error; purge deletes old done rows.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, UPDATE (status, available_at, attempts, last_error, done_at), DELETE ON {table} TO {role}
+
+-- name: grant_writer
+-- `enqueue()`: insert the application's columns only (never status, attempts or a
+-- lease); read back only ids and dedup keys (RETURNING id, the dedup_key conflict
+-- arbiter and look-up), never other rows' payloads. The wake-up trigger reads the
+-- relays' idle flag in the writer's transaction. ordered=True takes an advisory lock:
+-- no privilege needed.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
+    ON {table} TO {role};
+GRANT SELECT (id, dedup_key) ON {table} TO {role};
+GRANT SELECT ON {state_table} TO {role}
