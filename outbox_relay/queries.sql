@@ -5,6 +5,12 @@
 -- Parameters use psycopg's %(name)s style, so a literal percent sign is written %%.
 -- Every time is the database's clock (now()), never a worker's.
 
+-- name: schema_exists
+SELECT to_regnamespace(%(schema)s) IS NOT NULL
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS {schema}
+
 -- name: create_table
 CREATE TABLE IF NOT EXISTS {table} (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -110,6 +110,7 @@ class TableSql:
             "table": self.ident,
             **{f"idx_{key}": sql.Identifier(self.index_name(key))
                for key in (*BASE_INDEXES, *ORDERING_INDEXES, *OBSOLETE_INDEXES)},
+            "schema": sql.Identifier(self.schema_name or "public"),
             "state_table": self._qualified(_short(base, "relay_state")),
             "dedup_keys": self._qualified(_short(base, "dedup_keys")),
             "fn_notify": self._qualified(_short(base, "notify_fn")),
@@ -153,7 +154,6 @@ class TableSql:
                              "(at most 63, not starting with a digit)")
         names: dict[str, sql.Composable] = dict(self._names)
         names["role"] = sql.Identifier(role)
-        names["schema"] = sql.Identifier(self.schema_name or "public")
         statements: list[sql.Composed] = []
         if database:
             names["database"] = sql.Identifier(database)
