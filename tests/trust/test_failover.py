@@ -31,7 +31,7 @@ from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.store import OutboxStore
 from tests.helpers.audit import check_audit, install_audit
-from tests.helpers.pg_cluster import TempServers, pg15_missing_reason, wait_until
+from tests.helpers.pg_cluster import TempServers, pg_missing_reason, wait_until
 from tests.helpers.relay_process import RelayProcess, relay_env
 
 TABLE = "public.outbox"
@@ -91,7 +91,7 @@ class Writer(threading.Thread):
 
 @pytest.mark.timeout(180)
 def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any, tmp_path: Path) -> None:
-    missing = pg15_missing_reason()
+    missing = pg_missing_reason()
     if missing:
         pytest.skip(missing)
     topic_prefix = "failover" + uuid.uuid4().hex[:8]

@@ -31,7 +31,7 @@ import pytest
 from outbox_relay.embedded import EmbeddedBroker, free_port, read_messages
 from tests.conftest import cli, cli_env, insert_rows, statuses, wait_for
 from tests.helpers.certs import TestCA
-from tests.helpers.pg_cluster import Pg15Server, TempServers, chown_to_server_user, pg15_missing_reason
+from tests.helpers.pg_cluster import PgServer, TempServers, chown_to_server_user, ssl_missing_reason
 from tests.helpers.relay_process import RelayProcess, relay_env
 from tests.helpers.tls_proxy import TlsProxy
 
@@ -60,7 +60,7 @@ def assert_fails_at_start(result: Any, *, side: str, secrets: tuple[str, ...]) -
 # --- database ------------------------------------------------------------------------
 @dataclass
 class TlsDatabase:
-    server: Pg15Server
+    server: PgServer
     ca: TestCA
     other_ca: TestCA
 
@@ -71,7 +71,7 @@ class TlsDatabase:
 
 @pytest.fixture(scope="module")
 def tls_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsDatabase]:
-    missing = pg15_missing_reason()
+    missing = ssl_missing_reason()
     if missing:
         pytest.skip(missing)
     certs = tmp_path_factory.mktemp("pg-certs")
