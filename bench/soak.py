@@ -16,6 +16,9 @@ seconds (default 10) with the oldest pending age and the backlog. At the end: ev
 must have reached the broker (topic read back), none is pending/processing/dead, and
 relay A's RSS and sockets must be flat over the second half (least-squares slope:
 the change it projects over the second half within max(3 x residual stddev, 5 %)).
+Delivery is checked by a consumer that reads the topic from offset 0 all along (every
+id must arrive, through the broker restarts), and after the last fault the oldest
+messages are read again from offset 0 (still there after every restart).
 A PNG plot (matplotlib, the ``bench`` extra) of RSS, backlog age and faults over time
 goes to ``docs/soak.png`` (``--plot``).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -47,6 +51,8 @@ from outbox_relay import enqueue
 from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 
 FAULTS = ("relay-kill", "broker-restart", "db-terminate")
+PARTITIONS = 4
+OLDEST_CHECKED = 2000
 BROKER_DOWN_SECONDS = 3.0
 
 
@@ -183,40 +189,70 @@ def flat(points: list[tuple[float, float]]) -> dict[str, Any]:
 
 
 # --- read-back -------------------------------------------------------------------------
-def delivered_ids(bootstrap: str, topic: str, expected: set[int], timeout: float) -> tuple[set[int], int]:
-    """Stream the topic from offset 0, keeping only message ids (hundreds of thousands of
-    messages: never hold them all). Returns (unique ids, messages read)."""
-    from confluent_kafka import Consumer, TopicPartition
+def _consumer(bootstrap: str, **more: object) -> Any:
+    from confluent_kafka import Consumer
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"soak-{c.RUN_ID}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest", "log_level": 3})
-    seen: set[int] = set()
-    total = 0
+    return Consumer({"bootstrap.servers": bootstrap, "group.id": f"soak-{c.RUN_ID}", "enable.auto.commit": False,
+                     "auto.offset.reset": "earliest", "log_level": 0, **more})
+
+
+def _message_id(msg: Any) -> int | None:
+    for key, value in msg.headers() or []:
+        if key == "message_id" and value is not None:
+            return int(value)
+    return None
+
+
+class LiveReader(threading.Thread):
+    """Reads the topic from offset 0 for the whole soak (``assign``, no group), keeping
+    only message ids, through broker restarts. Reading afterwards from offset 0 is not
+    practical on the test broker: its S3 engine lists every object of a partition on
+    each fetch and reads one object per batch, so a cold read of 600 000 messages
+    runs at tens of messages per second; at the head of the log it keeps up."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        super().__init__(name="live-reader", daemon=True)
+        self.bootstrap, self.topic, self.partitions = bootstrap, topic, partitions
+        self.seen: set[int] = set()
+        self.messages = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        from confluent_kafka import TopicPartition
+
+        consumer = _consumer(self.bootstrap)
+        consumer.assign([TopicPartition(self.topic, p, 0) for p in range(self.partitions)])
+        try:
+            while not self.stop.is_set():
+                for msg in consumer.consume(num_messages=5000, timeout=0.5):
+                    if msg.error():
+                        continue
+                    self.messages += 1
+                    message_id = _message_id(msg)
+                    if message_id is not None:
+                        self.seen.add(message_id)
+        finally:
+            consumer.close()
+
+
+def oldest_readable(bootstrap: str, topic: str, partitions: int, *, want: int, timeout: float) -> list[int]:
+    """After every fault: the first ``want`` messages from offset 0 (written before the
+    broker was ever restarted) are still readable. Returns their ids."""
+    from confluent_kafka import TopicPartition
+
+    consumer = _consumer(bootstrap, **{"max.partition.fetch.bytes": 65536})
+    consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    found: list[int] = []
+    deadline = time.monotonic() + timeout
     try:
-        partitions = len(consumer.list_topics(topic, timeout=10).topics[topic].partitions) or 4
-        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
-        deadline = time.monotonic() + timeout
-        last_growth = next_progress = time.monotonic()
-        while time.monotonic() < deadline:
-            if time.monotonic() >= next_progress:
-                c.say(f"  read back {len(seen & expected)}/{len(expected)} ids ({total} messages)")
-                next_progress += 15
-            batch = consumer.consume(num_messages=5000, timeout=0.5)
-            for msg in batch:
-                if msg.error():
-                    continue
-                total += 1
-                for key, value in msg.headers() or []:
-                    if key == "message_id" and value is not None:
-                        seen.add(int(value))
-                        break
-            if batch:
-                last_growth = time.monotonic()
-            if expected <= seen and time.monotonic() - last_growth > 2.0:
-                break
+        while len(found) < want and time.monotonic() < deadline:
+            for msg in consumer.consume(num_messages=1000, timeout=0.5):
+                message_id = None if msg.error() else _message_id(msg)
+                if message_id is not None:
+                    found.append(message_id)
     finally:
         consumer.close()
-    return seen, total
+    return found
 
 
 # --- the plot --------------------------------------------------------------------------
@@ -273,7 +309,7 @@ def main() -> int:
     parser.add_argument("--dsn", help="use this PostgreSQL instead of starting an embedded PostgreSQL 18")
     parser.add_argument("--plot", default=str(c.ROOT / "docs" / "soak.png"), help="PNG path ('' = no plot)")
     parser.add_argument("--readback-timeout", type=float, default=300.0,
-                        help="seconds allowed to read every id back (default 300)")
+                        help="seconds allowed, after the drain, until the reader has seen every id (default 300)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
     args = parser.parse_args()
     # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so every server started here is stopped.
@@ -285,6 +321,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-soak-"))
     pg = None
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, tmp, True)
         if args.dsn:
             dsn = args.dsn
         else:
@@ -300,7 +337,10 @@ def main() -> int:
         topic = f"soak-{c.RUN_ID}"
         c.migrate(dsn, table)
         stack.callback(c.drop_schema, dsn, table)
-        c.create_topic(broker.bootstrap_servers, topic)
+        c.create_topic(broker.bootstrap_servers, topic, partitions=PARTITIONS)
+        reader = LiveReader(broker.bootstrap_servers, topic, PARTITIONS)
+        reader.start()
+        stack.callback(reader.stop.set)
         env = c.relay_env(dsn, table, broker.bootstrap_servers, topic,
                           OUTBOX_RELAY_RELAY__WORKERS=str(args.workers),
                           OUTBOX_RELAY_RELAY__LEASE_SECONDS="10",
@@ -365,10 +405,18 @@ def main() -> int:
         counts = c.count_by_status(dsn, table)
         ids = {r[0] for r in monitor.execute(sql.SQL("SELECT id FROM {}").format(c.ident(table))).fetchall()}
         alive = {name: r.proc.poll() is None for name, r in relays.items()}
-        c.say(f"drained {drain_seconds:.1f}s after the writer stopped; reading {len(ids)} ids back ...")
+        c.say(f"drained {drain_seconds:.1f}s after the writer stopped; waiting for the reader to see all "
+              f"{len(ids)} ids ...")
         read_started = time.monotonic()
-        seen, messages = delivered_ids(broker.bootstrap_servers, topic, ids, timeout=args.readback_timeout)
+        while not ids <= reader.seen and time.monotonic() - read_started < args.readback_timeout:
+            time.sleep(0.5)
+        time.sleep(2.0)  # late duplicates
+        reader.stop.set()
+        reader.join(timeout=30)
+        seen, messages = set(reader.seen), reader.messages
         read_seconds = time.monotonic() - read_started
+        c.say("reading the oldest messages again from offset 0 (written before any broker restart) ...")
+        oldest = oldest_readable(broker.bootstrap_servers, topic, PARTITIONS, want=OLDEST_CHECKED, timeout=120)
         exit_codes = {name: r.stop(timeout=60) for name, r in relays.items()}
         crashes = sum(r.log_text().count('"worker crashed"') for r in every_relay)
 
@@ -378,7 +426,9 @@ def main() -> int:
     sockets = flat([(s.t, float(s.sockets_a)) for s in second_half if s.sockets_a is not None])
     ages = [s.oldest_pending_age_seconds for s in run.samples]
     missing = ids - seen
-    ok = (not missing and counts == {"done": len(ids)} and all(alive.values()) and crashes == 0
+    first_restart = next((f.t for f in run.faults if f.kind == "broker-restart"), None)
+    oldest_ok = len(oldest) >= min(OLDEST_CHECKED, len(ids)) and set(oldest) <= ids
+    ok = (not missing and oldest_ok and counts == {"done": len(ids)} and all(alive.values()) and crashes == 0
           and rss["flat"] is not False and sockets["flat"] is not False
           and all(code == 0 for code in exit_codes.values()))
     report = {
@@ -395,6 +445,8 @@ def main() -> int:
         "messages_read": messages,
         "duplicates": messages - len(seen),
         "missing": len(missing),
+        "oldest_readable_after_restarts": {"read": len(oldest), "all_known_ids": set(oldest) <= ids,
+                                           "first_broker_restart_at_seconds": first_restart},
         "final_status": counts,
         "relays_alive_at_end": alive,
         "graceful_exit_codes": exit_codes,
@@ -418,8 +470,10 @@ def main() -> int:
         f"({', '.join(f'{k} x{sum(1 for f in run.faults if f.kind == k)}' for k in FAULTS)})",
         f"  delivered {len(seen & ids)}/{len(ids)} unique ids, missing {len(missing)}, "
         f"duplicates {report['duplicates']}; final status {counts}",
+        f"  after every fault, the first {len(oldest)} messages from offset 0 are still readable: {oldest_ok}",
         f"  oldest pending age: max {report['oldest_pending_age_seconds']['max']} s, "
-        f"median {report['oldest_pending_age_seconds']['median']} s; drained {drain_seconds:.1f} s after the writer stopped",
+        f"median {report['oldest_pending_age_seconds']['median']} s; "
+        f"drained {drain_seconds:.1f} s after the writer stopped",
         f"  relay A RSS over the second half: {rss.get('first')} -> {rss.get('last')} MB, slope "
         f"{rss.get('slope_per_minute')} MB/min, flat={rss.get('flat')} "
         f"(projected {rss.get('projected_change')} vs allowed {rss.get('allowed_change')})",

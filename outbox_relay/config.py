@@ -422,7 +422,8 @@ class Settings(BaseSettings):
     @property
     def secret_values(self) -> list[str]:
         """Every secret a log line or an error message must never show: the DSNs
-        (whole, and their passwords), the SASL password and the console token."""
+        (whole, and their passwords and sslpassword), the SASL password, the Kafka
+        client key's passphrase and the console token."""
         import psycopg
 
         secrets: list[str] = []
@@ -432,13 +433,15 @@ class Settings(BaseSettings):
             text = dsn.get_secret_value()
             secrets.append(text)
             try:
-                password = psycopg.conninfo.conninfo_to_dict(text).get("password")
+                params = psycopg.conninfo.conninfo_to_dict(text)
             except psycopg.ProgrammingError:
-                password = None
-            if password:
-                secrets.append(str(password))
-        if self.kafka.sasl_password is not None:
-            secrets.append(self.kafka.sasl_password.get_secret_value())
+                params = {}
+            for name in ("password", "sslpassword"):  # sslpassword: passphrase of an encrypted sslkey
+                if params.get(name):
+                    secrets.append(str(params[name]))
+        for secret in (self.kafka.sasl_password, self.kafka.ssl_key_password):
+            if secret is not None:
+                secrets.append(secret.get_secret_value())
         if self.console.token is not None:
             secrets.append(self.console.token.get_secret_value())
         return secrets

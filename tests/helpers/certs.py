@@ -33,7 +33,7 @@ class TestCA:
         self.name = name
         self._key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"outbox-relay {name} test CA")])
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         self._cert = (
             x509.CertificateBuilder()
             .subject_name(subject)
@@ -58,7 +58,7 @@ class TestCA:
         """A leaf certificate for a server (SANs) or a client (CN), signed by this CA.
         ``key_password`` writes the key encrypted (PKCS#8)."""
         key = ec.generate_private_key(ec.SECP256R1())
-        now = dt.datetime.now(dt.timezone.utc)
+        now = dt.datetime.now(dt.UTC)
         names: list[x509.GeneralName] = [x509.DNSName(n) for n in dns_names]
         names += [x509.IPAddress(ipaddress.ip_address(a)) for a in ip_addresses]
         builder = (

@@ -247,7 +247,7 @@ class TempServers:
         for server in self.servers:
             try:
                 server.stop()
-            except Exception:  # noqa: BLE001 - best effort: crashed servers are already gone
+            except Exception:
                 server.crash()
         shutil.rmtree(self.base, ignore_errors=True)
 

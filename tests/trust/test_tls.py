@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 
 from outbox_relay.embedded import EmbeddedBroker, free_port, read_messages
@@ -263,7 +262,7 @@ def test_tls_settings_reach_librdkafka(tmp_path: Path) -> None:
     Producer(conf).flush(0)  # loads CA, certificate and the encrypted key
     not_a_cert = tmp_path / "garbage.pem"
     not_a_cert.write_text("not a certificate\n")
-    with pytest.raises(KafkaException, match="ssl.ca.location"):
+    with pytest.raises(KafkaException, match=r"ssl\.ca\.location"):
         Producer({**conf, "ssl.ca.location": str(not_a_cert)})
     with pytest.raises(KafkaException):
         Producer({**conf, "ssl.key.password": "wrong"})
