@@ -520,10 +520,10 @@ _GRANT_HELP = {
 
 @app.command()
 def grants(
-    relay_role: Annotated[Optional[str], typer.Option("--relay", help="Role that runs `outbox-relay run`.")] = None,
-    operator_role: Annotated[Optional[str], typer.Option(
+    relay_role: Annotated[str | None, typer.Option("--relay", help="Role that runs `outbox-relay run`.")] = None,
+    operator_role: Annotated[str | None, typer.Option(
         "--operator", help="Role of the operators (status, dead, purge).")] = None,
-    writer_role: Annotated[Optional[str], typer.Option(
+    writer_role: Annotated[str | None, typer.Option(
         "--writer", help="Role the application writes the outbox with (enqueue).")] = None,
     config: ConfigOpt = None,
 ) -> None:
@@ -540,7 +540,7 @@ def grants(
         import psycopg
 
         database = psycopg.conninfo.conninfo_to_dict(settings.database.dsn.get_secret_value()).get("dbname")
-    except Exception:  # noqa: BLE001 - validated at load time; no database name -> no CONNECT grant
+    except Exception:
         database = None
     table_sql = TableSql(settings.database.table)
     delete_done = getattr(settings.relay, "on_done", "keep") == "delete"

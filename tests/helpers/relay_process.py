@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import ROOT
+from tests.helpers.cli import ROOT
 
 
 def relay_env(**settings: str) -> dict[str, str]:

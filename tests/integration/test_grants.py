@@ -20,7 +20,8 @@ from psycopg import sql
 
 from outbox_relay import enqueue
 from outbox_relay.relay import Relay
-from tests.conftest import cli, cli_env, insert_rows, statuses, wait_for
+from tests.helpers.cli import cli, cli_env
+from tests.helpers.db import insert_rows, statuses, wait_for
 
 
 @pytest.fixture

@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 
 from outbox_relay.embedded import EmbeddedBroker, free_port, read_messages
-from tests.conftest import cli, cli_env, insert_rows, statuses, wait_for
 from tests.helpers.certs import TestCA
+from tests.helpers.cli import cli, cli_env
+from tests.helpers.db import insert_rows, statuses, wait_for
 from tests.helpers.pg_cluster import PgServer, TempServers, chown_to_server_user, ssl_missing_reason
 from tests.helpers.relay_process import RelayProcess, relay_env
 from tests.helpers.tls_proxy import TlsProxy
