@@ -543,7 +543,6 @@ def grants(
     except Exception:
         database = None
     table_sql = TableSql(settings.database.table)
-    delete_done = getattr(settings.relay, "on_done", "keep") == "delete"
     where = "" if "." in settings.database.table else " (unqualified: schema public assumed)"
     lines = [f"-- outbox-relay grants for {settings.database.table}{where}; "
              "run `outbox-relay migrate` as the table's owner first"]
@@ -551,8 +550,7 @@ def grants(
         if not role:
             continue
         try:
-            statements = table_sql.grants(kind, role, database=str(database) if database else None,
-                                          delete_done=delete_done)
+            statements = table_sql.grants(kind, role, database=str(database) if database else None)
         except ValueError as exc:
             _fail(f"--{kind}: {exc}", 2)
             raise

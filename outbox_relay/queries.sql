@@ -923,30 +923,33 @@ GRANT CONNECT ON DATABASE {database} TO {role}
 -- name: grant_relay
 -- `run`: claim, heartbeat and finalize change only the delivery columns, never what
 -- the application wrote. SELECT ... FOR UPDATE needs UPDATE on one column, which this
--- gives. The state table holds the relays' idle flag (LISTEN/NOTIFY wake-ups).
+-- gives. DELETE: the one finalize statement deletes delivered rows when the table's
+-- mode is on_done = delete, and PostgreSQL checks the privilege even when the keep
+-- mode deletes nothing. The state table holds the relays' idle flag and the mode.
 GRANT USAGE ON SCHEMA {schema} TO {role};
-GRANT SELECT, UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version, last_error, done_at)
-    ON {table} TO {role};
+GRANT SELECT, UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version, last_error, done_at),
+    DELETE ON {table} TO {role};
 GRANT SELECT, UPDATE ON {state_table} TO {role}
-
--- name: grant_relay_delete
--- relay.on_done = delete: done rows are deleted instead of kept.
-GRANT DELETE ON {table} TO {role}
 
 -- name: grant_operator
 -- `status`, `dead list|retry|skip`, `purge`: read every row; retry/skip change a dead
--- row's status, attempts, due time and last_error; purge deletes old done rows.
+-- row's status, attempts, due time and last_error; purge deletes old done rows, then
+-- the dedup keys older than the cutoff whose row is gone. The commands read the
+-- table's mode (on_done) from the state table.
 GRANT USAGE ON SCHEMA {schema} TO {role};
-GRANT SELECT, UPDATE (status, available_at, attempts, last_error, done_at), DELETE ON {table} TO {role}
+GRANT SELECT, UPDATE (status, available_at, attempts, last_error, done_at), DELETE ON {table} TO {role};
+GRANT SELECT, DELETE ON {dedup_keys} TO {role};
+GRANT SELECT ON {state_table} TO {role}
 
 -- name: grant_writer
 -- `enqueue()`: insert the application's columns only (never status, attempts or a
 -- lease); read back only ids and dedup keys (RETURNING id, the dedup_key conflict
--- arbiter and look-up), never other rows' payloads. The wake-up trigger reads the
--- relays' idle flag in the writer's transaction. ordered=True takes an advisory lock:
--- no privilege needed.
+-- arbiter and look-up), never other rows' payloads. dedup_key=... also claims the key
+-- in the key table and links it to its row. The wake-up trigger reads the relays' idle
+-- flag in the writer's transaction. ordered=True takes an advisory lock: no privilege.
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
     ON {table} TO {role};
 GRANT SELECT (id, dedup_key) ON {table} TO {role};
+GRANT SELECT (dedup_key, outbox_id), INSERT (dedup_key), UPDATE (outbox_id) ON {dedup_keys} TO {role};
 GRANT SELECT ON {state_table} TO {role}

@@ -142,11 +142,10 @@ class TableSql:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
         return sql.SQL(QUERIES[name]).format(**names)
 
-    def grants(self, kind: str, role: str, *, database: str | None = None,
-               delete_done: bool = False) -> list[sql.Composed]:
+    def grants(self, kind: str, role: str, *, database: str | None = None) -> list[sql.Composed]:
         """GRANT statements (queries.sql ``grant_<kind>``) for a role of one kind:
         ``relay`` (run), ``operator`` (status, dead, purge) or ``writer`` (enqueue).
-        ``database`` adds CONNECT; ``delete_done`` adds DELETE for relay.on_done = delete."""
+        ``database`` adds CONNECT."""
         if kind not in GRANT_KINDS:
             raise ValueError(f"unknown role kind {kind!r}: use one of {', '.join(GRANT_KINDS)}")
         if not ROLE_NAME_RE.match(role):
@@ -159,8 +158,6 @@ class TableSql:
             names["database"] = sql.Identifier(database)
             statements += self.statements("grant_connect", names)
         statements += self.statements(f"grant_{kind}", names)
-        if kind == "relay" and delete_done:
-            statements += self.statements("grant_relay_delete", names)
         return statements
 
     def statements(self, name: str, names: dict[str, sql.Composable] | None = None) -> list[sql.Composed]:
