@@ -359,6 +359,7 @@ def main() -> int:
         writer = SteadyWriter(dsn, table, args.rate, seconds)
         run = Run()
         start = time.monotonic()
+        start_epoch = time.time()
         writer.start()
         next_sample, next_fault, fault_index = 0.0, args.fault_every, 0
         while writer.is_alive():
@@ -417,8 +418,20 @@ def main() -> int:
         read_seconds = time.monotonic() - read_started
         c.say("reading the oldest messages again from offset 0 (written before any broker restart) ...")
         oldest = oldest_readable(broker.bootstrap_servers, topic, PARTITIONS, want=OLDEST_CHECKED, timeout=120)
+        missing_rows = []
+        if ids - seen:
+            # Where the undelivered rows sit in time, next to the faults (diagnosis).
+            missing_rows = monitor.execute(sql.SQL(
+                "SELECT id, extract(epoch FROM created_at)::float8, extract(epoch FROM done_at)::float8, attempts "
+                "FROM {} WHERE id = ANY(%s) ORDER BY id").format(c.ident(table)), (sorted(ids - seen),)).fetchall()
         exit_codes = {name: r.stop(timeout=60) for name, r in relays.items()}
         crashes = sum(r.log_text().count('"worker crashed"') for r in every_relay)
+        warnings: dict[str, int] = {}
+        for relay in every_relay:
+            for line in relay.log_text().splitlines():
+                if '"level": "warning"' in line or '"level": "error"' in line:
+                    event = line.split('"event": "', 1)[-1].split('"', 1)[0]
+                    warnings[event] = warnings.get(event, 0) + 1
 
     half = written_seconds / 2
     second_half = [s for s in run.samples if half <= s.t <= written_seconds]
@@ -448,6 +461,10 @@ def main() -> int:
         "oldest_readable_after_restarts": {"read": len(oldest), "all_known_ids": set(oldest) <= ids,
                                            "first_broker_restart_at_seconds": first_restart},
         "final_status": counts,
+        "missing_rows": [{"id": r[0], "created_at_seconds": round(r[1] - start_epoch, 1),
+                          "done_at_seconds": round(r[2] - start_epoch, 1) if r[2] else None, "attempts": r[3]}
+                         for r in missing_rows[:200]],
+        "relay_warnings": warnings,
         "relays_alive_at_end": alive,
         "graceful_exit_codes": exit_codes,
         "worker_crashes": crashes,
