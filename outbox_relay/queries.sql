@@ -719,8 +719,7 @@ RETURNING 1
 -- name: inbox_purge
 DELETE FROM {table} WHERE received_at < now() - make_interval(secs => %(older_than_seconds)s)
 
--- ============================================================================
-
+-- ===================================================================================
 -- Operator console and CLI (issue 18): filtered dead-letter operations, exact
 -- counts, aggregate diagnosis, the audit trail. (This banner has no placeholders:
 -- it ends the section above, whose text is formatted.)
@@ -913,7 +912,7 @@ FROM {table}
 WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window_seconds)s)
 GROUP BY 1
 ORDER BY 1
-=======
+
 -- name: grant_connect
 -- Least privilege (`outbox-relay grants`): role is a validated role name and schema
 -- the table's schema, both quoted identifiers. The table's owner runs `migrate`,
