@@ -510,6 +510,55 @@ def purge(
                + (f" and {keys} dedup keys" if keys else ""))
 
 
+# --- least privilege -------------------------------------------------------------------
+_GRANT_HELP = {
+    "relay": "outbox-relay run",
+    "operator": "outbox-relay status, dead list|retry|skip, purge",
+    "writer": "the application's enqueue() (insert only)",
+}
+
+
+@app.command()
+def grants(
+    relay_role: Annotated[str | None, typer.Option("--relay", help="Role that runs `outbox-relay run`.")] = None,
+    operator_role: Annotated[str | None, typer.Option(
+        "--operator", help="Role of the operators (status, dead, purge).")] = None,
+    writer_role: Annotated[str | None, typer.Option(
+        "--writer", help="Role the application writes the outbox with (enqueue).")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Print the GRANT statements each role needs on the configured table (no role given:
+    all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
+    the table's owner. Nothing is executed: pipe the output to psql as the owner."""
+    settings = _settings(config)
+    from .schema import TableSql
+
+    roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
+    if not any(roles.values()):
+        roles = {kind: f"outbox_{kind}" for kind in roles}
+    try:
+        import psycopg
+
+        database = psycopg.conninfo.conninfo_to_dict(settings.database.dsn.get_secret_value()).get("dbname")
+    except Exception:
+        database = None
+    table_sql = TableSql(settings.database.table)
+    where = "" if "." in settings.database.table else " (unqualified: schema public assumed)"
+    lines = [f"-- outbox-relay grants for {settings.database.table}{where}; "
+             "run `outbox-relay migrate` as the table's owner first"]
+    for kind, role in roles.items():
+        if not role:
+            continue
+        try:
+            statements = table_sql.grants(kind, role, database=str(database) if database else None)
+        except ValueError as exc:
+            _fail(f"--{kind}: {exc}", 2)
+            raise
+        lines.append(f"-- {kind} role {role}: {_GRANT_HELP[kind]}")
+        lines += [" ".join(statement.as_string(None).split()) + ";" for statement in statements]
+    typer.echo("\n".join(lines))
+
+
 # --- demo ------------------------------------------------------------------------------
 @app.command()
 def demo(

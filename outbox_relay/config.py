@@ -132,6 +132,20 @@ class KafkaSettings(_Section):
     sasl_mechanism: str | None = Field(default=None, description="sasl.mechanism, e.g. PLAIN or SCRAM-SHA-512.")
     sasl_username: str | None = Field(default=None, description="sasl.username.")
     sasl_password: SecretStr | None = Field(default=None, description="sasl.password (secret).")
+    ssl_ca_location: str | None = Field(
+        default=None,
+        description="ssl.ca.location: PEM file of the CA(s) that signed the brokers' certificates "
+                    "(default: the system's CA store).",
+    )
+    ssl_certificate_location: str | None = Field(
+        default=None, description="ssl.certificate.location: PEM client certificate (mutual TLS).",
+    )
+    ssl_key_location: str | None = Field(
+        default=None, description="ssl.key.location: PEM private key of the client certificate.",
+    )
+    ssl_key_password: SecretStr | None = Field(
+        default=None, description="ssl.key.password: passphrase of an encrypted client key (secret).",
+    )
     client_id: str = Field(default="outbox-relay", description="client.id reported to the brokers.")
     extra: dict[str, str] = Field(
         default_factory=dict,
@@ -153,6 +167,20 @@ class KafkaSettings(_Section):
         if value is not None and not all(0x20 < ord(c) < 0x7F or ord(c) > 0x9F for c in value):
             raise ValueError("must be a URI-reference without spaces or control characters")
         return value
+
+    @field_validator("ssl_ca_location", "ssl_certificate_location", "ssl_key_location")
+    @classmethod
+    def _check_readable_file(cls, value: str | None) -> str | None:
+        # librdkafka would refuse it too, but later and in its own words.
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"file {value!r} does not exist or is not readable")
+        return value
+
+    @model_validator(mode="after")
+    def _check_client_certificate(self) -> KafkaSettings:
+        if bool(self.ssl_certificate_location) != bool(self.ssl_key_location):
+            raise ValueError("kafka.ssl_certificate_location and kafka.ssl_key_location go together (mutual TLS)")
+        return self
 
     @field_validator("topic_template")
     @classmethod
@@ -394,7 +422,8 @@ class Settings(BaseSettings):
     @property
     def secret_values(self) -> list[str]:
         """Every secret a log line or an error message must never show: the DSNs
-        (whole, and their passwords), the SASL password and the console token."""
+        (whole, and their passwords and sslpassword), the SASL password, the Kafka
+        client key's passphrase and the console token."""
         import psycopg
 
         secrets: list[str] = []
@@ -404,13 +433,15 @@ class Settings(BaseSettings):
             text = dsn.get_secret_value()
             secrets.append(text)
             try:
-                password = psycopg.conninfo.conninfo_to_dict(text).get("password")
+                params = psycopg.conninfo.conninfo_to_dict(text)
             except psycopg.ProgrammingError:
-                password = None
-            if password:
-                secrets.append(str(password))
-        if self.kafka.sasl_password is not None:
-            secrets.append(self.kafka.sasl_password.get_secret_value())
+                params = {}
+            for name in ("password", "sslpassword"):  # sslpassword: passphrase of an encrypted sslkey
+                if params.get(name):
+                    secrets.append(str(params[name]))
+        for secret in (self.kafka.sasl_password, self.kafka.ssl_key_password):
+            if secret is not None:
+                secrets.append(secret.get_secret_value())
         if self.console.token is not None:
             secrets.append(self.console.token.get_secret_value())
         return secrets

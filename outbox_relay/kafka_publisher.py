@@ -424,5 +424,12 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         conf["sasl.username"] = k.sasl_username
     if k.sasl_password is not None:
         conf["sasl.password"] = k.sasl_password.get_secret_value()
+    for name, value in (("ssl.ca.location", k.ssl_ca_location),
+                        ("ssl.certificate.location", k.ssl_certificate_location),
+                        ("ssl.key.location", k.ssl_key_location)):
+        if value:
+            conf[name] = value
+    if k.ssl_key_password is not None:
+        conf["ssl.key.password"] = k.ssl_key_password.get_secret_value()
     conf.update(k.extra)
     return conf

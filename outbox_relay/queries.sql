@@ -5,6 +5,12 @@
 -- Parameters use psycopg's %(name)s style, so a literal percent sign is written %%.
 -- Every time is the database's clock (now()), never a worker's.
 
+-- name: schema_exists
+SELECT to_regnamespace(%(schema)s) IS NOT NULL
+
+-- name: create_schema
+CREATE SCHEMA IF NOT EXISTS {schema}
+
 -- name: create_table
 CREATE TABLE IF NOT EXISTS {table} (
     id              bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -907,3 +913,46 @@ FROM {table}
 WHERE status = 'done' AND done_at > now() - make_interval(secs => %(window_seconds)s)
 GROUP BY 1
 ORDER BY 1
+
+-- name: grant_connect
+-- Least privilege (`outbox-relay grants`): role is a validated role name and schema
+-- the table's schema, both quoted identifiers. The table's owner runs `migrate`,
+-- and the roles below never need to own anything.
+GRANT CONNECT ON DATABASE {database} TO {role}
+
+-- name: grant_relay
+-- `run`: claim, heartbeat and finalize change only the delivery columns, never what
+-- the application wrote. SELECT ... FOR UPDATE needs UPDATE on one column, which this
+-- gives. DELETE: the one finalize statement deletes delivered rows when the table's
+-- mode is on_done = delete, and PostgreSQL checks the privilege even when the keep
+-- mode deletes nothing. The state table holds the relays' idle flag and the mode.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version, last_error, done_at),
+    DELETE ON {table} TO {role};
+GRANT SELECT, UPDATE ON {state_table} TO {role}
+
+-- name: grant_operator
+-- `status`, `dead list|retry|skip`, `aggregate show`, `audit list`, `purge` and the
+-- console: read every row; retry/skip change a dead row's status, attempts, due time
+-- and last_error, and append to the audit trail (never rewrite who did what: only the
+-- progress columns); purge deletes old done rows, then the dedup keys older than the
+-- cutoff whose row is gone. The commands read the table's mode from the state table.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT SELECT, UPDATE (status, available_at, attempts, last_error, done_at), DELETE ON {table} TO {role};
+GRANT SELECT, DELETE ON {dedup_keys} TO {role};
+GRANT SELECT ON {state_table} TO {role};
+GRANT SELECT, INSERT (actor, source, action, selector, rows_matched, reason), UPDATE (rows_changed, finished_at)
+    ON {audit_table} TO {role}
+
+-- name: grant_writer
+-- `enqueue()`: insert the application's columns only (never status, attempts or a
+-- lease); read back only ids and dedup keys (RETURNING id, the dedup_key conflict
+-- arbiter and look-up), never other rows' payloads. dedup_key=... also claims the key
+-- in the key table and links it to its row. The wake-up trigger reads the relays' idle
+-- flag in the writer's transaction. ordered=True takes an advisory lock: no privilege.
+GRANT USAGE ON SCHEMA {schema} TO {role};
+GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
+    ON {table} TO {role};
+GRANT SELECT (id, dedup_key) ON {table} TO {role};
+GRANT SELECT (dedup_key, outbox_id), INSERT (dedup_key), UPDATE (outbox_id) ON {dedup_keys} TO {role};
+GRANT SELECT ON {state_table} TO {role}

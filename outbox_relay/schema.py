@@ -16,6 +16,10 @@ from importlib import resources
 from psycopg import sql
 
 _SECTION_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+# A role name for `outbox-relay grants`: a plain identifier, always sent quoted. Anything
+# else (quotes, spaces, semicolons) is refused rather than escaped: it is a mistake.
+ROLE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+GRANT_KINDS = ("relay", "operator", "writer")
 
 
 def _load_sections() -> dict[str, str]:
@@ -106,6 +110,7 @@ class TableSql:
             "table": self.ident,
             **{f"idx_{key}": sql.Identifier(self.index_name(key))
                for key in (*BASE_INDEXES, *ORDERING_INDEXES, *OBSOLETE_INDEXES)},
+            "schema": sql.Identifier(self.schema_name or "public"),
             "state_table": self._qualified(_short(base, "relay_state")),
             "dedup_keys": self._qualified(_short(base, "dedup_keys")),
             "fn_notify": self._qualified(_short(base, "notify_fn")),
@@ -137,11 +142,30 @@ class TableSql:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
         return sql.SQL(QUERIES[name]).format(**names)
 
-    def statements(self, name: str) -> list[sql.Composed]:
+    def grants(self, kind: str, role: str, *, database: str | None = None) -> list[sql.Composed]:
+        """GRANT statements (queries.sql ``grant_<kind>``) for a role of one kind:
+        ``relay`` (run), ``operator`` (status, dead, purge) or ``writer`` (enqueue).
+        ``database`` adds CONNECT."""
+        if kind not in GRANT_KINDS:
+            raise ValueError(f"unknown role kind {kind!r}: use one of {', '.join(GRANT_KINDS)}")
+        if not ROLE_NAME_RE.match(role):
+            raise ValueError(f"invalid role name {role!r}: use letters, digits and underscores "
+                             "(at most 63, not starting with a digit)")
+        names: dict[str, sql.Composable] = dict(self._names)
+        names["role"] = sql.Identifier(role)
+        statements: list[sql.Composed] = []
+        if database:
+            names["database"] = sql.Identifier(database)
+            statements += self.statements("grant_connect", names)
+        statements += self.statements(f"grant_{kind}", names)
+        return statements
+
+    def statements(self, name: str, names: dict[str, sql.Composable] | None = None) -> list[sql.Composed]:
         """A multi-statement section split on ';' at line ends (DDL sections)."""
         body = QUERIES[name]
         parts = [p.strip() for p in re.split(r";\s*\n", body) if p.strip()]
-        return [sql.SQL(_strip_comments(p)).format(**self._names) for p in parts]
+        values = self._names if names is None else names
+        return [sql.SQL(_strip_comments(p)).format(**values) for p in parts]
 
 
 def _strip_comments(text: str) -> str:

@@ -353,9 +353,13 @@ class OutboxStore:
                 wanted = [*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())]
                 with conn.transaction():
                     created = not self._exists(conn)
+                    # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
+                    # schema exists: an owner that owns only its schema must still migrate.
                     if self.sql.schema_name:
-                        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(
-                            sql.Identifier(self.sql.schema_name)))
+                        schema = conn.execute(self.sql.query("schema_exists"),
+                                              {"schema": '"' + self.sql.schema_name + '"'}).fetchone()
+                        if not (schema and schema[0]):
+                            conn.execute(self.sql.query("create_schema"))
                     conn.execute(self.sql.query("create_table"))
                     if not self._column_exists(conn, "dedup_key"):
                         conn.execute(self.sql.query("add_dedup_key"))  # takes a short exclusive lock

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from outbox_relay.config import Settings, load_settings
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedPostgres
+from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 from outbox_relay.store import OutboxStore
 
 # Transitional re-exports for branches written before the helpers moved to
@@ -70,6 +70,19 @@ def own_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
         yield b
     finally:
         b.stop()
+
+
+@pytest.fixture
+def durable_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
+    """A broker this test may kill or restart that keeps its messages outside its
+    process (S3 storage on a local object store), so whatever it acknowledged before a
+    restart can still be read after it."""
+    with EmbeddedObjectStore(log_file=tmp_path / "object-store.log") as storage:
+        b = EmbeddedBroker(log_file=tmp_path / "broker.log", storage=storage).start()
+        try:
+            yield b
+        finally:
+            b.stop()
 
 
 @pytest.fixture

@@ -93,7 +93,10 @@ def main() -> None:
 
     # autocommit: every unit of work is an explicit conn.transaction() block.
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(DDL)
+        # The compose stack creates "orders" for the writer role, which may not create
+        # tables (least privilege); on its own the example creates it.
+        if conn.execute("SELECT to_regclass('orders') IS NULL").fetchone()[0]:
+            conn.execute(DDL)
         placed: list[str] = []
         paid: list[str] = []
         written = logged = 0

@@ -8,6 +8,7 @@ import time
 import psycopg
 import pytest
 
+from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
@@ -16,16 +17,18 @@ from tests.helpers.db import insert_rows, rows, statuses, wait_for
 pytestmark = pytest.mark.first_pass_only
 
 
-def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table, own_broker):
+def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table,
+                                                                   durable_broker, topic_prefix):
+    own_broker = durable_broker  # killed and started again on the same storage
     settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
                              relay={"lease_seconds": 5, "max_attempts": 3, "backoff_base_seconds": 0.1})
     relay = Relay(settings)
     relay.start()
     try:
-        insert_rows(pg_dsn, table, 50)
+        before = insert_rows(pg_dsn, table, 50)
         wait_for(lambda: statuses(pg_dsn, table).get("done") == 50, message="first rows done")
         own_broker.kill()  # all brokers down
-        insert_rows(pg_dsn, table, 100)
+        during = insert_rows(pg_dsn, table, 100)
         wait_for(lambda: relay.breaker.is_open, timeout=60, message="breaker open")
         assert relay.metrics.registry.get_sample_value("outbox_relay_circuit_breaker_open") == 1
         ready, why = relay.readiness()
@@ -41,6 +44,12 @@ def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings
     assert relay.metrics.registry.get_sample_value("outbox_relay_released_total") >= 1
     # The outage did not burn the attempt budget: nothing came close to max_attempts.
     assert max(r[2] for r in rows(pg_dsn, table)) < settings.relay.max_attempts
+    # What the broker acknowledged before it died is still there, and so is the rest.
+    every_id = set(before) | set(during)
+    messages = read_messages(own_broker.bootstrap_servers, [f"{topic_prefix}.order"], expected=len(every_id),
+                             timeout=60, stop_when=lambda out: every_id <= {int(m["headers"]["message_id"])
+                                                                            for m in out})
+    assert every_id - {int(m["headers"]["message_id"]) for m in messages} == set()
 
 
 def test_terminated_backends_make_workers_reconnect(make_settings, store, pg_dsn, table, broker):

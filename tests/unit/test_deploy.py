@@ -348,6 +348,13 @@ def test_compose_services_and_ordering() -> None:
     assert services["migrate"]["command"] == ["migrate"]
     assert services["relay"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["relay"]["command"] == ["run"]
+    # Least privilege: the owner migrates and grants; relay and writer use their own roles.
+    assert services["relay"]["depends_on"]["apply-grants"]["condition"] == "service_completed_successfully"
+    assert "outbox-relay grants --relay outbox_relay" in services["grants"]["command"][0]
+    dsn = "OUTBOX_RELAY_DATABASE__DSN"
+    assert services["migrate"]["environment"][dsn].startswith("postgresql://outbox:")
+    assert services["relay"]["environment"][dsn].startswith("postgresql://outbox_relay:")
+    assert services["writer"]["environment"]["WRITER_DSN"].startswith("postgresql://outbox_writer:")
 
 
 def test_compose_grafana_provisions_the_dashboard() -> None:
@@ -577,10 +584,20 @@ def test_k8s_secret_and_migrate_job() -> None:
 
     job = k8s("migrate-job.yaml")
     assert job["kind"] == "Job"
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    argv = container.get("command", ["outbox-relay"]) + container.get("args", [])
+    pod = job["spec"]["template"]["spec"]
+    migrate, print_grants = pod["initContainers"]
+    argv = migrate.get("command", ["outbox-relay"]) + migrate.get("args", [])
     assert argv == ["outbox-relay", "migrate"]
-    assert job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    # Least privilege: only the Job uses the owner's Secret; the relay runs as its own role.
+    owner = k8s("owner-secret.yaml")
+    assert set(owner["stringData"]) == {"OUTBOX_RELAY_DATABASE__DSN"}
+    for container in (migrate, print_grants, *pod["containers"]):
+        assert {"secretRef": {"name": owner["metadata"]["name"]}} in container["envFrom"]
+    assert "outbox-relay grants --relay outbox_relay" in " ".join(print_grants["args"])
+    deployment_secrets = {ref["secretRef"]["name"] for ref in _relay_container()["envFrom"] if "secretRef" in ref}
+    assert deployment_secrets == {secret["metadata"]["name"]}
+    assert "outbox_relay:" in secret["stringData"]["OUTBOX_RELAY_DATABASE__DSN"]
 
 
 def test_kubectl_kustomize_renders() -> None:

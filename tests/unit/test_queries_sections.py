@@ -10,7 +10,8 @@ from psycopg import sql
 from outbox_relay.schema import QUERIES, TableSql
 
 # Placeholders that only some statements have (filled in by their callers).
-EXTRA = {"status": sql.Literal("dead"), "concurrently": sql.SQL(""), "index": sql.Identifier("some_idx")}
+EXTRA = {"status": sql.Literal("dead"), "concurrently": sql.SQL(""), "index": sql.Identifier("some_idx"),
+         "role": sql.Identifier("some_role"), "database": sql.Identifier("some_db")}  # grant_* sections
 
 
 @pytest.mark.parametrize("name", sorted(n for n in QUERIES if n != "dead_filter"))  # a fragment, not a statement
