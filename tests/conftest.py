@@ -22,10 +22,6 @@ from outbox_relay.config import Settings, load_settings
 from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 from outbox_relay.store import OutboxStore
 
-# Transitional re-exports for branches written before the helpers moved to
-# tests/helpers/ (db.py, cli.py); new tests import from there.
-from tests.helpers.cli import ROOT, cli, cli_env  # noqa: F401
-from tests.helpers.db import insert_rows, rows, statuses, wait_for  # noqa: F401
 
 
 class ExternalBroker:
