@@ -111,17 +111,27 @@ def status_counts(conn: psycopg.Connection[Any], table: str) -> dict[str, int]:
 
 # --- the test ------------------------------------------------------------------------
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("on_done", ["keep", "delete"])
 def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
-        pg_dsn: str, table: str, own_broker: EmbeddedBroker, tmp_path: Path) -> None:
+        pg_dsn: str, table: str, own_broker: EmbeddedBroker, tmp_path: Path, on_done: str) -> None:
+    """Both relay.on_done modes: with ``delete`` a delivered row leaves the table (the
+    audit records the fenced delete as a transition to "deleted")."""
+    finished = "deleted" if on_done == "delete" else "done"
     t0 = time.monotonic()
     rng = random.Random(SEED)
     topic_prefix = "chaos" + uuid.uuid4().hex[:10]
     topics = [f"{topic_prefix}.order", f"{topic_prefix}.invoice"]
 
+    def finished_rows(counts: dict[str, int]) -> int:
+        """Rows delivered and finalized: done, or (delete mode) gone from the table."""
+        if on_done == "delete":
+            return TOTAL - sum(counts.values()) if not counts.get("done") else -1
+        return counts.get("done", 0)
+
     migrator = OutboxStore(pg_dsn, table, pool_size=1, application_name="outbox-chaos-test")
     migrator.open()
     try:
-        migrator.migrate()
+        migrator.migrate(on_done=on_done)
     finally:
         migrator.close()
     audit = install_audit(pg_dsn, table)
@@ -133,6 +143,7 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         OUTBOX_RELAY_METRICS__PORT="0",
         OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
         OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS),
+        OUTBOX_RELAY_RELAY__ON_DONE=on_done,
         OUTBOX_RELAY_RELAY__BATCH_SIZE="25",
         # Small batches and a long linger keep batches in flight long enough for the faults to
         # strike them (a broker round trip of ~0.1 s); 8 workers still drain ~1k events/s.
@@ -242,11 +253,11 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         while time.monotonic() < drain_deadline:
             supervise()
             counts = status_counts(monitor, table)
-            if counts.get("done", 0) == TOTAL:
+            if finished_rows(counts) == TOTAL:
                 break
             time.sleep(0.25)
         drain_seconds = time.monotonic() - last_fault_end
-        assert counts.get("done", 0) == TOTAL, (
+        assert finished_rows(counts) == TOTAL, (
             f"not drained {drain_timeout:.0f}s after the last fault: {counts}; "
             f"first unfinished: {monitor.execute(_unfinished_sql(table)).fetchall()}")
 
@@ -274,8 +285,14 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         schema, name = table.split(".")
         ids = [r[0] for r in conn.execute(f'SELECT id FROM "{schema}"."{name}" ORDER BY id').fetchall()]
         max_attempts_seen = conn.execute(f'SELECT max(attempts) FROM "{schema}"."{name}"').fetchone()[0]
-    assert final_counts == {"done": TOTAL}, final_counts
-    assert set(ids) == set(enqueued_ids)
+        finalized_ids = {r[0] for r in conn.execute(
+            f"SELECT DISTINCT id FROM {audit} WHERE new_status = %s", (finished,)).fetchall()}
+    if on_done == "delete":
+        assert final_counts == {}, final_counts  # every row delivered and deleted
+        ids = sorted(finalized_ids)
+    else:
+        assert final_counts == {"done": TOTAL}, final_counts
+    assert set(ids) == set(enqueued_ids) == finalized_ids
 
     expected = set(ids)
     seen: set[int] = set()
@@ -302,7 +319,8 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     violations, transitions = check_audit(pg_dsn, audit)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         last_done = conn.execute(
-            f"SELECT extract(epoch FROM max(at))::float8 FROM {audit} WHERE new_status = 'done'").fetchone()[0]
+            f"SELECT extract(epoch FROM max(at))::float8 FROM {audit} WHERE new_status = %s",
+            (finished,)).fetchone()[0]
     # From the injection of the last fault to the last row's done (a fault lasting seconds,
     # e.g. a relay SIGSTOPped past its lease, may be recovered from while it still lasts).
     recovery_seconds = last_done - last_fault_start
@@ -317,6 +335,7 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     graceful = {r.name: r.proc.returncode for r in every if r.stop_kind in ("term", "final")}
 
     summary = {
+        "on_done": on_done,
         "seed": SEED,
         "events": TOTAL,
         "deliveries": len(messages),

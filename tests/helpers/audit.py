@@ -1,6 +1,6 @@
 """A test-only audit of every transition of the outbox rows, to prove fencing held.
 
-``install_audit`` adds an ``AFTER UPDATE`` trigger that records (id, old/new status,
+``install_audit`` adds ``AFTER UPDATE`` and ``AFTER DELETE`` triggers that record (id, old/new status,
 old/new ``lease_version``, owners, lease expiry) in ``<schema>.chaos_audit``;
 ``check_audit`` replays it and lists every stale finalize, stale lease extension or
 claim of an unexpired lease. Used by the chaos suite and the failover test (the
@@ -45,6 +45,21 @@ def install_audit(dsn: str, table: str) -> str:
         conn.execute(f"""
             CREATE TRIGGER chaos_audit AFTER UPDATE ON "{schema}"."{name}"
             FOR EACH ROW EXECUTE FUNCTION "{schema}".chaos_audit_fn()""")
+        # relay.on_done = delete: a done finalize deletes the row; record it as a
+        # transition to "deleted" that keeps the version, so it is checked like one.
+        conn.execute(f"""
+            CREATE FUNCTION "{schema}".chaos_audit_delete_fn() RETURNS trigger LANGUAGE plpgsql AS $fn$
+            BEGIN
+                INSERT INTO {audit} (id, old_status, new_status, old_version, new_version,
+                                     old_owner, new_owner, old_lease_until, tx_now)
+                VALUES (OLD.id, OLD.status, 'deleted', OLD.lease_version, OLD.lease_version,
+                        OLD.lease_owner, NULL, OLD.lease_until, now());
+                RETURN NULL;
+            END
+            $fn$""")
+        conn.execute(f"""
+            CREATE TRIGGER chaos_audit_delete AFTER DELETE ON "{schema}"."{name}"
+            FOR EACH ROW EXECUTE FUNCTION "{schema}".chaos_audit_delete_fn()""")
     return audit
 
 
@@ -77,7 +92,7 @@ def check_audit(dsn: str, audit: str) -> tuple[list[str], Counter]:
             if old == "processing" and not lease_expired:
                 violations.append(f"seq {seq} id {row_id}: claim took an unexpired lease of {old_owner} v{old_v}")
             highest[row_id] = max(top, new_v)
-        elif old == "processing" and new in ("done", "pending", "dead"):  # a finalize (or the reaper)
+        elif old == "processing" and new in ("done", "deleted", "pending", "dead"):  # a finalize (or the reaper)
             if new_v != old_v:
                 violations.append(f"seq {seq} id {row_id}: finalize {old}->{new} changed version {old_v} -> {new_v}")
             if new_v != top:
