@@ -87,14 +87,14 @@ def load(dsn: str, table: str, *, done: int, pending: int, aggregates: int, pad:
 def claim_params(owner: str, batch: int, *, ordered: bool) -> dict[str, Any]:
     r = DEFAULTS.relay
     return {"owner": owner, "batch": batch, "lease_seconds": float(r.lease_seconds), "max_attempts": r.max_attempts,
-            "ordered_types": [], "all_ordered": ordered, "after": "", "excluded_types": [],
+            "ordered_types": [], "all_ordered": ordered, "after": None, "excluded_types": [],
             "max_batch_bytes": 2**62, "candidates": batch, "max_message_bytes": None, "first_always": True}
 
 
 def time_claims(store: OutboxStore, *, batch: int, reps: int, ordered: bool) -> dict[str, Any]:
     times = []
     sizes = []
-    after = ""  # the ordered claim goes round the aggregates as a worker does
+    after: str | None = None  # the ordered claim goes round the aggregates as a worker does
     for i in range(reps):
         t0 = time.perf_counter()
         result = store.claim(owner=f"bench:{i}", batch=batch, lease_seconds=DEFAULTS.relay.lease_seconds,

@@ -26,6 +26,7 @@ released instead and the circuit breaker opens (``is_outage``).
 from __future__ import annotations
 
 import enum
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,18 @@ class RetryPolicy:
     max_error_chars: int = 1000
 
 
+#: The longest delay a decision writes (a plug-in's Defer(inf), a huge Retry-After):
+#: now() + a larger interval overflows the timestamp and would fail the batch's finalize.
+MAX_DELAY_SECONDS = 30 * 86400.0
+
+
+def bounded_delay(seconds: float) -> float:
+    """A delay PostgreSQL can add to now(): NaN and negative -> 0, at most 30 days."""
+    if not math.isfinite(seconds):
+        return MAX_DELAY_SECONDS if seconds > 0 else 0.0
+    return min(MAX_DELAY_SECONDS, max(0.0, seconds))
+
+
 def truncate(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -90,7 +103,7 @@ def decide(attempts: int, outcome: Outcome, *, outage: bool, policy: RetryPolicy
     if isinstance(outcome, RetryableError) and outage:
         return Decision(Kind.RELEASE, "pending", 0.0, truncate(outcome.reason, limit), True)
     if isinstance(outcome, Defer):
-        return Decision(Kind.DEFER, "pending", max(0.0, outcome.delay),
+        return Decision(Kind.DEFER, "pending", bounded_delay(outcome.delay),
                         truncate(f"deferred: {outcome.reason}", limit), True)
     if isinstance(outcome, RetryableError):
         if attempts >= policy.max_attempts:
@@ -99,8 +112,8 @@ def decide(attempts: int, outcome: Outcome, *, outage: bool, policy: RetryPolicy
         delay = full_jitter_backoff(attempts, base=policy.backoff_base_seconds, cap=policy.backoff_cap_seconds,
                                     uniform=uniform)
         if outcome.retry_after_seconds is not None:
-            delay = max(delay, outcome.retry_after_seconds)
-        return Decision(Kind.RETRY, "pending", delay, truncate(outcome.reason, limit), False)
+            delay = max(delay, bounded_delay(outcome.retry_after_seconds))
+        return Decision(Kind.RETRY, "pending", bounded_delay(delay), truncate(outcome.reason, limit), False)
     if isinstance(outcome, PermanentError):
         return Decision(Kind.DEAD, "dead", 0.0, truncate(f"permanent: {outcome.reason}", limit))
     raise TypeError(f"publisher returned {outcome!r}, not an outcome")

@@ -23,7 +23,7 @@ import structlog
 
 from .backoff import full_jitter_backoff
 from .decision import Decision, Kind
-from .errors import DatabaseError
+from .errors import DatabaseError, DatabaseUnavailable
 from .store import Claimed, FinalizeItem, OutboxStore
 
 log = structlog.get_logger("outbox_relay.finalizer")
@@ -109,6 +109,12 @@ class Finalizer:
                 return self._store.finalize(items, strict=self._strict), attempt > 0
             except DatabaseError as exc:
                 attempt += 1
+                if not isinstance(exc, DatabaseUnavailable):
+                    # Not the connection but the statement (bad data, a missing table):
+                    # repeating it cannot help; the lease expiry recovers the rows.
+                    log.error("finalize refused by the database; rows will be reclaimed after their lease",
+                              error=str(exc), worker=owner)
+                    return None, attempt > 1
                 if time.monotonic() > deadline:
                     log.error("finalize failed; rows will be reclaimed after their lease", error=str(exc),
                               worker=owner)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import abc
 import importlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -277,21 +278,36 @@ class SimplePublisher(Publisher):
     ``publish`` returns normally on success and raises ``RetryableError``,
     ``PermanentError`` or ``Defer`` otherwise. Messages are published in order; after
     a failure the rest of that message's ordered run is not published (released).
+    A message not started by the batch's deadline (``timeout_seconds``, inside the
+    lease) or after ``abort()`` is released unpublished, so a slow target never keeps
+    publishing rows whose lease may already belong to another worker.
     """
+
+    _abort_requested = False  # set on the instance by abort()
 
     @abc.abstractmethod
     def publish(self, message: Message) -> None:
         """Publish one message or raise an outcome exception."""
 
+    def abort(self) -> None:
+        self._abort_requested = True
+
     def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
                       cancel: threading.Event | None = None) -> list[Outcome]:
         from .ordering import RELEASED_AFTER_FAILURE, RunGuard
 
+        deadline = time.monotonic() + timeout_seconds
         outcomes: list[Outcome] = []
         runs = RunGuard()
         for message in messages:
             if cancel is not None and cancel.is_set():
                 outcomes.append(RetryableError("lease lost before this message was published"))
+                continue
+            if self._abort_requested:
+                outcomes.append(NotDelivered("shutting down before this message was published"))
+                continue
+            if time.monotonic() >= deadline:
+                outcomes.append(NotDelivered("not published before the batch deadline"))
                 continue
             if runs.stopped(message.order_key):
                 outcomes.append(NotDelivered(RELEASED_AFTER_FAILURE))

@@ -288,7 +288,8 @@ FROM reaped
 -- {idx_aggregate_dead}. %(all_ordered)s = true means ["*"].
 WITH RECURSIVE aggregates AS (
     (SELECT a.aggregate_id FROM {table} AS a
-     WHERE a.status IN ('pending', 'processing') AND a.aggregate_id > %(after)s
+     WHERE a.status IN ('pending', 'processing')
+       AND (%(after)s::text IS NULL OR a.aggregate_id > %(after)s)  -- NULL: from the start ('' is an id)
      ORDER BY a.aggregate_id LIMIT 1)
     UNION ALL
     SELECT (SELECT n.aggregate_id FROM {table} AS n

@@ -138,13 +138,16 @@ class Relay:
             if database_problem is not None:
                 problems["database"] = database_problem
             else:
-                # A table set up for other settings (ordering indexes missing: ordered
-                # claims would scan the table; another on_done mode) is a configuration
-                # error, not something to wait for.
+                # A table set up for another on_done mode is a configuration error; one
+                # from an older version, or still without the ordering indexes this
+                # relay needs (a migrate may be building them), is waited for.
                 mismatch = self.store.run_problem(ordering=bool(s.relay.ordered_event_types),
                                                   on_done=s.relay.on_done)
                 if mismatch is not None:
-                    raise ConfigError(mismatch)
+                    message, waitable = mismatch
+                    if not waitable:
+                        raise ConfigError(message)
+                    problems["database"] = message
             if self.publisher.must_answer_at_start and not self.publisher.probe(timeout_seconds=probe_seconds):
                 problems["target"] = f"cannot reach {self.publisher.describe_target()}: no broker answered"
             if not problems:

@@ -69,7 +69,9 @@ class Claimed:
 class ClaimResult:
     rows: list[Claimed]
     reaped: list[tuple[int, int, str | None]] = field(default_factory=list)  # (id, version, owner)
-    ordered_after: str = ""  # where the next ordered claim should start (round-robin)
+    # Where the next ordered claim should start (round-robin); None: from the first
+    # aggregate (an empty string is a valid aggregate_id, so it cannot mean "start").
+    ordered_after: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -471,15 +473,21 @@ class OutboxStore:
             "state_table": self.sql.regclass_of("relay_state")}).fetchone()
         return bool(row and row[0])
 
-    def run_problem(self, *, ordering: bool, on_done: str) -> str | None:
-        """For ``run``: why this table does not fit the relay's settings (ordering
-        indexes missing, another on_done mode), or None — also when the database does
-        not answer or the table is not migrated yet, which the relay's start-up waits
-        for. Uses its own short-lived connection, not the pool."""
+    def run_problem(self, *, ordering: bool, on_done: str) -> tuple[str, bool] | None:
+        """For ``run``: why this table does not fit the relay's settings yet, as
+        (message, waitable), or None. Waitable: the table is from an older version, or
+        lacks the ordering indexes (a migrate may be building them right now, CREATE
+        INDEX CONCURRENTLY commits after the table): the relay's start-up waits for
+        them. Not waitable: another on_done mode, a configuration error. A database
+        that does not answer, or a missing table, is check_ready's. Uses its own
+        short-lived connection, not the pool."""
         try:
             with self._connect_once() as conn:
-                if not self._exists(conn) or not self._schema_current(conn):
+                if not self._exists(conn):
                     return None
+                if not self._schema_current(conn):
+                    return (f"table {self.table!r} has the layout of an older version: "
+                            "run `outbox-relay migrate`", True)
                 valid = self._index_validity(conn)
                 row = conn.execute(self.sql.query("table_mode")).fetchone()
         except psycopg.Error:
@@ -487,11 +495,11 @@ class OutboxStore:
         mode = str(row[0]) if row else "keep"
         if mode != on_done:
             return (f"relay.on_done is {on_done!r} but table {self.table!r} is set up for {mode!r}: "
-                    "run `outbox-relay migrate` with the same settings first")
+                    "run `outbox-relay migrate` with the same settings first", False)
         missing = [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
         if ordering and missing:
-            return (f"relay.ordered_event_types is set but table {self.table!r} lacks the ordering indexes "
-                    f"({', '.join(missing)}): run `outbox-relay migrate` with the same settings first")
+            return (f"table {self.table!r} lacks the ordering indexes ({', '.join(missing)}) that "
+                    "relay.ordered_event_types needs: run `outbox-relay migrate` with the same settings", True)
         return None
 
     def on_done_mode(self) -> str:
@@ -525,7 +533,7 @@ class OutboxStore:
         max_attempts: int,
         ordered_types: Sequence[str] = (),
         run_length: int = 1,
-        ordered_after: str = "",
+        ordered_after: str | None = None,
         max_batch_bytes: int = 2**62,
         candidates: int | None = None,
         max_message_bytes: int | None = None,
@@ -557,7 +565,7 @@ class OutboxStore:
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
-        next_after = ""
+        next_after: str | None = None
         with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
                 cur = conn.cursor()
@@ -575,7 +583,7 @@ class OutboxStore:
                 def bytes_left() -> int:
                     return max_batch_bytes - sum(r.size_bytes for r in rows)
 
-                def claim_heads(after: str, limit: int) -> list[Claimed]:
+                def claim_heads(after: str | None, limit: int) -> list[Claimed]:
                     head_params = dict(params, after=after, batch=limit, max_batch_bytes=bytes_left(),
                                        first_always=not rows)
                     return [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
@@ -587,9 +595,9 @@ class OutboxStore:
                 if head_room > 0 and (bytes_left() > 0 or not rows):
                     heads = claim_heads(ordered_after, head_room)
                     rows.extend(heads)
-                    if len(heads) < head_room and ordered_after and bytes_left() > 0:
+                    if len(heads) < head_room and ordered_after is not None and bytes_left() > 0:
                         seen = {h.id for h in heads}
-                        more = [h for h in claim_heads("", head_room - len(heads)) if h.id not in seen]
+                        more = [h for h in claim_heads(None, head_room - len(heads)) if h.id not in seen]
                         heads.extend(more)
                         rows.extend(more)
                 if heads:

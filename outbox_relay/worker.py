@@ -145,12 +145,13 @@ class Worker:
         self.stop_event = stop_event or threading.Event()
         self.keeper = keeper
         self.budget = budget
+        self._in_flight: _Batch | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(store, strict_lease=config.strict_lease,
                                    retry_for_seconds=config.lease_seconds * 0.5)
         self._db_failures = 0
-        self._ordered_after = ""  # aggregate_id where the last ordered claim ended
+        self._ordered_after: str | None = None  # aggregate_id where the last ordered claim ended
         self.log = log.bind(worker=self.owner)
 
     # --- loop ------------------------------------------------------------------------
@@ -160,9 +161,21 @@ class Worker:
         batch N+1's claim overlaps batch N's wait. (Ordered rows are unaffected: a row
         behind an unfinished head is never claimable.)"""
         self.log.info("worker started")
+        try:
+            self._loop()
+        except BaseException:
+            # A bug escaped (the thread ends, /healthz turns 503): give the batch's bytes
+            # back to the process budget, so the other workers are not starved by it.
+            if self._in_flight is not None:
+                self._release_bytes(self._in_flight)
+            raise
+        self.log.info("worker stopped")
+
+    def _loop(self) -> None:
         pipelined = self.publisher.pipelines
         in_flight: _Batch | None = None
         while not self.stop_event.is_set():
+            self._in_flight = in_flight
             if self.breaker is not None and self.breaker.is_open:
                 if in_flight is not None:
                     self._complete(in_flight)
@@ -188,7 +201,11 @@ class Worker:
             if len(rows) >= self.cfg.batch_size:
                 self.wakeup.wake_one()  # a backlog: get another worker going
             if rows:
-                batch = self._start(rows, trace)
+                try:
+                    batch = self._start(rows, trace)
+                except BaseException:
+                    self._return_bytes(held, 0)
+                    raise
                 batch.held_bytes = held if self.budget is not None else 0
                 if pipelined:
                     if in_flight is not None:
@@ -211,9 +228,9 @@ class Worker:
                     self._sleep_db_backoff()
                 continue
             self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+        self._in_flight = in_flight
         if in_flight is not None:
             self._complete(in_flight)
-        self.log.info("worker stopped")
 
     def _reserve_bytes(self, in_flight: _Batch | None) -> tuple[int | None, _Batch | None]:
         """Reserve room for the next claim in the process's in-flight budget. If it is
@@ -309,7 +326,7 @@ class Worker:
             if row.payload is None:  # claimed without its payload: above the target's limit
                 batch.outcomes[i] = PermanentError(
                     f"message too large (MSG_SIZE_TOO_LARGE): payload and headers are {row.size_bytes} bytes, "
-                    f"above the target's limit of {cfg.max_message_bytes} bytes (kafka.message_max_bytes)")
+                    f"above the publisher's limit of {cfg.max_message_bytes} bytes (Kafka: kafka.message_max_bytes)")
                 runs.record(key, failed=True)
                 continue
             try:
@@ -330,7 +347,19 @@ class Worker:
         return batch
 
     def _complete(self, batch: _Batch) -> BatchResult:
-        """Wait for the publish outcomes, then finalize with fencing."""
+        """Wait for the publish outcomes, then finalize with fencing. The batch's bytes
+        go back to the in-flight budget whatever happens."""
+        try:
+            return self._wait_and_finalize(batch)
+        finally:
+            self._release_bytes(batch)
+
+    def _release_bytes(self, batch: _Batch) -> None:
+        if self.budget is not None and batch.held_bytes:
+            self.budget.release(batch.held_bytes)
+            batch.held_bytes = 0
+
+    def _wait_and_finalize(self, batch: _Batch) -> BatchResult:
         if batch.pending is not None:
             cancel = batch.ticket.cancel if batch.ticket is not None else None
             try:
@@ -343,16 +372,15 @@ class Worker:
             batch.trace.published(published)
             for position, outcome in zip(batch.positions, published, strict=True):
                 batch.outcomes[position] = outcome
+        # Judged on what the target said, before stopped runs turn delivered rows into
+        # releases (those would otherwise look like a batch with no delivery at all).
+        outage = self.breaker is not None and is_outage(batch.outcomes)
         if self.cfg.ordering.enabled:
             ordering = self.cfg.ordering
             release_after_failures([ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows],
                                    batch.outcomes)
-        try:
-            return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started,
-                                  trace=batch.trace)
-        finally:
-            if self.budget is not None and batch.held_bytes:
-                self.budget.release(batch.held_bytes)
+        return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started,
+                              trace=batch.trace, outage=outage)
 
     # --- decide, write, record -----------------------------------------------------------
     def finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome]) -> BatchResult:
@@ -360,10 +388,12 @@ class Worker:
         return self._finalize(rows, outcomes, elapsed_seconds=None)
 
     def _finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome], *,
-                  elapsed_seconds: float | None, trace: BatchTrace = NO_TRACE) -> BatchResult:
+                  elapsed_seconds: float | None, trace: BatchTrace = NO_TRACE,
+                  outage: bool | None = None) -> BatchResult:
         # A batch that failed only on transport means the target is unreachable as a
         # whole: release it (attempts refunded) and open the breaker.
-        outage = self.breaker is not None and is_outage(outcomes)
+        if outage is None:
+            outage = self.breaker is not None and is_outage(outcomes)
         decisions = [decide(row.attempts, outcome, outage=outage, policy=self.cfg.retry_policy)
                      for row, outcome in zip(rows, outcomes, strict=True)]
         if outage and self.breaker is not None:

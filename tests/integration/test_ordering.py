@@ -12,7 +12,7 @@ from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
 from outbox_relay.store import OutboxStore
-from tests.helpers.db import rows, statuses, wait_for
+from tests.helpers.db import make_row, rows, run_sql, statuses, wait_for
 
 ALL = ["*"]
 
@@ -237,3 +237,15 @@ def test_run_stops_before_producing_after_a_row_that_cannot_be_built(store, pg_d
     assert state[x2] == ("pending", 0) and state[x3] == ("pending", 0)  # attempts refunded
     # X is now blocked behind its dead head; Y is done.
     assert store.stats(ordered_types=ALL).blocked_aggregates == [("X", x1)]
+
+
+def test_an_empty_aggregate_id_is_an_aggregate_like_any_other(store, pg_dsn, table):
+    """'' is a valid aggregate_id (writers may insert the columns themselves): the
+    round-robin start of the ordered claim must not skip it."""
+    # enqueue() refuses an empty aggregate_id; an SQL writer can still insert one.
+    e1, e2, x1 = (make_row(pg_dsn, table, aggregate_id=agg, event_type="E") for agg in ("", "", "x"))
+    assert sorted(c.id for c in _claim(store)) == [e1, x1]  # both heads, '' included
+    first = _claim(store, owner="B")
+    assert first == []  # followers wait for their heads
+    run_sql(pg_dsn, table, "UPDATE {t} SET status = 'done', lease_until = NULL WHERE id IN (%s, %s)", (e1, x1))
+    assert [c.id for c in _claim(store, owner="C")] == [e2]

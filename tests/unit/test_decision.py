@@ -88,3 +88,14 @@ def test_an_unknown_object_is_not_an_outcome():
 ])
 def test_outage_detection(outcomes, expected):
     assert is_outage(outcomes) is expected
+
+
+@pytest.mark.parametrize("outcome, delay", [
+    (Defer(float("inf"), "forever"), 30 * 86400.0),
+    (Defer(1e13, "far"), 30 * 86400.0),
+    (Defer(float("nan"), "nan"), 0.0),
+    (RetryableError("slow down", retry_after_seconds=float("inf")), 30 * 86400.0),
+])
+def test_delays_are_bounded_so_the_finalize_cannot_overflow(outcome, delay):
+    decision = decide(1, outcome, outage=False, policy=POLICY, uniform=upper_bound)
+    assert decision.delay_seconds == delay
