@@ -119,7 +119,7 @@ def time_stats(dsn: str, table: str, reps: int) -> dict[str, dict[str, Any]]:
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                conn.execute(stmt, STATS_PARAMS).fetchall()
+                conn.execute(stmt, dict(STATS_PARAMS, table=store_sql.regclass_text)).fetchall()
                 times.append((time.perf_counter() - t0) * 1000)
             out[name] = {"median_ms": round(c.median(times), 2), "min_ms": round(min(times), 2), "reps": reps}
     return out
@@ -164,7 +164,7 @@ def measure(dsn: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
                                        claim_params("explain", args.batch_size, ordered=True)),
     }
     for name in STATS:
-        plans[name] = explain(dsn, table, name, STATS_PARAMS)
+        plans[name] = explain(dsn, table, name, dict(STATS_PARAMS, table=OutboxStore(dsn, table).sql.regclass_text))
     return {"claim": claim, "claim_ordered_heads": ordered, **stats,
             "plans": plans, "plan_execution_ms": {k: plan_time(v) for k, v in plans.items()}}
 

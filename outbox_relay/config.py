@@ -37,6 +37,20 @@ _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
+# librdkafka properties the relay sets itself, and why they may not come from kafka.extra.
+_MANAGED_PRODUCER_PROPERTIES = {
+    "enable.idempotence": "the relay relies on the idempotent producer (per-partition order, no duplicates "
+                          "from its own retries)",
+    "acks": "a row is done only once every in-sync replica has it (acks=all)",
+    "request.required.acks": "a row is done only once every in-sync replica has it (acks=all)",
+    "message.timeout.ms": "use kafka.delivery_timeout_seconds (checked against the lease)",
+    "delivery.timeout.ms": "use kafka.delivery_timeout_seconds (checked against the lease)",
+    "message.max.bytes": "use kafka.message_max_bytes (bigger rows go dead before they are fetched)",
+}
+# kafka.extra names whose values are secrets (scrubbed from every log line).
+_SECRET_EXTRA_RE = re.compile(r"password|secret|\.pem$|sasl\.oauthbearer\.config|token", re.IGNORECASE)
+
+
 def parse_duration(text: str) -> float:
     """``'30s'``, ``'15m'``, ``'12h'``, ``'7d'`` (or a bare number of seconds) -> seconds."""
     match = _DURATION_RE.match(str(text))
@@ -63,7 +77,8 @@ class DatabaseSettings(_Section):
     table: str = Field(default="outbox", description="Outbox table, optionally schema-qualified (app.outbox).")
     pool_size: int = Field(
         default=0, ge=0, le=200,
-        description="Connections in the relay's pool; 0 = workers + 2 (claims, finalizes, metrics).",
+        description="Connections in the relay's pool; 0 = workers + 4 "
+                    "(claims and finalizes, lease keeper, gauges, /readyz).",
     )
     connect_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one connection attempt.")
     statement_timeout_ms: int = Field(
@@ -181,6 +196,15 @@ class KafkaSettings(_Section):
         if bool(self.ssl_certificate_location) != bool(self.ssl_key_location):
             raise ValueError("kafka.ssl_certificate_location and kafka.ssl_key_location go together (mutual TLS)")
         return self
+
+    @field_validator("extra")
+    @classmethod
+    def _check_extra(cls, value: dict[str, str]) -> dict[str, str]:
+        """Properties the relay's guarantees rest on cannot be overridden through extra."""
+        for name in value:
+            if name in _MANAGED_PRODUCER_PROPERTIES:
+                raise ValueError(f"{name!r} cannot be set through kafka.extra: {_MANAGED_PRODUCER_PROPERTIES[name]}")
+        return value
 
     @field_validator("topic_template")
     @classmethod
@@ -410,7 +434,7 @@ class Settings(BaseSettings):
 
     @property
     def pool_size(self) -> int:
-        return self.database.pool_size or self.relay.workers + 2
+        return self.database.pool_size or self.relay.workers + 4
 
     @property
     def listens_for_wakeups(self) -> bool:
@@ -444,6 +468,9 @@ class Settings(BaseSettings):
                 secrets.append(secret.get_secret_value())
         if self.console.token is not None:
             secrets.append(self.console.token.get_secret_value())
+        # Secrets passed straight to librdkafka through kafka.extra (OAuth client
+        # secrets, keystore passwords, inline PEM keys).
+        secrets.extend(value for name, value in self.kafka.extra.items() if _SECRET_EXTRA_RE.search(name))
         return secrets
 
 

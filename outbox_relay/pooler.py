@@ -41,12 +41,11 @@ from psycopg import pq
 from psycopg.abc import Params, Query, QueryNoTemplate
 from psycopg.transaction import Transaction
 
-from .schema import QUERIES
+from .schema import EXECUTABLE
 
 # queries.sql section "bound_statement" (transaction-local statement_timeout), its
 # comment lines left out: they would travel with every statement.
-_BOUND_STATEMENT = "\n".join(line for line in QUERIES["bound_statement"].splitlines()
-                             if not line.lstrip().startswith("--")).strip()
+_BOUND_STATEMENT = EXECUTABLE["bound_statement"]
 
 
 class _ThreadState(threading.local):

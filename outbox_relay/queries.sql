@@ -461,7 +461,9 @@ RETURNING o.id
 -- Rows per status, each counted exactly up to %(cap)s from its partial index, so the
 -- cost is bounded however large the table grows. Done rows have no index (nothing on
 -- the relay's path reads them): they are counted exactly only while the whole table
--- holds at most %(cap)s rows (a sequential read of at most that many), otherwise NULL.
+-- holds at most the cap (a sequential read of at most that many rows), otherwise NULL;
+-- a table the planner already knows to be larger (pg_class.reltuples) is not read at
+-- all, so a large keep-mode table costs nothing here every refresh.
 -- A status that reaches the cap, and done when NULL, is estimated from the planner's
 -- statistics (stats_status_estimate).
 SELECT 'pending' AS status, count(*) AS n FROM (SELECT 1 FROM {table} WHERE status = 'pending' LIMIT %(cap)s) AS p
@@ -470,8 +472,12 @@ SELECT 'processing', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'proces
 UNION ALL
 SELECT 'dead', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'dead' LIMIT %(cap)s) AS d
 UNION ALL
-SELECT 'done', CASE WHEN count(*) <= %(cap)s THEN count(*) FILTER (WHERE s.status = 'done') END
-FROM (SELECT status FROM {table} LIMIT %(cap)s + 1) AS s
+SELECT 'done', CASE WHEN g.large THEN NULL
+                    WHEN count(s.status) <= %(cap)s THEN count(s.status) FILTER (WHERE s.status = 'done') END
+FROM (SELECT coalesce((SELECT c.reltuples FROM pg_class AS c WHERE c.oid = %(table)s::regclass), -1)
+             > %(cap)s AS large) AS g
+LEFT JOIN LATERAL (SELECT t.status FROM {table} AS t WHERE NOT g.large LIMIT %(cap)s + 1) AS s ON true
+GROUP BY g.large
 
 -- name: stats_status_estimate
 -- Planner statistics (kept fresh by autovacuum's ANALYZE): rows per status value.

@@ -35,6 +35,17 @@ def _load_sections() -> dict[str, str]:
 
 QUERIES: dict[str, str] = _load_sections()
 
+
+def _strip_comments(text: str) -> str:
+    """Without its whole-line ``--`` comments: they stay in queries.sql for the reader
+    but are not sent with every statement (psycopg would also parse them for
+    placeholders)."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()
+
+
+#: The statements as sent to the server.
+EXECUTABLE: dict[str, str] = {name: _strip_comments(body) for name, body in QUERIES.items()}
+
 # Index layout (the DDL is in queries.sql, section "index_<key>"; the index is named
 # "<table>_<key>_idx"). Every index costs WAL on each insert or update that enters it,
 # so an index exists only where a statement of this layout reads it.
@@ -140,7 +151,7 @@ class TableSql:
         names = dict(self._names, **extra)
         if strict:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
-        return sql.SQL(QUERIES[name]).format(**names)
+        return sql.SQL(EXECUTABLE[name]).format(**names)
 
     def grants(self, kind: str, role: str, *, database: str | None = None) -> list[sql.Composed]:
         """GRANT statements (queries.sql ``grant_<kind>``) for a role of one kind:
@@ -168,5 +179,3 @@ class TableSql:
         return [sql.SQL(_strip_comments(p)).format(**values) for p in parts]
 
 
-def _strip_comments(text: str) -> str:
-    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()

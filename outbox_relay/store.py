@@ -685,7 +685,8 @@ class OutboxStore:
             estimated: list[str] = []
             if include_depth:
                 unknown: list[str] = []  # done rows in a table above the cap (no index counts them)
-                for status, n in conn.execute(self.sql.query("stats_depth"), {"cap": count_cap}).fetchall():
+                for status, n in conn.execute(self.sql.query("stats_depth"),
+                                              {"cap": count_cap, "table": self.sql.regclass_text}).fetchall():
                     if n is None:
                         unknown.append(status)
                     else:

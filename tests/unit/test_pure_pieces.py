@@ -230,3 +230,18 @@ def test_payload_is_never_reserialised():
     raw = '{"b": 1, "a": [1.50, "ü"]}'
     assert build_message(claimed(payload=raw), "t").value == raw
     assert json.loads(raw)  # the relay forwards the stored text as is
+
+
+@pytest.mark.parametrize("name", ["enable.idempotence", "acks", "message.timeout.ms", "delivery.timeout.ms",
+                                  "message.max.bytes"])
+def test_kafka_extra_cannot_override_what_the_guarantees_rest_on(name):
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, kafka={"extra": {name: "1"}})
+    assert f"'{name}' cannot be set through kafka.extra" in str(info.value)
+
+
+def test_secrets_given_through_kafka_extra_are_scrubbed():
+    settings = load_settings(None, kafka={"extra": {"sasl.oauthbearer.client.secret": "oauth-s3cret",
+                                                    "ssl.keystore.password": "ks-s3cret", "linger.ms": "7"}})
+    secrets = settings.secret_values
+    assert "oauth-s3cret" in secrets and "ks-s3cret" in secrets and "7" not in secrets
