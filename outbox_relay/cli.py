@@ -247,7 +247,7 @@ def _print_summary(summary: DeadSummary | None, indent: str = "  ") -> None:
 @dead_app.command("list")
 def dead_list(
     json_out: Annotated[bool, typer.Option("--json", help="JSON array output.")] = False,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=100_000, help="At most this many rows.")] = 100,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many rows.")] = 100,
     after_id: Annotated[int, typer.Option("--after-id", min=0, help="Rows with a larger id (next page).")] = 0,
     event_type: EventTypeOpt = None,
     aggregate_type: AggregateTypeOpt = None,
@@ -344,7 +344,7 @@ def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: i
 LimitChangeOpt = Annotated[int | None, typer.Option(
     "--limit", min=1, help="Change at most this many rows (the oldest by id).")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Only say how many rows (and which) would change.")]
-ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1, max=10_000, help="Rows per transaction.")]
+ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1, help="Rows per transaction.")]
 
 
 @dead_app.command("retry")

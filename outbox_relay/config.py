@@ -32,7 +32,7 @@ from .errors import ConfigError
 # PostgreSQL quoted (psycopg.sql.Identifier); this pattern additionally refuses
 # anything that could only be a mistake or an injection attempt (quotes, semicolons,
 # spaces), so the error is raised at start-up and names the setting.
-_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?$")
+_TABLE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}(\.[A-Za-z_][A-Za-z0-9_]{0,62})?\Z")
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 

@@ -68,7 +68,9 @@ class Relay:
         self.keeper: LeaseKeeper | None = None
         self._started = False
         self._start_lock = threading.Lock()  # stop() waits for a start() in progress
-        self._waiting_for: str | None = None  # what start() is waiting for, if anything
+        self._stop_lock = threading.Lock()
+        # What start() is waiting for; None once the workers run (or before start()).
+        self._waiting_for: str | None = None
         self._signals = 0
 
     # --- start -----------------------------------------------------------------------
@@ -99,18 +101,23 @@ class Relay:
                 self.tracing.close()
                 raise ConfigError(f"cannot create the publisher: {exc}") from None
             publisher.observer = self.metrics
+            self._waiting_for = "starting"  # /healthz 200, /readyz 503 from the first request
             try:
                 self._start_metrics_server()
                 if not self._wait_for_dependencies():
                     return  # stop() was called while waiting
                 self.store.open()
+                self._start_workers()
             except BaseException:
+                self._stop_claiming.set()
+                if self.keeper is not None:
+                    self.keeper.stop()
                 self._close_publisher()
                 self.tracing.close()
                 if self._server is not None:
                     self._server.stop()
+                self.store.close()
                 raise
-            self._start_workers()
 
     def _start_metrics_server(self) -> None:
         s = self.settings
@@ -132,6 +139,7 @@ class Relay:
         started = time.monotonic()
         delay = 0.5
         probe_seconds = min(5.0, s.database.connect_timeout_seconds + 2.0)
+        waited_before = False
         while True:
             problems: dict[str, str] = {}
             database_problem = self.store.check_ready()  # raises DatabaseRefused
@@ -151,11 +159,12 @@ class Relay:
             if self.publisher.must_answer_at_start and not self.publisher.probe(timeout_seconds=probe_seconds):
                 problems["target"] = f"cannot reach {self.publisher.describe_target()}: no broker answered"
             if not problems:
-                if self._waiting_for is not None:
+                if waited_before:
                     log.info("dependencies answer: starting", waited_seconds=round(time.monotonic() - started, 1))
-                self._waiting_for = None
+                self._waiting_for = "starting the workers"  # healthy, not ready, until _start_workers ends
                 return True
             self._waiting_for = "; ".join(problems.values())
+            waited_before = True
             waited = time.monotonic() - started
             if timeout > 0 and waited >= timeout:
                 if "database" in problems:
@@ -212,6 +221,7 @@ class Relay:
             thread.start()
         self.metrics.worker_threads_alive.set(len(self._threads))
         self._started = True
+        self._waiting_for = None
         log.info("relay started", workers=s.relay.workers, table=s.database.table,
                  owner=s.relay.owner, publisher=s.relay.publisher, batch_size=s.relay.batch_size,
                  message_format=s.kafka.message_format, tracing=self.tracing.enabled,
@@ -257,9 +267,12 @@ class Relay:
 
     # --- stop ------------------------------------------------------------------------
     def stop(self, timeout_seconds: float | None = None) -> None:
-        """Graceful hand-off; safe to call twice."""
-        if self._stopped.is_set():
-            return
+        """Graceful hand-off; safe to call twice (a second caller waits for the first)."""
+        with self._stop_lock:
+            if not self._stopped.is_set():
+                self._stop(timeout_seconds)
+
+    def _stop(self, timeout_seconds: float | None) -> None:
         timeout = self.settings.relay.shutdown_timeout_seconds if timeout_seconds is None else timeout_seconds
         log.info("stopping: no new claims; waiting for in-flight batches", timeout_seconds=timeout)
         self._stop_claiming.set()

@@ -18,7 +18,7 @@ from psycopg import sql
 _SECTION_RE = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 # A role name for `outbox-relay grants`: a plain identifier, always sent quoted. Anything
 # else (quotes, spaces, semicolons) is refused rather than escaped: it is a mistake.
-ROLE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+ROLE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 GRANT_KINDS = ("relay", "operator", "writer")
 
 

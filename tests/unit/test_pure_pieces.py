@@ -245,3 +245,12 @@ def test_secrets_given_through_kafka_extra_are_scrubbed():
                                                     "ssl.keystore.password": "ks-s3cret", "linger.ms": "7"}})
     secrets = settings.secret_values
     assert "oauth-s3cret" in secrets and "ks-s3cret" in secrets and "7" not in secrets
+
+
+@pytest.mark.parametrize("name", ["outbox\n", "app.outbox\n", "outbox;", "a b"])
+def test_table_and_role_names_refuse_a_trailing_newline_and_other_junk(name):
+    from outbox_relay.schema import ROLE_NAME_RE
+
+    with pytest.raises(ConfigError):
+        load_settings(None, database={"table": name})
+    assert not ROLE_NAME_RE.match(name.split(".")[-1])
