@@ -199,17 +199,23 @@ class EmbeddedPgBouncer:
         binary = self.binary()
         if binary is None:
             raise EmbeddedUnavailable("pgbouncer is not installed (Debian: apt-get install pgbouncer)")
-        self._tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-pgbouncer-"))
-        os.chmod(self._tmp, 0o755)  # readable by the unprivileged user it runs as
+        self._tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-pgbouncer-"))  # mode 0700
         userlist = self._tmp / "userlist.txt"
         userlist.write_text(f'"{self.user}" ""\n')
         self.config_path = self._tmp / "pgbouncer.ini"
-        self.config_path.write_text(self.config_text(userlist))
+        self.config_path.write_text(self.config_text(userlist))  # may hold the upstream password
         for path in (userlist, self.config_path):
-            os.chmod(path, 0o644)
+            os.chmod(path, 0o600)
         command = [binary]
         if os.geteuid() == 0:
-            command += ["-u", self._unprivileged_user()]
+            import pwd
+
+            user = self._unprivileged_user()
+            # Only that user (and root) can read the configuration, password included.
+            entry = pwd.getpwnam(user)
+            for path in (self._tmp, userlist, self.config_path):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+            command += ["-u", user]
         command.append(str(self.config_path))
         # Not daemonised: it logs to stderr, which goes to the log file (or nowhere).
         if self._log_file:

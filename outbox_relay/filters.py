@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from .config import parse_duration
@@ -37,9 +37,6 @@ class DeadFilter:
     def has_conditions(self) -> bool:
         """True if anything but ``limit`` narrows the rows (else: every dead row)."""
         return any(getattr(self, f.name) is not None for f in fields(self) if f.name != "limit")
-
-    def with_ids(self, ids: tuple[int, ...]) -> DeadFilter:
-        return replace(self, ids=ids)
 
     def sql_params(self) -> dict[str, Any]:
         """The bound parameters of the "dead_filter" predicate."""

@@ -563,15 +563,6 @@ WHERE d.status = 'dead'
 ORDER BY d.id
 LIMIT %(limit)s
 
--- name: dead_list
-SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at, topic
-FROM {table}
-WHERE status = 'dead'
-  AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s)
-  AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s)
-ORDER BY id
-LIMIT %(limit)s
-
 -- name: dead_retry
 -- Back to pending, due now, with a fresh attempt budget. last_error stays visible
 -- until the next outcome overwrites it.
@@ -579,15 +570,6 @@ UPDATE {table}
 SET status = 'pending', attempts = 0, available_at = now()
 WHERE id = ANY(%(ids)s) AND status = 'dead'
 RETURNING id
-
--- name: dead_retry_all_chunk
-WITH chunk AS (
-    SELECT id FROM {table} WHERE status = 'dead' ORDER BY id LIMIT %(limit)s FOR UPDATE SKIP LOCKED
-)
-UPDATE {table} AS o
-SET status = 'pending', attempts = 0, available_at = now()
-FROM chunk WHERE o.id = chunk.id
-RETURNING o.id
 
 -- name: dead_skip
 UPDATE {table}
@@ -600,9 +582,6 @@ SELECT id, status FROM {table} WHERE id = ANY(%(ids)s)
 
 -- name: state_of
 SELECT id, status, lease_version FROM {table} WHERE id = ANY(%(ids)s)
-
--- name: count_dead
-SELECT count(*) FROM {table} WHERE status = 'dead'
 
 -- name: purge_chunk
 -- Retention without an index on done rows: walk the table in id order (the primary

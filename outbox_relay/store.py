@@ -738,14 +738,6 @@ class OutboxStore:
             return False
 
     # --- dead-letter operations ------------------------------------------------------
-    def dead_list(self, *, limit: int = 100, event_type: str | None = None,
-                  aggregate_id: str | None = None) -> list[dict[str, Any]]:
-        with self._mapped("dead list"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("dead_list"),
-                               {"limit": limit, "event_type": event_type, "aggregate_id": aggregate_id})
-            names = [d.name for d in cur.description or ()]
-            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-
     def statuses(self, ids: Sequence[int]) -> dict[int, str]:
         with self._mapped("look up rows"), self._pool.connection() as conn:
             return {r[0]: r[1] for r in conn.execute(self.sql.query("status_of"), {"ids": list(ids)}).fetchall()}
@@ -760,19 +752,10 @@ class OutboxStore:
         with self._mapped("dead retry"), self._pool.connection() as conn:
             return {r[0] for r in conn.execute(self.sql.query("dead_retry"), {"ids": list(ids)}).fetchall()}
 
-    def dead_retry_all_chunk(self, limit: int) -> int:
-        with self._mapped("dead retry --all"), self._pool.connection() as conn:
-            return len(conn.execute(self.sql.query("dead_retry_all_chunk"), {"limit": limit}).fetchall())
-
     def dead_skip(self, ids: Sequence[int], reason: str) -> set[int]:
         with self._mapped("dead skip"), self._pool.connection() as conn:
             return {r[0] for r in conn.execute(self.sql.query("dead_skip"),
                                                {"ids": list(ids), "reason": reason}).fetchall()}
-
-    def count_dead(self) -> int:
-        with self._mapped("count dead"), self._pool.connection() as conn:
-            row = conn.execute(self.sql.query("count_dead")).fetchone()
-            return int(row[0]) if row else 0
 
     # --- operator console / CLI (issue 18): filters, exact counts, audit ------------------
     # Everything the CLI's filtered dead-letter commands and the console read or change.
