@@ -36,6 +36,11 @@ class CircuitBreaker:
         self._initial = initial_backoff
         self._max = max_backoff
         self.opened_count = 0
+        # Trips since the last batch that delivered anything. A target whose probe
+        # answers but which refuses every message (say, an ACL that allows metadata but
+        # not writes) would otherwise make the breaker close and trip again at once,
+        # forever: each trip in a row waits twice as long before its first probe.
+        self._streak = 0
 
     @property
     def is_open(self) -> bool:
@@ -47,14 +52,22 @@ class CircuitBreaker:
                 return
             self._open = True
             self.opened_count += 1
+            self._streak += 1
             self._closed_event.clear()
         if self._gauge is not None:
             self._gauge.set(1)
         log.warning("broker unreachable: circuit breaker open, claiming paused", reason=reason)
         threading.Thread(target=self._probe_loop, name="breaker-probe", daemon=True).start()
 
+    def record_delivery(self) -> None:
+        """A batch delivered something: the target works, the next outage starts afresh."""
+        self._streak = 0
+
+    def first_probe_delay(self) -> float:
+        return min(self._max, self._initial * float(2 ** min(max(self._streak - 1, 0), 16)))
+
     def _probe_loop(self) -> None:
-        delay = self._initial
+        delay = self.first_probe_delay()
         while self._open:
             time.sleep(delay * random.uniform(0.5, 1.0))
             try:

@@ -396,9 +396,12 @@ class Worker:
             outage = self.breaker is not None and is_outage(outcomes)
         decisions = [decide(row.attempts, outcome, outage=outage, policy=self.cfg.retry_policy)
                      for row, outcome in zip(rows, outcomes, strict=True)]
-        if outage and self.breaker is not None:
-            failures = sum(1 for o in outcomes if o is not None and not isinstance(o, NotDelivered))
-            self.breaker.trip(f"{failures} transport failures and no delivery in one batch")
+        if self.breaker is not None:
+            if outage:
+                failures = sum(1 for o in outcomes if o is not None and not isinstance(o, NotDelivered))
+                self.breaker.trip(f"{failures} transport failures and no delivery in one batch")
+            elif any(o is None for o in outcomes):
+                self.breaker.record_delivery()
         trace.finalizing()
         result = self.finalizer.write(rows, decisions, owner=self.owner)
         result.elapsed_seconds = elapsed_seconds

@@ -51,3 +51,19 @@ def test_reserve_waits_for_a_release_and_stops_on_request():
     stop = threading.Event()
     stop.set()
     assert budget.reserve(80, stop) is False  # 130 > 100 and asked to stop
+
+
+def test_breaker_waits_longer_for_each_trip_without_a_delivery_in_between():
+    from outbox_relay.breaker import CircuitBreaker
+
+    breaker = CircuitBreaker(lambda: True, initial_backoff=0.001, max_backoff=0.004)
+    delays = []
+    for _ in range(4):
+        breaker.trip("refused")
+        delays.append(breaker.first_probe_delay())
+        assert breaker.wait_closed(5)  # the probe answers: closed again
+    assert delays == [0.001, 0.002, 0.004, 0.004]  # doubling, capped
+    breaker.record_delivery()
+    breaker.trip("refused")
+    assert breaker.first_probe_delay() == 0.001
+    assert breaker.wait_closed(5)
