@@ -162,9 +162,24 @@ END
 $fn$
 
 -- name: create_notify_trigger
-DROP TRIGGER IF EXISTS {trg_notify} ON {table};
+-- Only when missing (migrate checks notify_trigger_exists first): creating a trigger
+-- locks the table against writers, and the function it calls is replaced in place.
 CREATE TRIGGER {trg_notify} AFTER INSERT ON {table}
     FOR EACH STATEMENT EXECUTE FUNCTION {fn_notify}()
+
+-- name: notify_trigger_exists
+SELECT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = %(table)s::regclass AND tgname = %(trigger)s)
+
+-- name: migrate_lock_timeout
+-- migrate's schema changes take short locks that writers queue behind: give up (and
+-- retry) rather than wait behind a long transaction with every writer queued after it.
+SET LOCAL lock_timeout = '5s'
+
+-- name: migrate_try_lock
+SELECT pg_try_advisory_lock(hashtextextended(%(key)s, 0))
+
+-- name: migrate_unlock
+SELECT pg_advisory_unlock(hashtextextended(%(key)s, 0))
 
 -- name: drop_notify_trigger
 DROP TRIGGER IF EXISTS {trg_notify} ON {table};

@@ -115,6 +115,10 @@ class TableSql:
         return ".".join('"' + part + '"' for part in ([self.schema_name] if self.schema_name else []) + [audit])
 
     @cached_property
+    def notify_trigger_name(self) -> str:
+        return _short(self.table_name, "notify_trg")
+
+    @cached_property
     def _names(self) -> dict[str, sql.Composable]:
         base = self.table_name
         return {
@@ -125,7 +129,7 @@ class TableSql:
             "state_table": self._qualified(_short(base, "relay_state")),
             "dedup_keys": self._qualified(_short(base, "dedup_keys")),
             "fn_notify": self._qualified(_short(base, "notify_fn")),
-            "trg_notify": sql.Identifier(_short(base, "notify_trg")),
+            "trg_notify": sql.Identifier(self.notify_trigger_name),
             "channel_literal": sql.Literal(self.channel),
             "fillfactor": sql.Literal(FILLFACTOR),
             "strict": sql.SQL(""),

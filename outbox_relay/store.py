@@ -156,6 +156,10 @@ _PERMANENT_CONNECT_MARKERS = (
 )
 
 
+#: How often migrate retries its transactional part when a lock is not available.
+_MIGRATE_LOCK_ATTEMPTS = 3
+
+
 def connect_failure_is_permanent(exc: BaseException) -> bool:
     """True if a failed connection attempt cannot succeed by waiting (see above)."""
     if getattr(exc, "sqlstate", None) in _PERMANENT_CONNECT_SQLSTATES:
@@ -353,47 +357,69 @@ class OutboxStore:
                 time.sleep(0.2)
             try:
                 wanted = [*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())]
-                with conn.transaction():
-                    created = not self._exists(conn)
-                    # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
-                    # schema exists: an owner that owns only its schema must still migrate.
-                    if self.sql.schema_name:
-                        schema = conn.execute(self.sql.query("schema_exists"),
-                                              {"schema": '"' + self.sql.schema_name + '"'}).fetchone()
-                        if not (schema and schema[0]):
-                            conn.execute(self.sql.query("create_schema"))
-                    conn.execute(self.sql.query("create_table"))
-                    if not self._column_exists(conn, "dedup_key"):
-                        conn.execute(self.sql.query("add_dedup_key"))  # takes a short exclusive lock
-                    if not created and self._fillfactor(conn) is None:  # an operator's own value is kept
-                        conn.execute(self.sql.query("set_fillfactor"))
-                        notes.append(f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and "
-                                     "finalize on the same page)")
-                    if created:  # an empty table: plain CREATE INDEX, in this transaction
-                        for key in wanted:
-                            conn.execute(self.sql.index_ddl(key, concurrently=False))
-                    for statement in self.sql.statements("create_state_table"):
-                        conn.execute(statement)
-                    conn.execute(self.sql.query("create_audit_table"))  # operator retry/skip trail (issue 18)
-                    if not self._state_has_mode(conn):
-                        conn.execute(self.sql.query("add_on_done"))
-                    if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
-                        notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
-                                     "kept so far stay until purge" if on_done == "delete" else
-                                     "finalize now keeps delivered rows as done (relay.on_done = keep)")
-                    conn.execute(self.sql.query("create_dedup_keys"))
-                    conn.execute(self.sql.query("backfill_dedup_keys"))
-                    if notify_trigger:
-                        conn.execute(self.sql.query("create_notify_function"))
-                        for statement in self.sql.statements("create_notify_trigger"):
-                            conn.execute(statement)
-                    else:
-                        for statement in self.sql.statements("drop_notify_trigger"):
-                            conn.execute(statement)
+                for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
+                    try:
+                        notes += self._migrate_schema(conn, on_done=on_done, notify_trigger=notify_trigger,
+                                                      wanted=wanted)
+                        break
+                    except pg_errors.LockNotAvailable:
+                        if attempt == _MIGRATE_LOCK_ATTEMPTS:
+                            raise DatabaseError(
+                                f"migrate: a lock on {self.table!r} was not available within 5 s, "
+                                f"{attempt} times: a long transaction holds the table; retry when it ended"
+                            ) from None
+                        time.sleep(1.0)
                 notes += self._converge_indexes(conn, wanted, ordering=ordering,
                                                 drop_ordering_indexes=drop_ordering_indexes)
             finally:
-                conn.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (lock_key,))
+                conn.execute(self.sql.query("migrate_unlock"), {"key": lock_key})
+        return notes
+
+    def _migrate_schema(self, conn: psycopg.Connection[Any], *, on_done: str, notify_trigger: bool,
+                        wanted: Sequence[str]) -> list[str]:
+        """The transactional part of migrate: table, columns, state and audit tables,
+        mode, dedup keys, trigger; under a lock timeout (it is retried as a whole)."""
+        notes: list[str] = []
+        with conn.transaction():
+            conn.execute(self.sql.query("migrate_lock_timeout"))
+            created = not self._exists(conn)
+            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
+            # schema exists: an owner that owns only its schema must still migrate.
+            if self.sql.schema_name:
+                schema = conn.execute(self.sql.query("schema_exists"),
+                                      {"schema": '"' + self.sql.schema_name + '"'}).fetchone()
+                if not (schema and schema[0]):
+                    conn.execute(self.sql.query("create_schema"))
+            conn.execute(self.sql.query("create_table"))
+            if not self._column_exists(conn, "dedup_key"):
+                conn.execute(self.sql.query("add_dedup_key"))  # takes a short exclusive lock
+            if not created and self._fillfactor(conn) is None:  # an operator's own value is kept
+                conn.execute(self.sql.query("set_fillfactor"))
+                notes.append(f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and "
+                             "finalize on the same page)")
+            if created:  # an empty table: plain CREATE INDEX, in this transaction
+                for key in wanted:
+                    conn.execute(self.sql.index_ddl(key, concurrently=False))
+            for statement in self.sql.statements("create_state_table"):
+                conn.execute(statement)
+            conn.execute(self.sql.query("create_audit_table"))  # operator retry/skip trail (issue 18)
+            if not self._state_has_mode(conn):
+                conn.execute(self.sql.query("add_on_done"))
+            if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
+                notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
+                             "kept so far stay until purge" if on_done == "delete" else
+                             "finalize now keeps delivered rows as done (relay.on_done = keep)")
+            conn.execute(self.sql.query("create_dedup_keys"))
+            conn.execute(self.sql.query("backfill_dedup_keys"))
+            if notify_trigger:
+                conn.execute(self.sql.query("create_notify_function"))
+                exists = conn.execute(self.sql.query("notify_trigger_exists"), {
+                    "table": self.sql.regclass_text, "trigger": self.sql.notify_trigger_name}).fetchone()
+                if not (exists and exists[0]):
+                    conn.execute(self.sql.query("create_notify_trigger"))
+            else:
+                for statement in self.sql.statements("drop_notify_trigger"):
+                    conn.execute(statement)
         return notes
 
     def _converge_indexes(self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool,
@@ -432,9 +458,8 @@ class OutboxStore:
         with psycopg.connect(self._dsn, **kwargs) as conn:
             yield conn
 
-    @staticmethod
-    def _try_lock(conn: psycopg.Connection[Any], key: str) -> bool:
-        row = conn.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))", (key,)).fetchone()
+    def _try_lock(self, conn: psycopg.Connection[Any], key: str) -> bool:
+        row = conn.execute(self.sql.query("migrate_try_lock"), {"key": key}).fetchone()
         return bool(row and row[0])
 
     def _exists(self, conn: psycopg.Connection[Any]) -> bool:
