@@ -84,6 +84,16 @@ class LeaseKeeper(PeriodicService):
                 continue
             batch.extended_at = time.monotonic()
             batch.extensions += 1
+            with self._lock:
+                finalizing = batch not in self._batches
+            if finalizing:
+                # The worker untracked the batch while this extension ran: it is
+                # finalizing (or releasing) the rows itself, so rows the update did not
+                # find were most likely just finalized by their own claim, not taken
+                # over. Judging them lost would log false warnings and cancel a batch
+                # that is already done; a real takeover is still caught by the fenced
+                # finalize, which counts it as a lost lease.
+                continue
             for row_id, version in owned:
                 if row_id not in kept:
                     batch.lost.add(row_id)

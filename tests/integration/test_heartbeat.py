@@ -81,3 +81,31 @@ def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn,
     batch.extended_at -= 60
     lenient.step()
     assert batch.lost == set() and batch.extensions == 1  # default policy: nobody reclaimed, keep going
+
+
+def test_extension_racing_the_batch_finalize_does_not_judge_its_rows_lost(store, pg_dsn, table):
+    """The keeper picks a due batch, then its worker untracks and finalizes it before the
+    extension's UPDATE runs (the interleaving of a heartbeat tick with a batch that just
+    finished). The rows were finalized by their own claim: not lost, no cancel."""
+    from outbox_relay.heartbeat import LeaseKeeper
+
+    insert_rows(pg_dsn, table, 3)
+    claimed = store.claim(owner="A", batch=10, lease_seconds=30, max_attempts=5).rows
+    keeper = LeaseKeeper(store, lease_seconds=30, extend_after_fraction=0.01)
+    batch = keeper.track(claimed, "A")
+    batch.extended_at -= 60  # due now
+
+    real_extend = store.extend_lease
+
+    def worker_finishes_first(claims, lease_seconds, *, strict=False):
+        keeper.untrack(batch)  # what Worker._wait_and_finalize does before finalizing
+        assert len(store.mark_done([(c.id, c.lease_version) for c in claimed])) == 3
+        return real_extend(claims, lease_seconds, strict=strict)
+
+    store.extend_lease = worker_finishes_first
+    try:
+        keeper.step()
+    finally:
+        del store.extend_lease
+    assert statuses(pg_dsn, table) == {"done": 3}
+    assert batch.lost == set() and not batch.cancel.is_set()
