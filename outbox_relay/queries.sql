@@ -351,7 +351,7 @@ WITH RECURSIVE aggregates AS (
         FROM candidates WINDOW w AS (ORDER BY id)
     ) AS sized
     WHERE (%(first_always)s AND n = 1) OR bytes_through <= %(max_batch_bytes)s
-)
+), claimed AS (
 UPDATE {table} AS o
 SET status = 'processing',
     lease_owner = %(owner)s,
@@ -363,6 +363,11 @@ WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
           o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+)
+-- last_aggregate: where the next claim's round-robin starts. Computed here because
+-- "after" must follow the column's collation (the skip scan's order), which for
+-- en_US or ICU collations is not Python's code-point order.
+SELECT claimed.*, max(claimed.aggregate_id) OVER () AS last_aggregate FROM claimed
 
 -- name: claim_ordered_runs
 -- Behind each head just claimed (and still held by this transaction), take the

@@ -611,12 +611,15 @@ class OutboxStore:
                 def claim_heads(after: str | None, limit: int) -> list[Claimed]:
                     head_params = dict(params, after=after, batch=limit, max_batch_bytes=bytes_left(),
                                        first_always=not rows)
-                    return [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_heads"),
-                                                             head_params).fetchall()]
+                    found = cur.execute(self.sql.query("claim_ordered_heads"), head_params).fetchall()
+                    if found:  # the last aggregate in the column's collation order (see queries.sql)
+                        last_aggregate[0] = found[0][-1]
+                    return [Claimed(*r[:-1]) for r in found]
 
                 # Round-robin over aggregates: start after where the last claim ended,
                 # wrap around to the beginning if that end of the range had too few.
                 heads: list[Claimed] = []
+                last_aggregate: list[str | None] = [None]
                 if head_room > 0 and (bytes_left() > 0 or not rows):
                     heads = claim_heads(ordered_after, head_room)
                     rows.extend(heads)
@@ -626,7 +629,7 @@ class OutboxStore:
                         heads.extend(more)
                         rows.extend(more)
                 if heads:
-                    next_after = max(h.aggregate_id for h in heads)
+                    next_after = last_aggregate[0]
                 if heads and run_length > 1 and batch > len(rows) and bytes_left() > 0:
                     run_params = dict(params, run_length=run_length - 1, room=batch - len(rows),
                                       aggregate_ids=[h.aggregate_id for h in heads],

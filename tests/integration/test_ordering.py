@@ -249,3 +249,17 @@ def test_an_empty_aggregate_id_is_an_aggregate_like_any_other(store, pg_dsn, tab
     assert first == []  # followers wait for their heads
     run_sql(pg_dsn, table, "UPDATE {t} SET status = 'done', lease_until = NULL WHERE id IN (%s, %s)", (e1, x1))
     assert [c.id for c in _claim(store, owner="C")] == [e2]
+
+
+def test_round_robin_resumes_in_the_columns_collation_order(store, pg_dsn, table):
+    """The next claim's round-robin start is the last claimed aggregate in the order
+    the skip scan walks, i.e. the column's collation, not Python's code-point order
+    (they differ for en_US/ICU collations: there 'a' < 'b' < 'B' < 'C')."""
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        if conn.execute("SELECT count(*) FROM pg_collation WHERE collname = 'en-x-icu'").fetchone()[0] == 0:
+            pytest.skip("this PostgreSQL has no ICU collations")
+    run_sql(pg_dsn, table, 'ALTER TABLE {t} ALTER COLUMN aggregate_id TYPE text COLLATE "en-x-icu"')
+    _insert(pg_dsn, table, [("b", "E"), ("B", "E"), ("a", "E"), ("C", "E")])
+    result = store.claim(owner="A", batch=10, lease_seconds=30, max_attempts=5, ordered_types=ALL)
+    assert sorted(c.aggregate_id for c in result.rows) == ["B", "C", "a", "b"]
+    assert result.ordered_after == "C"  # max() in Python would say "b" and revisit "B" and "C" first
