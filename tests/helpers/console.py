@@ -62,15 +62,14 @@ def running_console(settings: Settings) -> Iterator[str]:
     import uvicorn
 
     from outbox_relay.console.app import create_app
-    from outbox_relay.console.server import make_console_store
+    from outbox_relay.console.server import make_console_store, uvicorn_config
 
     store = make_console_store(settings)
     store.open()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, store), log_level="warning", lifespan="off",
-                                           access_log=False))
+    server = uvicorn.Server(uvicorn_config(create_app(settings, store)))  # configured as `outbox-relay console` does
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
