@@ -76,6 +76,9 @@ def serve(settings: Settings) -> None:
             from ..errors import ConfigError
 
             raise ConfigError(f"console.port: cannot listen on {c.host}:{c.port}: {exc.strerror}") from None
+        # Listening before the start-up line: a client that reads the url from it and
+        # connects at once is queued until uvicorn accepts, never refused.
+        sock.listen(2048)
         port = sock.getsockname()[1]
         shown = f"[{c.host}]" if ":" in c.host else c.host
         mode = "read-only (no console.token)" if c.token is None else "token required"
