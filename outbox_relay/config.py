@@ -352,7 +352,7 @@ class ConsoleSettings(_Section):
         default_factory=list,
         description="Addresses or networks (CIDR) of the TLS-terminating reverse proxies in front of the console, "
                     "whose X-Forwarded-Proto and X-Forwarded-For are believed (https, client address); "
-                    '[] = none, ["*"] = any (only if nothing else can reach the port).',
+                    '[] = none; ["*"] = any peer, believing the forgeable left-most X-Forwarded-For (avoid).',
     )
     cookie_secure: Literal["auto", "always"] = Field(
         default="auto",
