@@ -348,6 +348,51 @@ class ConsoleSettings(_Section):
     statement_timeout_ms: int = Field(default=5000, ge=100, description="statement_timeout of every console query.")
     chunk_size: int = Field(default=1000, ge=1, le=10_000, description="Rows per transaction of a bulk retry/skip.")
     session_hours: float = Field(default=12.0, gt=0, description="How long a console login lasts.")
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description="Addresses or networks (CIDR) of the TLS-terminating reverse proxies in front of the console, "
+                    "whose X-Forwarded-Proto and X-Forwarded-For are believed (https, client address); "
+                    '[] = none; ["*"] = any peer, believing the forgeable left-most X-Forwarded-For (avoid).',
+    )
+    cookie_secure: Literal["auto", "always"] = Field(
+        default="auto",
+        description='Secure flag of the session cookie: "auto" = when the login came over https (directly or '
+                    'by a trusted proxy\'s X-Forwarded-Proto), "always" = also on plain http.',
+    )
+    login_max_failures: int = Field(
+        default=5, ge=1, le=1000,
+        description="Wrong tokens (login form or bearer) from one client address before it is locked out.",
+    )
+    login_lockout_seconds: float = Field(
+        default=30.0, gt=0, le=86_400,
+        description="First lockout; doubles with every further wrong token, up to 1 h (or this, if longer). "
+                    "Answered 429 with Retry-After, the token not even checked.",
+    )
+
+    @field_validator("forwarded_allow_ips", mode="before")
+    @classmethod
+    def _split_proxies(cls, value: Any) -> Any:
+        if isinstance(value, str):  # "10.0.0.7, 10.0.1.0/24" as uvicorn's --forwarded-allow-ips takes it
+            return value.split(",")
+        return value
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _check_proxies(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        cleaned = [item.strip() for item in value if item.strip()]
+        for item in cleaned:
+            if item == "*":
+                continue
+            try:
+                ipaddress.ip_network(item) if "/" in item else ipaddress.ip_address(item)
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.7, 10.0.0.0/8, "
+                                 "fd00::/8; a network's host bits must be zero)") from None
+        if "*" in cleaned and len(cleaned) > 1:
+            raise ValueError('"*" (trust any address) goes alone')
+        return cleaned
 
 
 class LogSettings(_Section):

@@ -14,14 +14,15 @@ text), and a strict Content-Security-Policy allows no script at all.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
+import math
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import structlog
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -30,6 +31,7 @@ from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Re
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ..config import Settings
 from ..errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
@@ -45,7 +47,18 @@ from ..operations import (
     selector_description,
 )
 from ..store import STATUSES, Count, OutboxStore
-from .auth import COOKIE_NAME, Principal, Sessions, clean_user, csrf_ok
+from .auth import (
+    COOKIE_NAME,
+    LoginThrottle,
+    Principal,
+    Sessions,
+    clean_user,
+    client_key,
+    csrf_ok,
+    retry_after_header,
+)
+
+log = structlog.get_logger("outbox_relay.console")
 
 HERE = Path(__file__).resolve().parent
 MAX_BODY_BYTES = 1_000_000
@@ -137,6 +150,7 @@ class Console:
         self.store = store
         token = settings.console.token.get_secret_value() if settings.console.token else None
         self.sessions = Sessions(token or None, lifetime_seconds=settings.console.session_hours * 3600)
+        self.throttle = LoginThrottle(settings.console.login_max_failures, settings.console.login_lockout_seconds)
         self.ordered_types = list(settings.relay.ordered_event_types)
         # Counting never takes longer than one console statement may.
         self.count_budget_ms = min(settings.console.statement_timeout_ms, settings.metrics.exact_count_timeout_ms)
@@ -172,7 +186,16 @@ class Console:
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ]
         starlette = Starlette(routes=routes)
-        return _Guard(starlette, check_host=self.sessions.read_only, bind_host=self.settings.console.host)
+        guarded: ASGIApp = _Guard(starlette, check_host=self.sessions.read_only,
+                                  bind_host=self.settings.console.host)
+        proxies = self.settings.console.forwarded_allow_ips
+        if not proxies:
+            return guarded
+        # Outermost, so everything behind it (the Secure flag, the login throttle) sees
+        # the scheme and client address a trusted proxy reported; anyone else's
+        # X-Forwarded-* headers are ignored.
+        # (uvicorn types its middleware with its own, narrower ASGI types: same protocol.)
+        return cast(ASGIApp, ProxyHeadersMiddleware(cast(Any, guarded), trusted_hosts=list(proxies)))
 
     def _principal(self, request: Request) -> Principal | Response | None:
         """The caller, a rejection (401/403), or None: not logged in."""
@@ -183,7 +206,13 @@ class Console:
             scheme, _, value = auth.partition(" ")
             if scheme.lower() != "bearer" or not value.strip():
                 return self._json_error(401, "use Authorization: Bearer <console.token>")
+            client = self._client(request)
+            wait = self._locked_out(client, via="bearer")
+            if wait is not None:
+                return self._json_error(429, "too many wrong tokens from your address: try again later",
+                                        retry_after=wait)
             if not self.sessions.token_matches(value.strip()):
+                self._wrong_token(client, via="bearer", user=clean_user(request.headers.get("x-outbox-relay-user", "")))
                 return self._json_error(403, "wrong token")
             user = clean_user(request.headers.get("x-outbox-relay-user", "")) or "api"
             return Principal(user=user, source="api", can_act=True)
@@ -226,9 +255,37 @@ class Console:
         return endpoint
 
     @staticmethod
-    def _json_error(code: int, message: str) -> JSONResponse:
-        headers = {"WWW-Authenticate": 'Bearer realm="outbox-relay console"'} if code == 401 else None
-        return JSONResponse({"error": message}, status_code=code, headers=headers)
+    def _json_error(code: int, message: str, *, retry_after: float | None = None) -> JSONResponse:
+        headers = {"WWW-Authenticate": 'Bearer realm="outbox-relay console"'} if code == 401 else {}
+        if retry_after is not None:
+            headers["Retry-After"] = retry_after_header(retry_after)
+        return JSONResponse({"error": message}, status_code=code, headers=headers or None)
+
+    # --- wrong tokens --------------------------------------------------------------------
+    @staticmethod
+    def _client(request: Request) -> tuple[str, str]:
+        """(the client's address, what the throttle counts per). Behind a proxy listed in
+        console.forwarded_allow_ips the address is the one the proxy reported."""
+        host = request.client.host if request.client else ""
+        return host or "unknown", client_key(host)
+
+    def _locked_out(self, client: tuple[str, str], *, via: str) -> float | None:
+        """Seconds the client must still wait before its next token is checked, or None."""
+        refused = self.throttle.retry_after(client[1])
+        if refused is None:
+            return None
+        wait, first = refused
+        if first:  # one line per lockout: refused attempts are not counted or logged one by one
+            log.warning("console login refused: locked out after wrong tokens", client=client[0],
+                        client_key=client[1], via=via, retry_after_seconds=math.ceil(wait))
+        return wait
+
+    def _wrong_token(self, client: tuple[str, str], *, via: str, user: str) -> None:
+        """Count and log a wrong token (never the token itself)."""
+        failure = self.throttle.failed(client[1])
+        log.warning("console login failed: wrong token", client=client[0], client_key=client[1], via=via,
+                    user=user or None, failures=failure.failures,
+                    locked_out_seconds=round(failure.locked_for_seconds, 3) or None)
 
     def render(self, request: Request, who: Principal, template: str, context: Mapping[str, Any],
                status_code: int = 200) -> HTMLResponse:
@@ -238,12 +295,16 @@ class Console:
         return HTMLResponse(html, status_code=status_code)
 
     @staticmethod
-    def _same_origin(request: Request) -> bool:
-        """An Origin header, when the browser sends one, must be this console."""
+    def _origin_refusal(request: Request) -> str | None:
+        """An Origin header, when the browser sends one, must be this console: why not, or None."""
         origin = request.headers.get("origin")
         if origin is None:  # not a browser, or a same-origin GET-style navigation
-            return True
-        return urllib.parse.urlsplit(origin).netloc == request.headers.get("host", "")  # "null" never matches
+            return None
+        host = request.headers.get("host", "")
+        if urllib.parse.urlsplit(origin).netloc == host:  # "null" never matches
+            return None
+        return (f"the request comes from {origin!r}, not from this console (Host: {host!r}); behind a reverse "
+                "proxy, have it pass on the Host the browser used (nginx: proxy_set_header Host $host)")
 
     async def _form(self, request: Request) -> dict[str, list[str]]:
         body = await self._body(request)
@@ -384,10 +445,12 @@ class Console:
         action = self._action((values.get("action") or [""])[0])
         if not who.can_act:
             raise BadRequest("the console is read-only: set console.token to enable retry and skip")
-        if not self._same_origin(request) or not csrf_ok(who, (values.get("csrf_token") or [""])[0]):
-            return self.render(request, who, "error.html", {
-                "title": "Refused", "message": "this form did not come from this console session "
-                                               "(missing or wrong CSRF token); reload the page and try again"}, 403)
+        refusal = self._origin_refusal(request)
+        if refusal is None and not csrf_ok(who, (values.get("csrf_token") or [""])[0]):
+            refusal = ("this form did not come from this console session (missing or wrong CSRF token); "
+                       "reload the page and try again")
+        if refusal is not None:
+            return self.render(request, who, "error.html", {"title": "Refused", "message": refusal}, 403)
         reason = (values.get("reason") or [""])[0].strip()[:MAX_REASON_CHARS] or None
         if action == "skip" and not reason:
             return await self._render_preview(request, who, action, values,
@@ -455,28 +518,46 @@ class Console:
             return self.render(request, who, "error.html", {"title": "Not possible", "message": str(exc)}, 400)
         name = clean_user((values.get("name") or [""])[0])
         target = self._next((values.get("next") or [""])[0])
-        session = self.sessions.login(name, (values.get("token") or [""])[0]) if name else None
+        context = {"next": target, "name": name}
+        if not name:
+            return self.render(request, who, "login.html",
+                               dict(context, error="enter your name (it is recorded with every action)"), 401)
+        client = self._client(request)
+        wait = self._locked_out(client, via="form")
+        if wait is not None:  # the token is not even looked at
+            page = self.render(request, who, "login.html", dict(
+                context, error=f"too many wrong tokens from your address: try again in {retry_after_header(wait)} s"),
+                429)
+            page.headers["Retry-After"] = retry_after_header(wait)
+            return page
+        session = self.sessions.login(name, (values.get("token") or [""])[0])
         if session is None:
-            await asyncio.sleep(0.5)  # slows down guessing
-            message = "enter your name (it is recorded with every action)" if not name else "wrong token"
-            return self.render(request, who, "login.html", {"error": message, "next": target, "name": name}, 401)
+            self._wrong_token(client, via="form", user=name)
+            return self.render(request, who, "login.html", dict(context, error="wrong token"), 401)
+        log.info("console login", user=session.user, client=client[0])
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(COOKIE_NAME, session.id, max_age=int(self.sessions.lifetime_seconds), path="/",
-                            httponly=True, samesite="strict", secure=request.url.scheme == "https")
+                            httponly=True, samesite="strict", secure=self._secure_cookie(request))
         return response
+
+    def _secure_cookie(self, request: Request) -> bool:
+        """console.cookie_secure: "always", or "auto" = the request came over https (the
+        scheme uvicorn saw, or a trusted proxy's X-Forwarded-Proto)."""
+        return self.settings.console.cookie_secure == "always" or request.url.scheme == "https"
 
     async def logout(self, request: Request, who: Principal) -> Response:
         values = await self._form(request)
         if who.source == "console" and csrf_ok(who, (values.get("csrf_token") or [""])[0]):
             self.sessions.logout(request.cookies.get(COOKIE_NAME))
         response = RedirectResponse("/login", status_code=303)
-        response.delete_cookie(COOKIE_NAME, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(COOKIE_NAME, path="/", httponly=True, samesite="strict",
+                               secure=self._secure_cookie(request))
         return response
 
     @staticmethod
     def _next(raw: str | None) -> str:
         """Only a path on this console (never another site) after logging in."""
-        if raw and raw.startswith("/") and not raw.startswith("//") and "\\" not in raw:
+        if raw and raw.startswith("/") and not raw.startswith("//") and "\\" not in raw and raw.isprintable():
             return raw
         return "/"
 
@@ -557,7 +638,10 @@ class Console:
         if not dry_run:
             if not who.can_act:
                 return self._json_error(403, "the console is read-only: set console.token to enable retry and skip")
-            if not self._same_origin(request) or not csrf_ok(who, request.headers.get("x-csrf-token")):
+            refusal = self._origin_refusal(request)
+            if refusal is not None:
+                return self._json_error(403, refusal)
+            if not csrf_ok(who, request.headers.get("x-csrf-token")):
                 return self._json_error(403, "missing or wrong X-CSRF-Token for this session")
         reason = doc.get("reason")
         if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):

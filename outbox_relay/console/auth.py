@@ -9,20 +9,31 @@
   loopback interface by default), every action is refused.
 
 Sessions live in this process's memory: restarting the console logs everyone out.
+
+Wrong tokens are throttled per client address (:class:`LoginThrottle`): after
+``console.login_max_failures`` of them the address is locked out for
+``console.login_lockout_seconds``, twice as long after each further wrong token; while
+locked out its token checks are answered 429 without looking at the token at all.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import math
 import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 COOKIE_NAME = "outbox_relay_console"
 MAX_SESSIONS = 1000  # the oldest session is dropped beyond this (bounded memory)
 MAX_USER_CHARS = 100
+MAX_THROTTLED_CLIENTS = 10_000  # addresses with recent wrong tokens kept; the stalest is dropped beyond this
+LOCKOUT_CAP_SECONDS = 3600.0  # the doubling lockout stops growing here (or at the first lockout, if longer)
+FORGET_AFTER_SECONDS = 3600.0  # an address's wrong tokens are forgotten this long after its last lockout ends
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +119,97 @@ def csrf_ok(principal: Principal, submitted: str | None) -> bool:
     if principal.csrf_token is None or not submitted:
         return False
     return hmac.compare_digest(principal.csrf_token.encode(), submitted.encode())
+
+
+def client_key(host: str | None) -> str:
+    """What the throttle counts per: the address, or an IPv6 client's /64 (one host
+    usually owns a whole /64, and could otherwise pick a new address per guess)."""
+    if not host:
+        return "unknown"
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+@dataclass(slots=True)
+class _Failures:
+    count: int = 0
+    locked_until: float = 0.0  # time.monotonic(); in the past = not locked out
+    refusal_logged: bool = False  # the first refused attempt of a lockout is logged, the rest are not
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """What one wrong token did to its client's record."""
+
+    failures: int  # wrong tokens from this client since its record was last cleared
+    locked_for_seconds: float  # the lockout it started (0: none yet)
+
+
+class LoginThrottle:
+    """Wrong-token accounting per client (see the module docstring).
+
+    Callers check :meth:`retry_after` before comparing a token and report a wrong one
+    with :meth:`failed` without awaiting in between, so concurrent guesses from one
+    client cannot all slip through before the first is counted. A right token does not
+    wipe the count: a guesser sharing an address with a working script (NAT, a proxy
+    not listed in console.forwarded_allow_ips) must not get a fresh allowance from the
+    script's calls. Wrong tokens are forgotten an hour after the last lockout ended (or
+    the last wrong token, if none).
+    """
+
+    def __init__(self, max_failures: int, lockout_seconds: float, *, max_clients: int = MAX_THROTTLED_CLIENTS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._max_failures = max_failures
+        self._lockout = lockout_seconds
+        self._cap = max(LOCKOUT_CAP_SECONDS, lockout_seconds)
+        self._max_clients = max_clients
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._clients: OrderedDict[str, _Failures] = OrderedDict()
+
+    def retry_after(self, client: str) -> tuple[float, bool] | None:
+        """None if the client may try a token now; else (seconds it must wait, whether
+        this is the first refusal of its lockout: the one worth logging)."""
+        now = self._clock()
+        with self._lock:
+            record = self._clients.get(client)
+            if record is None:
+                return None
+            if record.locked_until <= now:
+                if now - record.locked_until >= FORGET_AFTER_SECONDS:
+                    del self._clients[client]
+                return None
+            first = not record.refusal_logged
+            record.refusal_logged = True
+            return record.locked_until - now, first
+
+    def failed(self, client: str) -> Failure:
+        now = self._clock()
+        with self._lock:
+            record = self._clients.pop(client, None)
+            if record is None or (record.locked_until <= now and now - record.locked_until >= FORGET_AFTER_SECONDS):
+                record = _Failures()
+            record.count += 1
+            self._clients[client] = record  # most recently failed last
+            while len(self._clients) > self._max_clients:
+                self._clients.popitem(last=False)
+            beyond = record.count - self._max_failures
+            if beyond < 0:
+                record.locked_until = now
+                return Failure(record.count, 0.0)
+            lockout = min(self._cap, self._lockout * 2.0 ** min(beyond, 64))
+            record.locked_until = now + lockout
+            record.refusal_logged = False
+            return Failure(record.count, lockout)
+
+
+def retry_after_header(seconds: float) -> str:
+    """Retry-After in whole seconds, never telling the client to come back too early."""
+    return str(max(1, math.ceil(seconds)))

@@ -62,15 +62,14 @@ def running_console(settings: Settings) -> Iterator[str]:
     import uvicorn
 
     from outbox_relay.console.app import create_app
-    from outbox_relay.console.server import make_console_store
+    from outbox_relay.console.server import make_console_store, uvicorn_config
 
     store = make_console_store(settings)
     store.open()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, store), log_level="warning", lifespan="off",
-                                           access_log=False))
+    server = uvicorn.Server(uvicorn_config(create_app(settings, store)))  # configured as `outbox-relay console` does
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -85,3 +84,48 @@ def running_console(settings: Settings) -> Iterator[str]:
         thread.join(timeout=10)
         sock.close()
         store.close()
+
+
+@contextmanager
+def console_process(dsn: str, table: str, **env: str) -> Iterator[tuple[str, list[str]]]:
+    """The real `outbox-relay console --port 0` as a subprocess with JSON log lines;
+    ``env`` adds OUTBOX_RELAY_* variables. Yields its base URL and the list its stderr
+    lines are collected in (complete once the block is left)."""
+    import os
+    import subprocess
+    import sys
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
+    environ.update({"OUTBOX_RELAY_DATABASE__DSN": dsn, "OUTBOX_RELAY_DATABASE__TABLE": table,
+                    "OUTBOX_RELAY_LOG__FORMAT": "json", **env})
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "console", "--port", "0"], env=environ,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    started = threading.Event()
+    url: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if not started.is_set() and '"console listening"' in line:  # the start-up line names the url
+                url.append(json.loads(line)["url"].rstrip("/"))
+                started.set()
+        started.set()  # ended without starting
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        started.wait(timeout=60)
+        if not url:
+            raise AssertionError("console did not start: " + "".join(lines))
+        yield url[0], lines
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        reader.join(timeout=10)

@@ -10,11 +10,8 @@ pages (the README shows them).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests.helpers.console import console_process as running_console_process
 from tests.helpers.console import quoted, row_states, seed_dead
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
@@ -64,29 +62,9 @@ def browser() -> Iterator[Any]:
 @pytest.fixture
 def console_process(store, pg_dsn, table) -> Iterator[str]:
     """`outbox-relay console --port 0` as a subprocess; yields its base URL."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
-    env.update({"OUTBOX_RELAY_DATABASE__DSN": pg_dsn, "OUTBOX_RELAY_DATABASE__TABLE": table,
-                "OUTBOX_RELAY_CONSOLE__TOKEN": TOKEN, "OUTBOX_RELAY_LOG__FORMAT": "json",
-                "OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["PaymentCaptured"]'})
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "console", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        seen = []
-        for line in proc.stderr:  # JSON log lines; the start-up line names the url
-            seen.append(line)
-            if '"console listening"' in line:
-                yield json.loads(line)["url"].rstrip("/")
-                break
-        else:
-            raise AssertionError("console did not start: " + "".join(seen))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with running_console_process(pg_dsn, table, OUTBOX_RELAY_CONSOLE__TOKEN=TOKEN,
+                                 OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES='["PaymentCaptured"]') as (url, _lines):
+        yield url
 
 
 def navigate(driver: Any, action: Any, *, to: str, exact: bool = False) -> None:
