@@ -117,7 +117,16 @@ def stats_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
 
 
 def records(conn: psycopg.Connection[Any], start: str, end: str, app_xids: list[int]) -> list[dict[str, Any]]:
-    rows = conn.execute(RECORDS_SQL, {"start": start, "end": end, "app_xids": app_xids}).fetchall()
+    if lsn_diff(conn, start, end) <= 0:
+        return []  # the phase wrote nothing (e.g. purge in delete mode)
+    try:
+        rows = conn.execute(RECORDS_SQL, {"start": start, "end": end, "app_xids": app_xids}).fetchall()
+    except psycopg.errors.InternalError_ as exc:
+        # pg_walinspect: "could not find a valid record after <start>": no record
+        # begins in the range (it holds at most a page header), i.e. nothing was written.
+        if "could not find a valid record" not in str(exc):
+            raise
+        return []
     return [{"who": who, "rmgr": rmgr, "type": rtype, "relation": rel, "records": int(n),
              "record_bytes": int(rec or 0), "fpi_records": int(nfpi), "fpi_bytes": int(fpi or 0),
              "space": int(space or 0)}
