@@ -205,7 +205,7 @@ class Publisher(abc.ABC):
     ``publish_batch``/``submit`` are called concurrently.
     """
 
-    #: Shown in logs.
+    #: The target system's name: the ``messaging.system`` attribute of tracing spans.
     name: ClassVar[str] = "custom"
     #: True if ``probe()`` really checks the target. Enables the circuit breaker: a
     #: batch that failed only on transport then releases its rows (attempt refunded)
