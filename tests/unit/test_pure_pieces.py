@@ -17,6 +17,7 @@ from outbox_relay.config import check_environment, load_settings
 from outbox_relay.errors import ConfigError
 from outbox_relay.http_publisher import HttpPublisher, parse_retry_after
 from outbox_relay.kafka_publisher import classify
+from outbox_relay.operations import blocking_head, diagnose_aggregate, row_states
 from outbox_relay.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, chains, release_after_failures
 from outbox_relay.publisher import (
     Defer,
@@ -52,6 +53,36 @@ def test_ordering_rule():
     named = OrderingRule.of(["B", "A"])
     assert named.is_ordered("A") and not named.is_ordered("C") and named.explicit_types == ["A", "B"]
     assert named.order_key("A", "agg-1") == "agg-1" and named.order_key("C", "agg-1") is None
+
+
+def test_aggregate_diagnosis_uses_the_claims_ordering_rule():
+    # `aggregate show` and the console's aggregate page judge rows with OrderingRule:
+    # with named ordered types, an aggregate mixes ordered and unordered rows.
+    now = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
+
+    def row(id_: int, event_type: str, status: str) -> dict[str, object]:
+        return {"id": id_, "event_type": event_type, "status": status, "attempts": 5, "database_now": now,
+                "lease_expired": False, "not_due": False, "lease_until": None, "lease_owner": None,
+                "available_at": now}
+
+    rows = [row(1, "Note", "pending"), row(2, "Paid", "dead"), row(3, "Note", "dead"), row(4, "Paid", "pending"),
+            row(5, "Paid", "dead")]
+    named = OrderingRule.of(["Paid"])
+    assert row_states(rows, named) == ["due: the next claim takes it", "dead", "dead",
+                                       "waits behind head 2", "dead (behind head 2)"]
+    assert blocking_head(rows, named) == 2
+    assert diagnose_aggregate(rows, named, max_attempts=5).startswith(
+        "blocked by dead head 2 (Paid): retry it (`outbox-relay dead retry 2`)")
+    assert diagnose_aggregate(rows, named, max_attempts=5).endswith("; 2 ordered row(s) wait behind it")
+    star = OrderingRule.of(["*"])
+    assert row_states(rows, star) == ["due: the next claim takes it", "dead (behind head 1)", "dead (behind head 1)",
+                                      "waits behind head 1", "dead (behind head 1)"]
+    assert blocking_head(rows, star) is None
+    assert diagnose_aggregate(rows, star, max_attempts=5) == (
+        "head 1 is due: the next claim takes it; 4 ordered row(s) wait behind it")
+    unordered = OrderingRule.of([])
+    assert row_states(rows, unordered)[1:3] == ["dead", "dead"] and blocking_head(rows, unordered) is None
+    assert diagnose_aggregate(rows, unordered, max_attempts=5).startswith("not ordered")
 
 
 def test_release_after_failures_stops_each_run_at_its_first_failure():
