@@ -25,7 +25,16 @@ from .errors import BrokerRefused
 from .kafka_isolation import RejectionIsolator  # issue 14
 from .logs import RateLimiter, librdkafka_logger
 from .ordering import RELEASED_AFTER_FAILURE, RunGuard
-from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, RetryableError
+from .publisher import (
+    Message,
+    NotDelivered,
+    Outcome,
+    PendingBatch,
+    PermanentError,
+    Publisher,
+    RetryableError,
+    SpanAttributes,
+)
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -172,6 +181,9 @@ class KafkaPublisher(Publisher):
 
     def max_message_bytes(self) -> int | None:
         return int(self._config["message.max.bytes"])
+
+    def span_attributes(self, message: Message) -> SpanAttributes:
+        return {"messaging.kafka.message.key": message.key}
 
     def abort(self) -> None:
         self.aborting.set()

@@ -94,7 +94,7 @@ class Relay:
                 self.publisher = load_publisher(s)
             publisher = self.publisher
             if self._given_tracing is None:
-                self.tracing = make_tracing(s, publisher.name)  # ConfigError if enabled but not installed
+                self.tracing = make_tracing(s, publisher)  # ConfigError if enabled but not installed
             try:
                 publisher.start()
             except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
