@@ -241,6 +241,12 @@ class Publisher(abc.ABC):
         """Does the target answer now? Only called when ``can_probe`` is true."""
         return True
 
+    def probe_problem(self) -> str | None:
+        """Why the last failed ``probe()`` failed, when the publisher knows more than
+        "no answer" (Kafka: a TLS handshake that did not complete), for the start-up
+        wait's log line and error. None: nothing more is known. Never include credentials."""
+        return None
+
     def healthy(self) -> bool:
         """Cheap readiness check for ``/readyz`` (may use a cached probe)."""
         return True
