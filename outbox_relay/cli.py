@@ -20,7 +20,8 @@ import typer
 from .config import Settings, load_settings, parse_duration
 from .errors import ConfigError, OutboxRelayError
 from .filters import FILTER_NAMES, DeadFilter, parse_filter
-from .operations import Action, change_dead, diagnose_aggregate, is_ordered, os_user, preview_dead, row_states
+from .operations import Action, change_dead, diagnose_aggregate, os_user, preview_dead, row_states
+from .ordering import OrderingRule
 from .store import DeadSummary
 
 app = typer.Typer(
@@ -402,25 +403,25 @@ def aggregate_show(
 ) -> None:
     """An aggregate's unfinished rows in id order, and what holds it back."""
     settings = _settings(config)
-    ordered_types = list(settings.relay.ordered_event_types)
+    ordering = OrderingRule.of(settings.relay.ordered_event_types)
     with _store(settings) as store:
         store.require_table()
         with _errors():
             found, total = store.aggregate_rows(aggregate_id, limit=limit)
-    verdict = diagnose_aggregate(found, ordered_types, max_attempts=settings.relay.max_attempts)
-    states = row_states(found, ordered_types)
+    verdict = diagnose_aggregate(found, ordering, max_attempts=settings.relay.max_attempts)
+    states = row_states(found, ordering)
     if json_out:
         typer.echo(json.dumps({
             "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
             "rows": [_jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
-                               | {"ordered": is_ordered(row["event_type"], ordered_types), "state": state})
+                               | {"ordered": ordering.is_ordered(row["event_type"]), "state": state})
                      for row, state in zip(found, states, strict=True)]}))
         return
     shown = f" (showing {len(found)})" if total > len(found) else ""
     typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows{shown}")
     typer.echo(f"  {verdict}")
     for row, state in zip(found, states, strict=True):
-        mark = "ordered" if is_ordered(row["event_type"], ordered_types) else "unordered"
+        mark = "ordered" if ordering.is_ordered(row["event_type"]) else "unordered"
         error = (row["last_error"] or "").replace("\n", " ")[:80]
         typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
                    f"attempts={row['attempts']}  {state}" + (f"  last_error: {error}" if error else ""))

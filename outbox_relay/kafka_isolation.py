@@ -239,8 +239,8 @@ class RejectionIsolator:
         plan = plan_isolation(messages, outcomes, errors)
         if not plan.size:
             return result
-        rejected = sorted({errors[i].name() for i in plan.singles + [r[0] for r in plan.runs]  # type: ignore[union-attr]
-                           if errors[i] is not None})
+        first_errors = (errors[i] for i in plan.singles + [run[0] for run in plan.runs])
+        rejected = sorted({error.name() for error in first_errors if error is not None})
         log.warning("kafka record batch refused; producing its messages one by one to find the bad ones",
                     messages=plan.size, ordered_runs=len(plan.runs), errors=rejected)
         produced = self._run(messages, plan, result, deadline=deadline, cancel=cancel, abort=abort)

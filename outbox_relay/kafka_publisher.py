@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -23,9 +25,18 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from .errors import BrokerRefused
 from .kafka_isolation import RejectionIsolator  # issue 14
-from .logs import RateLimiter, librdkafka_logger
+from .logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
 from .ordering import RELEASED_AFTER_FAILURE, RunGuard
-from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, RetryableError
+from .publisher import (
+    Message,
+    NotDelivered,
+    Outcome,
+    PendingBatch,
+    PermanentError,
+    Publisher,
+    RetryableError,
+    SpanAttributes,
+)
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -66,6 +77,38 @@ def is_refusal(err: KafkaError) -> bool:
         return True
     text = (err.str() or "").lower()
     return code == E._SSL and any(m in text for m in ("certificate", "verify", "unknown ca", "wrong version"))
+
+
+_THREAD_PREFIX = re.compile(r"^\[thrd:[^\]]*\]: ")  # librdkafka's log lines start with their thread
+
+
+def is_tls_handshake_failure(text: str) -> bool:
+    """A librdkafka connection failure (a ``FAIL`` log line) during the TLS handshake:
+    a listener that closed the connection on the ClientHello (``SSL handshake failed:
+    Disconnected: ... connecting to a PLAINTEXT broker listener?``) or never answered it
+    (``Connection setup timed out in state SSL_HANDSHAKE``)."""
+    return "SSL handshake failed" in text or "in state SSL_HANDSHAKE" in text
+
+
+class _ProducerLog:
+    """The producer's ``logger``: librdkafka's lines go on to the structured logger when
+    they are at or above ``forward_level`` (a syslog level: what ``log_level`` asked
+    for), and every connection failure (facility ``FAIL``, whatever its level) tells
+    the publisher whether it happened in the TLS handshake."""
+
+    __slots__ = ("_logger", "_minimum", "_publisher")
+
+    def __init__(self, publisher: KafkaPublisher, logger: logging.Logger, forward_level: int) -> None:
+        self._publisher = publisher
+        self._logger = logger
+        # confluent-kafka hands over stdlib levels (ERROR for librdkafka's 3, WARNING for 4, ...).
+        self._minimum = SYSLOG_TO_STDLIB.get(forward_level, logging.DEBUG)
+
+    def log(self, level: int, msg: str, *args: Any) -> None:
+        if len(args) == 3 and args[0] == "FAIL":
+            self._publisher.connection_failed(str(args[2]))
+        if level >= self._minimum:
+            self._logger.log(level, msg, *args)
 
 
 def classify(err: KafkaError) -> Outcome:
@@ -138,6 +181,7 @@ class KafkaPublisher(Publisher):
         self.replacements = 0
         self.local_queue_full_waits = 0  # produce() calls that found the local queue full
         self._refusal: str | None = None  # the last authentication/TLS refusal (see is_refusal)
+        self._tls_failure: str | None = None  # the last connection failure, if it was in the TLS handshake
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
         # issue 14: the messages of a refused record batch are judged one by one.
@@ -150,7 +194,15 @@ class KafkaPublisher(Publisher):
         conf["error_cb"] = self._on_error
         # librdkafka's own log lines go through the stdlib logger (served by poll()),
         # and from there through structlog: one structured, rate-limited line each.
-        conf["logger"] = librdkafka_logger()
+        # A listener that never answers the TLS ClientHello (a plaintext one) is
+        # reported only at warning level: librdkafka is asked for warnings too, and
+        # only what log_level asked for is passed on.
+        try:
+            forward_level = int(conf.get("log_level", 6))  # librdkafka's default: 6
+            conf["log_level"] = max(forward_level, 4)
+        except ValueError:  # not a number: librdkafka refuses it with its own message
+            forward_level = 7
+        conf["logger"] = _ProducerLog(self, librdkafka_logger(), forward_level)
         return Producer(conf)
 
     def start(self) -> None:
@@ -172,6 +224,9 @@ class KafkaPublisher(Publisher):
 
     def max_message_bytes(self) -> int | None:
         return int(self._config["message.max.bytes"])
+
+    def span_attributes(self, message: Message) -> SpanAttributes:
+        return {"messaging.kafka.message.key": message.key}
 
     def abort(self) -> None:
         self.aborting.set()
@@ -209,6 +264,17 @@ class KafkaPublisher(Publisher):
             if allowed:
                 log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
 
+    def connection_failed(self, text: str) -> None:
+        """librdkafka's text for a failed broker connection (no credentials in it)."""
+        self._tls_failure = _THREAD_PREFIX.sub("", text, count=1) if is_tls_handshake_failure(text) else None
+
+    def probe_problem(self) -> str | None:
+        failure = self._tls_failure
+        if failure is None:
+            return None
+        return (f"the TLS handshake failed (kafka.security_protocol = {self._config.get('security.protocol')}: "
+                f"is the listener plaintext?): {failure}")
+
     def request_replacement(self, reason: str, generation: int | None = None) -> None:
         """Ask the poll thread for a fresh producer. With ``generation``, only if that
         producer is still the current one (a batch produced into an already replaced
@@ -234,6 +300,7 @@ class KafkaPublisher(Publisher):
                 raise BrokerRefused(f"{self.describe_target()} refused the connection: {refusal}") from None
             return False
         self._refusal = None
+        self._tls_failure = None
         self._last_probe = (time.monotonic(), True)
         return True
 

@@ -25,7 +25,7 @@ import structlog
 
 LIBRDKAFKA_LOGGER = "outbox_relay.librdkafka"
 # librdkafka's syslog levels -> stdlib levels (confluent-kafka passes them as is).
-_SYSLOG_TO_STDLIB = {0: logging.CRITICAL, 1: logging.CRITICAL, 2: logging.CRITICAL, 3: logging.ERROR,
+SYSLOG_TO_STDLIB = {0: logging.CRITICAL, 1: logging.CRITICAL, 2: logging.CRITICAL, 3: logging.ERROR,
                      4: logging.WARNING, 5: logging.INFO, 6: logging.INFO, 7: logging.DEBUG}
 
 
@@ -71,7 +71,7 @@ class _LibrdkafkaFilter(logging.Filter):
             record.librdkafka_level = record.levelno
             if suppressed:
                 record.suppressed = suppressed
-        record.levelno = _SYSLOG_TO_STDLIB.get(record.levelno, record.levelno)
+        record.levelno = SYSLOG_TO_STDLIB.get(record.levelno, record.levelno)
         record.levelname = logging.getLevelName(record.levelno)
         return True
 

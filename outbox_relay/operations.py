@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import datetime as dt
 import getpass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from .filters import DeadFilter
+from .ordering import OrderingRule
 from .store import Count, DeadSummary, OutboxStore
 
 Action = Literal["retry", "skip"]
@@ -134,10 +135,7 @@ def change_dead(
 
 
 # --- what holds an aggregate back -------------------------------------------------------
-def is_ordered(event_type: str, ordered_types: Sequence[str]) -> bool:
-    return "*" in ordered_types or event_type in ordered_types
-
-
+# Which rows are ordered is decided by ``OrderingRule.is_ordered``, the rule the claim uses.
 def _ago(moment: dt.datetime, now: dt.datetime) -> str:
     seconds = (moment - now).total_seconds()
     return f"in {seconds:.0f}s" if seconds >= 0 else f"{-seconds:.0f}s ago"
@@ -157,12 +155,12 @@ def row_state(row: dict[str, Any]) -> str:
     return "due: the next claim takes it"
 
 
-def row_states(rows: list[dict[str, Any]], ordered_types: Sequence[str]) -> list[str]:
+def row_states(rows: list[dict[str, Any]], ordering: OrderingRule) -> list[str]:
     """Each row's state; an ordered row behind its aggregate's head waits for that head."""
     head_id: int | None = None
     states = []
     for row in rows:
-        ordered = is_ordered(row["event_type"], ordered_types)
+        ordered = ordering.is_ordered(row["event_type"])
         if ordered and head_id is None:
             head_id = row["id"]
             states.append(row_state(row))
@@ -175,18 +173,18 @@ def row_states(rows: list[dict[str, Any]], ordered_types: Sequence[str]) -> list
     return states
 
 
-def blocking_head(rows: list[dict[str, Any]], ordered_types: Sequence[str]) -> int | None:
+def blocking_head(rows: list[dict[str, Any]], ordering: OrderingRule) -> int | None:
     """The id of the aggregate's dead head, if that is what blocks it."""
-    ordered = [r for r in rows if is_ordered(r["event_type"], ordered_types)]
+    ordered = [r for r in rows if ordering.is_ordered(r["event_type"])]
     return ordered[0]["id"] if ordered and ordered[0]["status"] == "dead" else None
 
 
-def diagnose_aggregate(rows: list[dict[str, Any]], ordered_types: Sequence[str], *,
+def diagnose_aggregate(rows: list[dict[str, Any]], ordering: OrderingRule, *,
                        max_attempts: int) -> str:
     """What decides when this aggregate's unfinished rows move on, in one sentence."""
     if not rows:
         return "nothing unfinished: every row of this aggregate is done (or purged)"
-    ordered = [r for r in rows if is_ordered(r["event_type"], ordered_types)]
+    ordered = [r for r in rows if ordering.is_ordered(r["event_type"])]
     if not ordered:
         return ("not ordered: none of these event types is in relay.ordered_event_types, "
                 "so each row is delivered on its own (see each row's state)")

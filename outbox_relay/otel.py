@@ -7,7 +7,8 @@ Imported only when tracing is enabled (``tracing.make_tracing``). Per batch:
   OpenTelemetry messaging semantic conventions: ``messaging.system`` (the
   publisher: ``kafka``, ``http``, ...), ``messaging.operation.type = send``,
   ``messaging.operation.name = send``, ``messaging.destination.name`` (the topic),
-  ``messaging.message.id`` (the outbox id), ``messaging.kafka.message.key``. Its
+  ``messaging.message.id`` (the outbox id), and the publisher's own attributes
+  (``Publisher.span_attributes``; Kafka: ``messaging.kafka.message.key``). Its
   parent is the trace context stored in the row's ``traceparent``/``tracestate``
   headers (written by ``enqueue()`` or by the application's SQL), so the relay's
   span sits inside the writer's trace; a row without one starts a new trace. The
@@ -36,7 +37,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -63,7 +64,7 @@ from .tracing import BatchTrace, Tracing
 if TYPE_CHECKING:
     from .config import Settings
     from .finalizer import BatchResult
-    from .publisher import Message, Outcome
+    from .publisher import Message, Outcome, Publisher, SpanAttributes
     from .store import ClaimResult
 
 log = structlog.get_logger("outbox_relay.otel")
@@ -142,16 +143,19 @@ class OtelTracing(Tracing):
 
     enabled = True
 
-    def __init__(self, provider: trace.TracerProvider, *, table: str, publisher_name: str = "kafka",
+    def __init__(self, provider: trace.TracerProvider, *, table: str, publisher: Publisher | None = None,
                  owns_provider: bool = False) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer(INSTRUMENTATION_NAME, _package_version())
         self.table = table
-        self.system = publisher_name
+        # messaging.system and the target's own span attributes come from the publisher contract.
+        self.system = publisher.name if publisher is not None else "custom"
+        self.span_attributes: Callable[[Message], SpanAttributes] | None = (
+            publisher.span_attributes if publisher is not None else None)
         self._owns_provider = owns_provider
 
     @classmethod
-    def from_environment(cls, settings: Settings, *, publisher_name: str = "kafka") -> OtelTracing:
+    def from_environment(cls, settings: Settings, *, publisher: Publisher | None = None) -> OtelTracing:
         """A tracer provider configured by the standard ``OTEL_*`` variables."""
         resource = Resource.create({SERVICE_VERSION: _package_version()})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
@@ -163,7 +167,7 @@ class OtelTracing(Tracing):
             # falls behind, its queue (OTEL_BSP_MAX_QUEUE_SIZE, default 2048 spans)
             # drops spans; delivery never waits for telemetry.
             provider.add_span_processor(BatchSpanProcessor(exporter))
-        return cls(provider, table=settings.database.table, publisher_name=publisher_name, owns_provider=True)
+        return cls(provider, table=settings.database.table, publisher=publisher, owns_provider=True)
 
     def batch(self, worker: str = "") -> BatchTrace:
         return OtelBatchTrace(self, worker)
@@ -221,7 +225,7 @@ class OtelBatchTrace(BatchTrace):
 
     def publishing(self, messages: Sequence[Message]) -> None:
         t = self._tracing
-        tracer, system = t.tracer, t.system
+        tracer, system, own_attributes = t.tracer, t.system, t.span_attributes
         started_ns = time.time_ns()
         for message in messages:
             stored = {name: value for name, value in message.headers if name in TRACE_HEADERS}
@@ -230,7 +234,7 @@ class OtelBatchTrace(BatchTrace):
             # No valid stored context: the span starts a new trace.
             parent = trace.set_span_in_context(NonRecordingSpan(remote), _ROOT) if remote is not None else _ROOT
             # Few attributes: each one costs the SDK a validation per span.
-            attributes: dict[str, str | int | bool] = {
+            attributes: dict[str, str | int | float | bool] = {
                 "messaging.system": system,
                 "messaging.operation.type": "send",
                 "messaging.operation.name": "send",
@@ -239,8 +243,8 @@ class OtelBatchTrace(BatchTrace):
                 "outbox_relay.event_type": message.event_type,
                 "outbox_relay.attempt": message.attempts,
             }
-            if system == "kafka":
-                attributes["messaging.kafka.message.key"] = message.key
+            if own_attributes is not None:
+                attributes.update(own_attributes(message))
             span = tracer.start_span(f"send {message.topic}", context=parent, kind=SpanKind.PRODUCER,
                                      attributes=attributes, links=self._claim_link, start_time=started_ns)
             # The consumer continues the trace from the relay's span, not the writer's.

@@ -31,10 +31,11 @@ import abc
 import importlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from importlib.metadata import entry_points
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from .errors import ConfigError, PublisherLoadError
@@ -93,6 +94,10 @@ class Defer(PublishOutcome):
 
 
 Outcome = PublishOutcome | None
+
+#: What ``Publisher.span_attributes`` returns: OpenTelemetry attribute names and values.
+SpanAttributes = Mapping[str, str | int | float | bool]
+_NO_SPAN_ATTRIBUTES: SpanAttributes = MappingProxyType({})
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -205,7 +210,7 @@ class Publisher(abc.ABC):
     ``publish_batch``/``submit`` are called concurrently.
     """
 
-    #: Shown in logs.
+    #: The target system's name: the ``messaging.system`` attribute of tracing spans.
     name: ClassVar[str] = "custom"
     #: True if ``probe()`` really checks the target. Enables the circuit breaker: a
     #: batch that failed only on transport then releases its rows (attempt refunded)
@@ -236,6 +241,12 @@ class Publisher(abc.ABC):
         """Does the target answer now? Only called when ``can_probe`` is true."""
         return True
 
+    def probe_problem(self) -> str | None:
+        """Why the last failed ``probe()`` failed, when the publisher knows more than
+        "no answer" (Kafka: a TLS handshake that did not complete), for the start-up
+        wait's log line and error. None: nothing more is known. Never include credentials."""
+        return None
+
     def healthy(self) -> bool:
         """Cheap readiness check for ``/readyz`` (may use a cached probe)."""
         return True
@@ -253,6 +264,13 @@ class Publisher(abc.ABC):
         """The largest payload + headers the target accepts (None: no limit). A bigger
         row goes dead at once, without its payload ever being fetched into memory."""
         return None
+
+    def span_attributes(self, message: Message) -> SpanAttributes:
+        """With tracing on (``otel.enabled``): attributes of the target system for the
+        message's ``send`` span, beyond the generic ``messaging.*`` ones (Kafka:
+        ``messaging.kafka.message.key``). Called once per message from any worker
+        thread, so keep it cheap; the default adds none."""
+        return _NO_SPAN_ATTRIBUTES
 
     def publish_timeout_seconds(self, lease_seconds: float) -> float:
         """How long a batch may take before its outcomes are due: comfortably inside

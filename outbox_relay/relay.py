@@ -94,7 +94,7 @@ class Relay:
                 self.publisher = load_publisher(s)
             publisher = self.publisher
             if self._given_tracing is None:
-                self.tracing = make_tracing(s, publisher.name)  # ConfigError if enabled but not installed
+                self.tracing = make_tracing(s, publisher)  # ConfigError if enabled but not installed
             try:
                 publisher.start()
             except Exception as exc:  # e.g. KafkaException: unknown property, bad SASL mechanism
@@ -157,7 +157,8 @@ class Relay:
                         raise ConfigError(message)
                     problems["database"] = message
             if self.publisher.must_answer_at_start and not self.publisher.probe(timeout_seconds=probe_seconds):
-                problems["target"] = f"cannot reach {self.publisher.describe_target()}: no broker answered"
+                why = self.publisher.probe_problem() or "no broker answered"
+                problems["target"] = f"cannot reach {self.publisher.describe_target()}: {why}"
             if not problems:
                 if waited_before:
                     log.info("dependencies answer: starting", waited_seconds=round(time.monotonic() - started, 1))

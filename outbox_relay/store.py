@@ -794,8 +794,8 @@ class OutboxStore:
     def database_now(self) -> dt.datetime:
         with self._mapped("read clock"), self._pool.connection() as conn:
             row = conn.execute(self.sql.query("database_now")).fetchone()
-            assert row is not None
-            return row[0]  # type: ignore[no-any-return]
+            assert row is not None and isinstance(row[0], dt.datetime)  # timestamptz: an aware datetime
+            return row[0]
 
     def audit_table_exists(self) -> bool:
         with self._mapped("check audit table"), self._pool.connection() as conn:

@@ -26,7 +26,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .config import Settings
     from .finalizer import BatchResult
-    from .publisher import Message, Outcome
+    from .publisher import Message, Outcome, Publisher
     from .store import ClaimResult
 
 
@@ -66,8 +66,10 @@ class Tracing:
         """Flush and release (called once at shutdown)."""
 
 
-def make_tracing(settings: Settings, publisher_name: str = "kafka") -> Tracing:
+def make_tracing(settings: Settings, publisher: Publisher | None = None) -> Tracing:
     """``otel.enabled`` -> the OpenTelemetry tracer, else the no-op ``Tracing()``.
+    ``publisher`` names the messaging system and adds its own span attributes
+    (``Publisher.name``, ``Publisher.span_attributes``).
     Raises ``ConfigError`` when tracing is enabled but OpenTelemetry is not installed."""
     if not settings.otel.enabled:
         return Tracing()
@@ -76,4 +78,4 @@ def make_tracing(settings: Settings, publisher_name: str = "kafka") -> Tracing:
     except ImportError as exc:
         raise ConfigError(f"otel.enabled is true but OpenTelemetry is not installed ({exc.name or exc}): "
                           "pip install 'outbox-relay[otel]'") from None
-    return OtelTracing.from_environment(settings, publisher_name=publisher_name)
+    return OtelTracing.from_environment(settings, publisher=publisher)

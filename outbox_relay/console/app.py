@@ -41,11 +41,11 @@ from ..operations import (
     blocking_head,
     change_dead,
     diagnose_aggregate,
-    is_ordered,
     preview_dead,
     row_states,
     selector_description,
 )
+from ..ordering import OrderingRule
 from ..store import STATUSES, Count, OutboxStore
 from .auth import (
     COOKIE_NAME,
@@ -152,6 +152,7 @@ class Console:
         self.sessions = Sessions(token or None, lifetime_seconds=settings.console.session_hours * 3600)
         self.throttle = LoginThrottle(settings.console.login_max_failures, settings.console.login_lockout_seconds)
         self.ordered_types = list(settings.relay.ordered_event_types)
+        self.ordering = OrderingRule.of(self.ordered_types)
         # Counting never takes longer than one console statement may.
         self.count_budget_ms = min(settings.console.statement_timeout_ms, settings.metrics.exact_count_timeout_ms)
         self.env = Environment(loader=FileSystemLoader(str(HERE / "templates")), autoescape=True,
@@ -478,13 +479,13 @@ class Console:
         aggregate_id = str(request.path_params["aggregate_id"])
         found, total = await run_in_threadpool(self.store.aggregate_rows, aggregate_id,
                                                limit=self.settings.console.page_size * 4)
-        verdict = diagnose_aggregate(found, self.ordered_types, max_attempts=self.settings.relay.max_attempts)
-        states = row_states(found, self.ordered_types)
-        rows = [dict(r, state=state, ordered=is_ordered(r["event_type"], self.ordered_types))
+        verdict = diagnose_aggregate(found, self.ordering, max_attempts=self.settings.relay.max_attempts)
+        states = row_states(found, self.ordering)
+        rows = [dict(r, state=state, ordered=self.ordering.is_ordered(r["event_type"]))
                 for r, state in zip(found, states, strict=True)]
         return self.render(request, who, "aggregate.html", {
             "aggregate_id": aggregate_id, "rows": rows, "total": total, "verdict": verdict,
-            "dead_head": blocking_head(found, self.ordered_types)})
+            "dead_head": blocking_head(found, self.ordering)})
 
     async def audit_page(self, request: Request, who: Principal) -> Response:
         before_id = self._int_param(request.query_params.get("before"), "before")

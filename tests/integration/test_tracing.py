@@ -26,10 +26,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
+from outbox_relay.finalizer import BatchResult
 from outbox_relay.http_publisher import HttpPublisher
 from outbox_relay.metrics import RelayMetrics
 from outbox_relay.otel import OtelTracing
-from outbox_relay.publisher import load_publisher
+from outbox_relay.publisher import Message, SimplePublisher, load_publisher
 from outbox_relay.worker import Worker, WorkerConfig
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import run_sql, statuses, wait_for
@@ -79,9 +80,9 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     assert stored[explicit] == {"traceparent": own}
 
     relay_provider, exported = sdk("relay")
-    tracing = OtelTracing(relay_provider, table=table, publisher_name="kafka")
     settings = make_settings()
     publisher = load_publisher(settings)
+    tracing = OtelTracing(relay_provider, table=table, publisher=publisher)
     publisher.start()
     try:
         cfg = WorkerConfig.from_settings(settings, publisher, owner="tracing")
@@ -153,13 +154,13 @@ def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_sett
     flaky = write(pg_dsn, table, "flaky", headers=stored)
     bad = write(pg_dsn, table, "bad", headers={"traceparent": "not a traceparent"})
     relay_provider, exported = sdk("relay")
-    tracing = OtelTracing(relay_provider, table=table, publisher_name="http")
     with HttpTarget() as target:
         target.script_id(flaky, Step(503, body="down for a moment"))
         target.script_id(bad, Step(400, body="no such order"))
         settings = make_settings(relay={"publisher": "http", "max_attempts": 5},
                                  http={"url_template": f"{target.base_url}/events"})
         publisher = HttpPublisher.from_settings(settings)
+        tracing = OtelTracing(relay_provider, table=table, publisher=publisher)
         try:
             cfg = WorkerConfig.from_settings(settings, publisher, owner="tracing")
             result = Worker(0, store, publisher, cfg, RelayMetrics(), tracing=tracing).run_once()
@@ -173,6 +174,7 @@ def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_sett
                                         (bad, "dead", "PermanentError")):
         s = sends[row_id]
         assert s.attributes["messaging.system"] == "http"
+        assert semconv.MESSAGING_KAFKA_MESSAGE_KEY not in s.attributes  # Kafka's own attribute only
         assert s.attributes["outbox_relay.outcome"] == outcome
         headers = requests[row_id].headers
         assert headers["traceparent"] == context_header(s.context)
@@ -189,6 +191,46 @@ def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_sett
         assert requests[row_id].headers["tracestate"] == tracestate
     assert sends[bad].parent is None  # an invalid stored context: a new trace
     assert "503" in sends[flaky].status.description and "400" in sends[bad].status.description
+
+
+def test_span_attributes_come_from_the_publisher_contract():
+    # messaging.system is Publisher.name and the target's own attributes come from
+    # Publisher.span_attributes: a plug-in publishing to Kafka adds the key too.
+    class KafkaBridge(SimplePublisher):
+        name = "kafka-bridge"
+
+        def publish(self, message: Message) -> None:
+            pass
+
+        def span_attributes(self, message: Message) -> dict[str, str | int | float | bool]:
+            return {semconv.MESSAGING_KAFKA_MESSAGE_KEY: message.key, "bridge.partition_hint": 3}
+
+    class Plain(SimplePublisher):  # the default span_attributes: none
+        name = "plain"
+
+        def publish(self, message: Message) -> None:
+            pass
+
+    def message(row_id: int) -> Message:
+        return Message(id=row_id, topic="outbox.order", key=f"order-{row_id}", value="{}", headers=[],
+                       aggregate_type="order", aggregate_id=f"order-{row_id}", event_type="OrderPaid")
+
+    for publisher, expected in ((KafkaBridge(), {semconv.MESSAGING_KAFKA_MESSAGE_KEY: "order-7",
+                                                 "bridge.partition_hint": 3}),
+                                (Plain(), {})):
+        provider, exported = sdk("relay")
+        batch = OtelTracing(provider, table="outbox", publisher=publisher).batch("w")
+        batch.publishing([message(7)])
+        batch.published([None])
+        batch.finalizing()
+        batch.finalized(BatchResult())
+        [send] = [s for s in exported.get_finished_spans() if s.kind is SpanKind.PRODUCER]
+        assert send.attributes[semconv.MESSAGING_SYSTEM] == publisher.name
+        own = {k: v for k, v in send.attributes.items()
+               if not k.startswith(("messaging.operation", "outbox_relay."))
+               and k not in (semconv.MESSAGING_SYSTEM, semconv.MESSAGING_DESTINATION_NAME,
+                             semconv.MESSAGING_MESSAGE_ID)}
+        assert own == expected
 
 
 def test_otlp_http_export_from_the_cli(store, pg_dsn, table, broker, topic_prefix):

@@ -19,6 +19,8 @@ naming the Kafka cluster, never the password.
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -215,18 +217,70 @@ def test_broker_certificate_from_another_ca_fails_at_start(pg_dsn: str, table: s
     assert "certificate verify failed" in line
 
 
+def assert_names_the_tls_handshake(result: Any, line: str) -> None:
+    """The error line, and the start-up wait's log lines before it, say the TLS handshake failed."""
+    assert "the TLS handshake failed (kafka.security_protocol = ssl: is the listener plaintext?)" in line, line
+    waits = [json.loads(text) for text in result.stderr.splitlines()
+             if text.startswith("{") and "waiting for dependencies" in text]
+    assert waits and "the TLS handshake failed" in waits[-1]["target"], result.stderr[-2000:]
+
+
 @pytest.mark.timeout(120)
 def test_tls_against_a_plaintext_listener_fails_at_start(pg_dsn: str, table: str, store: Any,
                                                          tls_broker: TlsBroker) -> None:
     """tansu's plain listener never answers a TLS ClientHello (it waits for the rest of
     a 'frame'): a connection that never completes its handshake, which the relay waits
-    for like a broker that is not up yet; relay.startup_timeout_seconds bounds the wait."""
+    for like a broker that is not up yet; relay.startup_timeout_seconds bounds the wait.
+    librdkafka gives up on the handshake after socket.connection.setup.timeout.ms
+    (30 s by default, 1 s here) and the wait names the TLS handshake from then on."""
     plain = f"127.0.0.1:{tls_broker.proxy.target_port}"
     env = cli_env(pg_dsn, table, plain, **FAST_FAIL, **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
-                  OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="3")
+                  OUTBOX_RELAY_KAFKA__EXTRA='{"socket.connection.setup.timeout.ms": "1000"}',
+                  OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="6")
     result = cli("run", env=env, timeout=60)
     line = assert_fails_at_start(result, side="Kafka cluster", secrets=(KEY_PASSWORD,))
     assert plain in line
+    assert_names_the_tls_handshake(result, line)
+    assert f": ssl://{plain}/bootstrap: Connection setup timed out in state SSL_HANDSHAKE" in line  # librdkafka's words
+
+
+@pytest.mark.timeout(120)
+def test_tls_against_a_listener_that_hangs_up_fails_at_start(pg_dsn: str, table: str, store: Any,
+                                                             tls_broker: TlsBroker) -> None:
+    """Apache Kafka's plaintext listener reads a TLS ClientHello as an oversized request
+    and closes the connection: librdkafka reports 'SSL handshake failed: Disconnected'
+    at once, and the wait names the TLS handshake."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        stop = threading.Event()
+
+        def hang_up() -> None:
+            listener.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        conn.recv(4096)  # the ClientHello
+                    except OSError:
+                        pass
+
+        server = threading.Thread(target=hang_up, daemon=True)
+        server.start()
+        plain = f"127.0.0.1:{listener.getsockname()[1]}"
+        env = cli_env(pg_dsn, table, plain, **FAST_FAIL, **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
+                      OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="6")
+        try:
+            result = cli("run", env=env, timeout=60)
+        finally:
+            stop.set()
+            server.join(timeout=5)
+    line = assert_fails_at_start(result, side="Kafka cluster", secrets=(KEY_PASSWORD,))
+    assert plain in line
+    assert_names_the_tls_handshake(result, line)
+    assert "SSL handshake failed: Disconnected" in line or "Disconnected: SSL connection closed by peer" in line
 
 
 @pytest.mark.timeout(120)

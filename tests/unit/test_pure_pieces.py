@@ -17,6 +17,7 @@ from outbox_relay.config import check_environment, load_settings
 from outbox_relay.errors import ConfigError
 from outbox_relay.http_publisher import HttpPublisher, parse_retry_after
 from outbox_relay.kafka_publisher import classify
+from outbox_relay.operations import blocking_head, diagnose_aggregate, row_states
 from outbox_relay.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, chains, release_after_failures
 from outbox_relay.publisher import (
     Defer,
@@ -52,6 +53,36 @@ def test_ordering_rule():
     named = OrderingRule.of(["B", "A"])
     assert named.is_ordered("A") and not named.is_ordered("C") and named.explicit_types == ["A", "B"]
     assert named.order_key("A", "agg-1") == "agg-1" and named.order_key("C", "agg-1") is None
+
+
+def test_aggregate_diagnosis_uses_the_claims_ordering_rule():
+    # `aggregate show` and the console's aggregate page judge rows with OrderingRule:
+    # with named ordered types, an aggregate mixes ordered and unordered rows.
+    now = dt.datetime(2025, 1, 1, tzinfo=dt.UTC)
+
+    def row(id_: int, event_type: str, status: str) -> dict[str, object]:
+        return {"id": id_, "event_type": event_type, "status": status, "attempts": 5, "database_now": now,
+                "lease_expired": False, "not_due": False, "lease_until": None, "lease_owner": None,
+                "available_at": now}
+
+    rows = [row(1, "Note", "pending"), row(2, "Paid", "dead"), row(3, "Note", "dead"), row(4, "Paid", "pending"),
+            row(5, "Paid", "dead")]
+    named = OrderingRule.of(["Paid"])
+    assert row_states(rows, named) == ["due: the next claim takes it", "dead", "dead",
+                                       "waits behind head 2", "dead (behind head 2)"]
+    assert blocking_head(rows, named) == 2
+    assert diagnose_aggregate(rows, named, max_attempts=5).startswith(
+        "blocked by dead head 2 (Paid): retry it (`outbox-relay dead retry 2`)")
+    assert diagnose_aggregate(rows, named, max_attempts=5).endswith("; 2 ordered row(s) wait behind it")
+    star = OrderingRule.of(["*"])
+    assert row_states(rows, star) == ["due: the next claim takes it", "dead (behind head 1)", "dead (behind head 1)",
+                                      "waits behind head 1", "dead (behind head 1)"]
+    assert blocking_head(rows, star) is None
+    assert diagnose_aggregate(rows, star, max_attempts=5) == (
+        "head 1 is due: the next claim takes it; 4 ordered row(s) wait behind it")
+    unordered = OrderingRule.of([])
+    assert row_states(rows, unordered)[1:3] == ["dead", "dead"] and blocking_head(rows, unordered) is None
+    assert diagnose_aggregate(rows, unordered, max_attempts=5).startswith("not ordered")
 
 
 def test_release_after_failures_stops_each_run_at_its_first_failure():
@@ -150,6 +181,45 @@ def test_kafka_error_classification(code, kind, transport):
     assert outcome is not None and outcome.reason.startswith("kafka: ")
     if isinstance(outcome, RetryableError):
         assert outcome.transport is transport
+
+
+def test_kafka_connection_failures_in_the_tls_handshake_are_remembered_not_logged_twice():
+    import logging
+
+    from outbox_relay.kafka_publisher import KafkaPublisher, _ProducerLog
+
+    class Sink(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.levels: list[int] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.levels.append(record.levelno)
+
+    publisher = KafkaPublisher({"bootstrap.servers": "b:9093", "security.protocol": "ssl"})
+    logger = logging.getLogger("test.librdkafka")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    sink = Sink()
+    logger.addHandler(sink)
+    fmt = "%s [%s] %s"
+    hung = "[thrd:ssl://b:9093/bootstrap]: ssl://b:9093/bootstrap: Connection setup timed out in state SSL_HANDSHAKE"
+    as_configured = _ProducerLog(publisher, logger, forward_level=3)  # the relay's log_level
+    assert publisher.probe_problem() is None
+    as_configured.log(logging.WARNING, fmt, "FAIL", "p#1", hung)  # librdkafka's level 4: not passed on
+    assert sink.levels == []
+    assert publisher.probe_problem() == (
+        "the TLS handshake failed (kafka.security_protocol = ssl: is the listener plaintext?): "
+        "ssl://b:9093/bootstrap: Connection setup timed out in state SSL_HANDSHAKE")
+    as_configured.log(logging.ERROR, fmt, "FAIL", "p#1", "b:9093/bootstrap: Connect to ipv4#10.0.0.1:9093 failed: "
+                                                         "Connection refused (after 0ms in state CONNECT)")
+    assert sink.levels == [logging.ERROR] and publisher.probe_problem() is None  # the latest failure counts
+    as_configured.log(logging.ERROR, fmt, "FAIL", "p#1", "ssl://b:9093/bootstrap: SSL handshake failed: "
+                      "Disconnected: SSL connection closed by peer: connecting to a PLAINTEXT broker listener?")
+    assert "connecting to a PLAINTEXT broker listener?" in (publisher.probe_problem() or "")
+    _ProducerLog(publisher, logger, forward_level=7).log(logging.DEBUG, fmt, "BROKER", "p#1", "debug asked for")
+    assert sink.levels == [logging.ERROR, logging.ERROR, logging.DEBUG]
+    logger.removeHandler(sink)
 
 
 # --- HTTP classification and Retry-After -------------------------------------------------------
