@@ -5,6 +5,10 @@
 - Kafka: ``OUTBOX_RELAY_TEST_KAFKA`` if set, otherwise an embedded tansu broker.
   Tests that kill or pause the broker start their own (``own_broker``).
 - Every test gets its own schema (``table`` = "<schema>.outbox"), dropped after.
+- ``OUTBOX_RELAY_TEST_ON_DONE`` (keep | delete, default keep): the ``relay.on_done``
+  mode ``store`` migrates the table to and ``make_settings`` configures (the two must
+  agree: ``run`` refuses a table set up for the other mode). ``./dev test`` runs the
+  tests that depend on it once more in delete mode.
 """
 
 from __future__ import annotations
@@ -21,7 +25,20 @@ import pytest
 from outbox_relay.config import Settings, load_settings
 from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 from outbox_relay.store import OutboxStore
+from tests.helpers.db import DELETE_MODE, ON_DONE
 
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In delete mode (OUTBOX_RELAY_TEST_ON_DONE=delete) only tests with a table (the
+    ``table`` fixture) run: one without a table (bad settings, an unreachable database)
+    cannot depend on relay.on_done and ran already in the keep-mode pass."""
+    if not DELETE_MODE:
+        return
+    selected = [item for item in items if "table" in getattr(item, "fixturenames", ())]
+    deselected = [item for item in items if "table" not in getattr(item, "fixturenames", ())]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
 
 
 class ExternalBroker:
@@ -98,7 +115,7 @@ def table(pg_dsn: str) -> Iterator[str]:
 def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
     s = OutboxStore(pg_dsn, table, pool_size=8)
     s.open()
-    s.migrate()
+    s.migrate(on_done=ON_DONE)
     try:
         yield s
     finally:
@@ -118,7 +135,7 @@ def make_settings(pg_dsn: str, table: str, broker: Any, topic_prefix: str) -> Ca
             "database": {"dsn": pg_dsn, "table": table},
             "kafka": {"bootstrap_servers": broker.bootstrap_servers,
                       "topic_template": topic_prefix + ".{aggregate_type}"},
-            "relay": {"workers": 4, "lease_seconds": 10, "poll_interval_seconds": 0.2},
+            "relay": {"workers": 4, "lease_seconds": 10, "poll_interval_seconds": 0.2, "on_done": ON_DONE},
             "metrics": {"enabled": False},
             "log": {"level": "WARNING", "format": "json"},
         }

@@ -1,6 +1,9 @@
 """Issue 18 through the real CLI (a subprocess) against a real PostgreSQL: dead-row
 filters, dry runs, chunked retry/skip by filter, the audit trail, `aggregate show`,
-and exact counts in `status`."""
+and exact counts in `status`.
+
+Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): the dead-letter
+operations must not depend on it (a skipped row stays ``done`` in both modes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,11 @@
 """Operator commands through the real CLI (a subprocess) against a real PostgreSQL:
 ``status [--json]``, ``dead list|retry|skip``, ``purge --older-than``, and their
-error paths (exit codes, one-line messages, no traceback, no secrets)."""
+error paths (exit codes, one-line messages, no traceback, no secrets).
+
+Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE; the ``store``
+fixture migrates the table to it and ``cli_env`` passes it on): the dead-letter
+commands and purge must behave alike in both (a skipped row is ``done`` until purged
+even when the relay deletes delivered rows)."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import pytest
 
 from outbox_relay.store import STATUSES
 from tests.helpers.cli import cli, cli_env
+from tests.helpers.db import DELETE_MODE, ON_DONE
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -101,6 +107,7 @@ def test_status_json_matches_seeded_rows(store, pg_dsn, table):
     # Attempts of pending + processing rows: 0,0,2 and 1,1,1.
     assert doc["attempts"] == {"0": 2, "1": 3, "2": 1}
     assert doc["table"] == table
+    assert doc["on_done"] == ON_DONE
 
 
 def test_status_json_empty_table_has_every_status(store, pg_dsn, table):
@@ -121,6 +128,7 @@ def test_status_human_table_mentions_each_status(store, pg_dsn, table):
     assert lines["dead"] == ["2"]
     assert "expired leases" in out
     assert table in out
+    assert ("delivered rows are deleted" in out.splitlines()[0]) == DELETE_MODE
 
 
 # --------------------------------------------------------------------------- dead list

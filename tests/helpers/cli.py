@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.db import DELETE_MODE
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -26,5 +28,7 @@ def cli_env(dsn: str, table: str, bootstrap: str = "127.0.0.1:1", **more: str) -
         "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
         "OUTBOX_RELAY_LOG__FORMAT": "json",
     }
+    if DELETE_MODE:  # the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE)
+        env["OUTBOX_RELAY_RELAY__ON_DONE"] = "delete"
     env.update(more)
     return env

@@ -7,17 +7,28 @@
 - ``run_sql``: the one way to run a statement against the test table (``{t}`` is the
   quoted table name).
 - ``rows``/``statuses``: read back; ``wait_for``: a bounded correctness wait.
+- ``ON_DONE``: the ``relay.on_done`` mode the suite runs in (``OUTBOX_RELAY_TEST_ON_DONE``,
+  default keep; ``./dev test`` has a pass in delete mode). The ``store`` and
+  ``make_settings`` fixtures and ``cli_env`` use it, so the table's mode and the
+  relay's setting agree. ``delivered``/``assert_delivered``: what a done finalize left,
+  in either mode (keep: the row is ``done``; delete: the row is gone).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
+
+ON_DONE = os.environ.get("OUTBOX_RELAY_TEST_ON_DONE", "keep")
+if ON_DONE not in ("keep", "delete"):
+    raise RuntimeError(f"OUTBOX_RELAY_TEST_ON_DONE must be keep or delete, not {ON_DONE!r}")
+DELETE_MODE = ON_DONE == "delete"
 
 
 def run_sql(dsn: str, table: str, query: str, params: Sequence[object] | Mapping[str, object] = ()) -> list[tuple]:
@@ -101,3 +112,28 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 90, interval: float 
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {message}")
+
+
+def delivered(dsn: str, table: str, ids: Sequence[int]) -> set[int]:
+    """The ids among ``ids`` a done finalize has finished, in the suite's ``ON_DONE``
+    mode: keep, the row is ``done``; delete, the row is gone (in these tests nothing
+    else deletes a row: no purge runs). A row left ``done`` in delete mode (or gone in
+    keep mode) does not count."""
+    present = dict(run_sql(dsn, table, "SELECT id, status FROM {t} WHERE id = ANY(%s)", (list(ids),)))
+    if DELETE_MODE:
+        return {i for i in ids if i not in present}
+    return {i for i in ids if present.get(i) == "done"}
+
+
+def assert_delivered(dsn: str, table: str, ids: Sequence[int]) -> None:
+    """Every row of ``ids`` was finalized as delivered, as the table's mode says: keep,
+    each row is ``done`` with ``done_at`` set, its lease and last error cleared;
+    delete, none of them is left in the table."""
+    found = run_sql(dsn, table, "SELECT id, status, done_at IS NOT NULL, lease_owner, lease_until, last_error "
+                                "FROM {t} WHERE id = ANY(%s) ORDER BY id", (list(ids),))
+    if DELETE_MODE:
+        assert found == [], f"delete mode: delivered rows still in the table: {found}"
+        return
+    assert [r[0] for r in found] == sorted(ids), "keep mode: delivered rows missing from the table"
+    wrong = [r for r in found if r[1:] != ("done", True, None, None, None)]
+    assert wrong == [], f"keep mode: rows not left done (id, status, done_at set, owner, lease, error): {wrong}"

@@ -1,4 +1,8 @@
-"""Per-aggregate ordering (seed 000 section 5) and the write side that keeps it."""
+"""Per-aggregate ordering (seed 000 section 5) and the write side that keeps it.
+
+Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): in delete mode
+a delivered head leaves the table instead of turning done, and its follower must
+become the head all the same."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
 from outbox_relay.store import OutboxStore
-from tests.helpers.db import make_row, rows, run_sql, statuses, wait_for
+from tests.helpers.db import ON_DONE, assert_delivered, delivered, make_row, rows, run_sql, wait_for
 
 ALL = ["*"]
 
@@ -23,7 +27,7 @@ def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
     relay.ordered_event_types set), which `run` requires."""
     s = OutboxStore(pg_dsn, table, pool_size=8)
     s.open()
-    s.migrate(ordering=True)
+    s.migrate(ordering=True, on_done=ON_DONE)
     try:
         yield s
     finally:
@@ -43,17 +47,21 @@ def _claim(store, owner="A", batch=10, run_length=1, types=ALL, lease=30.0):
 
 
 def _install_audit(dsn, table):
+    """Records every finalize to done or dead in commit order per row; in delete mode a
+    delivered row's finalize is its deletion (recorded as 'deleted')."""
     schema, name = table.split(".")
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f'CREATE TABLE "{schema}".audit (seq bigserial PRIMARY KEY, id bigint, status text, version bigint)')
         conn.execute(f'''CREATE FUNCTION "{schema}".audit_fn() RETURNS trigger LANGUAGE plpgsql AS $$
             BEGIN
-              IF NEW.status IS DISTINCT FROM OLD.status AND NEW.status IN ('done', 'dead') THEN
+              IF TG_OP = 'DELETE' THEN
+                INSERT INTO "{schema}".audit (id, status, version) VALUES (OLD.id, 'deleted', OLD.lease_version);
+              ELSIF NEW.status IS DISTINCT FROM OLD.status AND NEW.status IN ('done', 'dead') THEN
                 INSERT INTO "{schema}".audit (id, status, version) VALUES (NEW.id, NEW.status, OLD.lease_version);
               END IF;
-              RETURN NEW;
+              RETURN NULL;
             END $$''')
-        conn.execute(f'CREATE TRIGGER audit_trg AFTER UPDATE ON "{schema}"."{name}" '
+        conn.execute(f'CREATE TRIGGER audit_trg AFTER UPDATE OR DELETE ON "{schema}"."{name}" '
                      f'FOR EACH ROW EXECUTE FUNCTION "{schema}".audit_fn()')
 
 
@@ -71,7 +79,9 @@ def test_first_claim_returns_only_heads_then_next_after_done(store, pg_dsn, tabl
     assert store.mark_done([(first[0].id, first[0].lease_version)]) == {x1}
     second = _claim(store, owner="B")
     assert [c.id for c in second] == [x2]  # Y's head is still processing
-    store.mark_done([(first[1].id, first[1].lease_version), (second[0].id, second[0].lease_version)])
+    assert store.mark_done([(first[1].id, first[1].lease_version),
+                            (second[0].id, second[0].lease_version)]) == {y1, x2}
+    assert_delivered(pg_dsn, table, [x1, y1, x2])
     assert [c.id for c in _claim(store, owner="C")] == [x3, y2]
 
 
@@ -90,10 +100,13 @@ def test_thirty_rows_of_one_aggregate_finalize_in_id_order(make_settings, store,
     relay = Relay(settings)
     relay.start()
     try:
-        wait_for(lambda: statuses(pg_dsn, table).get("done") == 30, message="all done")
+        wait_for(lambda: len(delivered(pg_dsn, table, ids)) == 30, message="all delivered")
     finally:
         relay.stop()
-    assert [a[0] for a in _audit(pg_dsn, table)] == ids
+    finalized = _audit(pg_dsn, table)
+    assert [a[0] for a in finalized] == ids  # each row finalized once, in id order
+    assert {a[1] for a in finalized} == {"deleted" if ON_DONE == "delete" else "done"}
+    assert_delivered(pg_dsn, table, ids)
 
 
 def test_runs_take_a_contiguous_run_behind_the_head(store, pg_dsn, table):
@@ -114,7 +127,7 @@ def test_kafka_order_per_key_equals_id_order(make_settings, store, pg_dsn, table
     relay = Relay(settings)
     relay.start()
     try:
-        wait_for(lambda: statuses(pg_dsn, table).get("done") == 500, message="all done")
+        wait_for(lambda: len(delivered(pg_dsn, table, ids)) == 500, message="all delivered")
     finally:
         relay.stop()
     messages = read_messages(broker.bootstrap_servers, [f"{topic_prefix}.order"], expected=500, timeout=60)
@@ -133,8 +146,9 @@ def test_dead_head_blocks_only_its_aggregate_until_skip_or_retry(store, pg_dsn, 
     x1, x2, y1, y2 = _insert(pg_dsn, table, [("X", "E"), ("X", "E"), ("Y", "E"), ("Y", "E")])
     heads = _claim(store)
     assert [c.id for c in heads] == [x1, y1]
-    store.mark_dead([(x1, heads[0].lease_version, "permanent: broken")])
-    store.mark_done([(y1, heads[1].lease_version)])
+    assert store.mark_dead([(x1, heads[0].lease_version, "permanent: broken")]) == {x1}
+    assert store.mark_done([(y1, heads[1].lease_version)]) == {y1}
+    assert_delivered(pg_dsn, table, [y1])
     assert [c.id for c in _claim(store, owner="B")] == [y2]  # Y flows, X is blocked
     stats = store.stats(ordered_types=ALL)
     assert stats.blocked_aggregates == [("X", x1)]
@@ -235,6 +249,7 @@ def test_run_stops_before_producing_after_a_row_that_cannot_be_built(store, pg_d
     state = {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)}
     assert state[x1][0] == "dead"
     assert state[x2] == ("pending", 0) and state[x3] == ("pending", 0)  # attempts refunded
+    assert_delivered(pg_dsn, table, [y1])
     # X is now blocked behind its dead head; Y is done.
     assert store.stats(ordered_types=ALL).blocked_aggregates == [("X", x1)]
 

@@ -1,5 +1,6 @@
 """The ordering index layout (issue 16): dead rows leave the skip-scan index, and
-`migrate` brings any table to the layout idempotently, CONCURRENTLY on existing tables."""
+`migrate` brings any table to the layout idempotently, CONCURRENTLY on existing tables.
+Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from outbox_relay import store as store_module
 from outbox_relay.store import OutboxStore
 from tests.helpers.cli import cli, cli_env
-from tests.helpers.db import rows
+from tests.helpers.db import ON_DONE, assert_delivered, rows
 
 ALL = ["*"]
 
@@ -17,7 +18,7 @@ ALL = ["*"]
 def _ordered_store(dsn: str, table: str) -> OutboxStore:
     s = OutboxStore(dsn, table, pool_size=4)
     s.open()
-    s.migrate(ordering=True)
+    s.migrate(ordering=True, on_done=ON_DONE)
     return s
 
 
@@ -64,8 +65,9 @@ def test_dead_head_blocks_until_retry_or_skip_with_the_ordering_indexes(ordered_
                                                   ("Y", "pending"), ("Z", "dead")])
     first = s.claim(owner="A", batch=10, lease_seconds=30, max_attempts=5, ordered_types=ALL).rows
     assert [c.id for c in first] == [x1, y1]  # Z holds only a dead row: nothing to claim, not blocked
-    s.mark_dead([(x1, first[0].lease_version, "permanent: broken")])
-    s.mark_done([(y1, first[1].lease_version)])
+    assert s.mark_dead([(x1, first[0].lease_version, "permanent: broken")]) == {x1}
+    assert s.mark_done([(y1, first[1].lease_version)]) == {y1}
+    assert_delivered(pg_dsn, table, [y1])
     assert _claim(s, owner="B") == [y2]  # Y flows, X is blocked behind its dead head
     assert s.stats(ordered_types=ALL).blocked_aggregates == [("X", x1)]
     assert _claim(s, owner="C") == []
@@ -105,7 +107,7 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
     s = OutboxStore(pg_dsn, table, pool_size=2)
     s.open()
     try:
-        s.migrate()
+        s.migrate(on_done=ON_DONE)
         name = table.split(".")[1]
         # An earlier version's layout: one per-aggregate index over pending, processing
         # and dead rows, indexes on created_at and done_at, no fillfactor.
@@ -116,7 +118,7 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
         _sql(pg_dsn, table, f"CREATE INDEX \"{name}_done_idx\" ON {{t}} (done_at) WHERE status = 'done'")
         _sql(pg_dsn, table, "ALTER TABLE {t} RESET (fillfactor)")
         _insert(pg_dsn, table, [("X", "pending"), ("X", "dead"), ("Y", "pending")])
-        notes = s.migrate(ordering=True)
+        notes = s.migrate(ordering=True, on_done=ON_DONE)
         indexes = _indexes(pg_dsn, table)
         for old in ("aggregate", "unfinished_created", "done"):
             assert f"{name}_{old}_idx" not in indexes
@@ -125,9 +127,9 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
         assert any("fillfactor" in n for n in notes)
         assert _sql(pg_dsn, table, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)) == [
             (["fillfactor=50"],)]
-        assert s.migrate(ordering=True) == []  # nothing left to do
+        assert s.migrate(ordering=True, on_done=ON_DONE) == []  # nothing left to do
         _sql(pg_dsn, table, "ALTER TABLE {t} SET (fillfactor = 80)")  # an operator's choice is kept
-        assert s.migrate(ordering=True) == []
+        assert s.migrate(ordering=True, on_done=ON_DONE) == []
         assert _sql(pg_dsn, table, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)) == [
             (["fillfactor=80"],)]
         assert s.missing_ordering_indexes() == []
@@ -136,14 +138,14 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
         _sql(pg_dsn, table, "UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass",
              (f"{table.split('.')[0]}.{name}_aggregate_dead_idx",))
         assert s.missing_ordering_indexes() == [f"{name}_aggregate_dead_idx"]
-        assert s.migrate(ordering=True) == [f"created index {name}_aggregate_dead_idx"]
+        assert s.migrate(ordering=True, on_done=ON_DONE) == [f"created index {name}_aggregate_dead_idx"]
         assert _indexes(pg_dsn, table)[f"{name}_aggregate_dead_idx"] is True
 
         # Without ordering configured the ordering indexes stay (other relays may be
         # ordered) until dropped explicitly.
-        kept = s.migrate()
+        kept = s.migrate(on_done=ON_DONE)
         assert len(kept) == 1 and "--drop-ordering-indexes" in kept[0]
-        s.migrate(drop_ordering_indexes=True)
+        s.migrate(drop_ordering_indexes=True, on_done=ON_DONE)
         assert set(s.missing_ordering_indexes()) == {f"{name}_aggregate_active_idx", f"{name}_aggregate_dead_idx"}
         assert [r[1] for r in rows(pg_dsn, table)] == ["pending", "dead", "pending"]  # no row touched
     finally:

@@ -5,6 +5,11 @@ outcomes, poison rows, the broken COMMIT-then-publish dispatcher) and seed 001's
 six recovery tests (a SIGKILLed child process, an uncommitted claim, stale success
 and stale retry, no retry after done, the strict policy), plus lost-lease counting.
 
+Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): a done
+finalize leaves the row ``done`` (keep) or deletes it (delete); ``assert_delivered``
+checks whichever the mode says, and everything else (fencing, retries, dead rows) must
+hold alike in both.
+
 Publishers are the plug-in boundary of the relay: the recording publishers below
 are real ``SimplePublisher`` subclasses. PostgreSQL and psycopg are never faked.
 """
@@ -31,7 +36,7 @@ from outbox_relay.publisher import Defer, Message, PermanentError, RetryableErro
 from outbox_relay.store import OutboxStore, Reschedule
 from outbox_relay.worker import Worker, WorkerConfig
 from tests.helpers.cli import ROOT
-from tests.helpers.db import insert_rows, rows, run_sql
+from tests.helpers.db import DELETE_MODE, assert_delivered, insert_rows, rows, run_sql
 
 CHILD = Path(__file__).resolve().parent.parent / "helpers" / "claim_child.py"
 
@@ -165,7 +170,7 @@ def test_four_workers_dispatch_100_rows_each_published_once(pg_dsn, table, store
     counts = publisher.counts
     assert set(counts) == set(ids)
     assert set(counts.values()) == {1}, {i: c for i, c in counts.items() if c != 1}
-    assert {r[1] for r in rows(pg_dsn, table)} == {"done"}
+    assert_delivered(pg_dsn, table, ids)
     assert metrics.registry.get_sample_value("outbox_relay_published_total", {"outcome": "done"}) == 100
     assert metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 0
     assert len(set(batches)) >= 2  # more than one worker actually dispatched
@@ -188,8 +193,9 @@ def test_crashed_worker_lease_expires_and_stale_finalize_is_fenced(pg_dsn, table
     assert store.mark_done([(a.id, a.lease_version)]) == set()  # A is fenced off
     assert row_state(pg_dsn, table, row_id)["status"] == "processing"
     assert store.mark_done([(b.id, b.lease_version)]) == {row_id}
-    state = row_state(pg_dsn, table, row_id)
-    assert (state["status"], state["lease_version"], state["lease_until"]) == ("done", 2, None)
+    assert_delivered(pg_dsn, table, [row_id])
+    if not DELETE_MODE:
+        assert row_state(pg_dsn, table, row_id)["lease_version"] == 2
 
 
 def test_expired_but_not_reclaimed_owner_may_finish_unless_strict(pg_dsn, table, store):
@@ -201,7 +207,7 @@ def test_expired_but_not_reclaimed_owner_may_finish_unless_strict(pg_dsn, table,
 
     # Default policy: correctness is "did the generation change?", not the clock.
     assert store.mark_done([(lenient_id, by_id[lenient_id].lease_version)]) == {lenient_id}
-    assert row_state(pg_dsn, table, lenient_id)["status"] == "done"
+    assert_delivered(pg_dsn, table, [lenient_id])
 
     # Strict policy (seed 001/002): an expired owner cannot finalize at all.
     assert store.mark_done([(strict_id, by_id[strict_id].lease_version)], strict=True) == set()
@@ -399,7 +405,10 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
     _two_worker_interleaving(leased_claim, leased_finalize, leased, message_for)
     assert leased.counts == {i: 1 for i in leased_ids}  # each message published exactly once
     assert finalized == {"B": set(), "A": set(leased_ids)}  # B found nothing; A finished its rows
-    assert {r[1] for r in rows(pg_dsn, table)} == {"done"}
+    assert_delivered(pg_dsn, table, leased_ids)
+    # The broken dispatcher's own UPDATE marked its rows done in either mode.
+    assert run_sql(pg_dsn, table, "SELECT id, status FROM {t} WHERE id = ANY(%s) ORDER BY id",
+                   (broken_ids,)) == [(i, "done") for i in broken_ids]
 
 
 # --- seed 001: the six recovery tests ------------------------------------------------
@@ -437,7 +446,9 @@ def test_sigkilled_child_leaves_committed_claim_recovered_after_lease(pg_dsn, ta
     [again] = store.claim(owner="next", batch=10, lease_seconds=30, max_attempts=3).rows
     assert (again.id, again.lease_version, again.attempts) == (ids[0], 2, 2)
     assert store.mark_done([(ids[0], 1)]) == set()  # the dead child's generation stays fenced
+    assert row_state(pg_dsn, table, ids[0])["status"] == "processing"
     assert store.mark_done([(ids[0], 2)]) == {ids[0]}
+    assert_delivered(pg_dsn, table, ids)
 
 
 def test_uncommitted_claim_holds_row_and_rollback_frees_it(pg_dsn, table, store):
@@ -493,14 +504,15 @@ def test_retry_cannot_move_done_row_back_to_pending(pg_dsn, table, store):
     [row_id] = insert_rows(pg_dsn, table, 1)
     [c] = store.claim(owner="A", batch=1, lease_seconds=30, max_attempts=3).rows
     assert store.mark_done([(c.id, c.lease_version)]) == {row_id}
-    done = row_state(pg_dsn, table, row_id)
-    assert done["status"] == "done"
+    assert_delivered(pg_dsn, table, [row_id])
+    done = rows(pg_dsn, table, "*")  # the whole row (delete mode: no row at all)
 
     # Same generation, a late retry or defer after success: rejected.
     assert store.reschedule([Reschedule(row_id, c.lease_version, 0.0, "late retry", False)]) == set()
     assert store.reschedule([Reschedule(row_id, c.lease_version, 0.0, None, True)]) == set()
     assert store.mark_dead([(row_id, c.lease_version, "late dead")]) == set()
-    assert row_state(pg_dsn, table, row_id) == done
+    assert store.mark_done([(c.id, c.lease_version)]) == set()  # a second success finalizes nothing
+    assert rows(pg_dsn, table, "*") == done
     make_due(pg_dsn, table)
     assert store.claim(owner="B", batch=1, lease_seconds=30, max_attempts=3).rows == []
 
@@ -520,7 +532,7 @@ def test_strict_policy_rejects_expired_owner(pg_dsn, table, store):
     [again] = store.claim(owner="B", batch=1, lease_seconds=30, max_attempts=3).rows
     assert again.lease_version == 2
     assert store.mark_done([(row_id, again.lease_version)], strict=True) == {row_id}
-    assert row_state(pg_dsn, table, row_id)["status"] == "done"
+    assert_delivered(pg_dsn, table, [row_id])
 
 
 def test_worker_finalize_counts_lost_leases(pg_dsn, table, store):
@@ -541,3 +553,4 @@ def test_worker_finalize_counts_lost_leases(pg_dsn, table, store):
     # The successor's state is untouched and it can still finish.
     assert {r[1:4] for r in rows(pg_dsn, table)} == {("processing", 2, 2)}
     assert store.mark_done([(c.id, c.lease_version) for c in taken]) == set(ids)
+    assert_delivered(pg_dsn, table, ids)
