@@ -42,9 +42,11 @@ LABEL org.opencontainers.image.title="outbox-relay" \
       org.opencontainers.image.description="Relays a PostgreSQL transactional outbox to Kafka" \
       org.opencontainers.image.licenses="MIT"
 
-# MALLOC_ARENA_MAX: glibc gives threads their own malloc arenas, and librdkafka starts
-# new threads for every producer it creates (the relay replaces a broken producer);
-# two arenas keep the relay's RSS from stepping up at each replacement.
+# MALLOC_ARENA_MAX=2: fewer glibc malloc arenas for the relay's many threads (each
+# librdkafka producer runs its own). Measured (README "Soak"): 12 broker restarts, each
+# with 4 000 messages in flight and the producer replaced, raised RSS by 18.0 MB with the
+# default and by 14.8 MB with 2 arenas, both levelling off after 3-5 restarts; replaced
+# producers and their threads are freed either way. A small effect, not a fix.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \

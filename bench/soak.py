@@ -214,6 +214,7 @@ class LiveReader(threading.Thread):
         super().__init__(name="live-reader", daemon=True)
         self.bootstrap, self.topic, self.partitions = bootstrap, topic, partitions
         self.seen: set[int] = set()
+        self.at: dict[tuple[int, int], int] = {}  # (partition, offset) -> message id read there
         self.messages = 0
         self.stop = threading.Event()
 
@@ -231,6 +232,7 @@ class LiveReader(threading.Thread):
                     message_id = _message_id(msg)
                     if message_id is not None:
                         self.seen.add(message_id)
+                        self.at[(msg.partition(), msg.offset())] = message_id
         finally:
             consumer.close()
 
@@ -253,6 +255,121 @@ def oldest_readable(bootstrap: str, topic: str, partitions: int, *, want: int, t
     finally:
         consumer.close()
     return found
+
+
+# --- diagnosis of undelivered rows ------------------------------------------------------
+@dataclass
+class Report:
+    """One delivery report a relay acted on (``OUTBOX_RELAY_DELIVERY_LOG``)."""
+
+    t: float
+    pid: int
+    source: str  # main<generation> | isolation
+    message_id: int
+    partition: int | None
+    offset: int | None  # None: the report carried no offset
+    error: str  # "-" = success
+
+
+def read_delivery_log(path: Path) -> list[Report]:
+    reports: list[Report] = []
+    if not path.exists():
+        return reports
+    for line in path.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) != 7:
+            continue  # a line cut by SIGKILL
+        t, pid, source, message_id, partition, offset, error = parts
+        reports.append(Report(float(t), int(pid), source, int(message_id),
+                              None if partition == "None" else int(partition),
+                              None if offset == "None" else int(offset), error))
+    return reports
+
+
+def duplicate_sequence_acks(reports: list[Report]) -> set[int]:
+    """Indexes of the success reports that came from a DUPLICATE_SEQUENCE_NUMBER answer.
+
+    librdkafka takes that answer ("this producer's batch is already stored") as a
+    success and numbers the batch's messages from the base offset of the error
+    response, -1: the first message's report has no offset, the next ones 0, 1, 2, ...
+    (offsets that belong to other messages). The reports of one record batch are
+    served one after another, so such a run is: a success without an offset, then
+    successes of the same producer and partition at 0, 1, 2, ..."""
+    runs: dict[tuple[int, str, int | None], int] = {}  # producer + partition -> next offset of the run
+    found: set[int] = set()
+    for index, r in enumerate(reports):
+        if r.error != "-":
+            continue
+        key = (r.pid, r.source, r.partition)
+        if r.offset is None:
+            runs[key] = 0
+            found.add(index)
+        elif runs.get(key) == r.offset:
+            runs[key] = r.offset + 1
+            found.add(index)
+        else:
+            runs.pop(key, None)
+    return found
+
+
+def diagnose(missing: set[int], reports: list[Report], read_at: dict[tuple[int, int], int],
+             faults: list[Fault], start_epoch: float) -> dict[str, Any]:
+    """Why ids finalized ``done`` never reached the reader, from the delivery reports
+    the relays acted on and the (partition, offset) at which the reader saw each id.
+
+    - ``no_success_report``: finalized done without a successful delivery report: a
+      relay bug.
+    - ``acked_by_duplicate_sequence``: the only successes were DUPLICATE_SEQUENCE_NUMBER
+      answers (see ``duplicate_sequence_acks``): the broker said it had stored the batch
+      and had not.
+    - ``offset_reused``: the broker acknowledged an offset at which the reader found
+      another message: the broker overwrote or rewound.
+    - ``offset_never_read``: an acknowledged offset the reader never saw."""
+    dupseq = duplicate_sequence_acks(reports)
+    success: dict[int, list[tuple[int, Report]]] = {}
+    errors: dict[str, int] = {}
+    for index, r in enumerate(reports):
+        if r.error == "-":
+            success.setdefault(r.message_id, []).append((index, r))
+        else:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    kinds: dict[str, list[int]] = {"no_success_report": [], "acked_by_duplicate_sequence": [], "offset_reused": [],
+                                   "offset_never_read": []}
+    for message_id in sorted(missing):
+        acks = success.get(message_id, [])
+        real = [r for index, r in acks if index not in dupseq]
+        if not acks:
+            kinds["no_success_report"].append(message_id)
+        elif not real:
+            kinds["acked_by_duplicate_sequence"].append(message_id)
+        elif any(r.partition is not None and r.offset is not None and (r.partition, r.offset) in read_at
+                 for r in real):
+            kinds["offset_reused"].append(message_id)
+        else:
+            kinds["offset_never_read"].append(message_id)
+    seen_ids = set(read_at.values())
+    only_dupseq = {m for m, acks in success.items() if all(index in dupseq for index, _r in acks)}
+    # When the DUPLICATE_SEQUENCE_NUMBER answers came: seconds after the last broker restart.
+    restarts = [f.t for f in faults if f.kind == "broker-restart"]
+    answers = sorted({(round(reports[i].t, 1), reports[i].pid, reports[i].partition) for i in dupseq
+                      if reports[i].offset is None})
+    after_restart = []
+    for t, pid, partition in answers:
+        rel = t - start_epoch
+        before = [x for x in restarts if x <= rel]
+        after_restart.append({"at_seconds": round(rel, 1), "relay_pid": pid, "partition": partition,
+                              "seconds_after_broker_restart": round(rel - before[-1], 1) if before else None})
+    return {
+        "counts": {k: len(v) for k, v in kinds.items()},
+        "success_reports": sum(len(v) for v in success.values()),
+        "duplicate_sequence_answers": len(answers),
+        "duplicate_sequence_acked_messages": len(dupseq),
+        "ids_acked_only_by_duplicate_sequence": len(only_dupseq),
+        "of_which_reader_saw": len(only_dupseq & seen_ids),
+        "error_reports": errors,
+        "duplicate_sequence_answers_detail": after_restart[:50],
+        "missing_ids_sample": {k: v[:20] for k, v in kinds.items() if v},
+    }
 
 
 # --- the plot --------------------------------------------------------------------------
@@ -305,6 +422,8 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults (default 60)")
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples (default 10)")
     parser.add_argument("--short", action="store_true", help="1 minute, a fault every 15 s, a sample every 5 s")
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        help=f"the faults to strike in turn, comma-separated (default {','.join(FAULTS)})")
     parser.add_argument("--workers", type=int, default=4, help="worker threads per relay (default 4)")
     parser.add_argument("--dsn", help="use this PostgreSQL instead of starting an embedded PostgreSQL 18")
     parser.add_argument("--plot", default=str(c.ROOT / "docs" / "soak.png"), help="PNG path ('' = no plot)")
@@ -317,6 +436,9 @@ def main() -> int:
     if args.short:
         args.minutes, args.fault_every, args.sample_every = 1.0, 15.0, 5.0
     seconds = args.minutes * 60
+    faults = tuple(f.strip() for f in args.faults.split(",") if f.strip())
+    if not faults or set(faults) - set(FAULTS):
+        parser.error(f"--faults: choose from {', '.join(FAULTS)}")
 
     tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-soak-"))
     pg = None
@@ -333,6 +455,7 @@ def main() -> int:
         storage = stack.enter_context(EmbeddedObjectStore(log_file=tmp / "object-store.log"))
         broker = EmbeddedBroker(log_file=tmp / "broker.log", storage=storage).start()
         stack.callback(broker.stop)
+        delivery_log = tmp / "deliveries.tsv"
         table = c.new_table("soak")
         topic = f"soak-{c.RUN_ID}"
         c.migrate(dsn, table)
@@ -347,7 +470,9 @@ def main() -> int:
                           OUTBOX_RELAY_RELAY__MAX_ATTEMPTS="100",
                           OUTBOX_RELAY_RELAY__BACKOFF_CAP_SECONDS="5",
                           OUTBOX_RELAY_METRICS__ENABLED="false",
-                          OUTBOX_RELAY_LOG__LEVEL="INFO")
+                          OUTBOX_RELAY_LOG__LEVEL="INFO",
+                          # Diagnostics: every delivery report (id, partition, offset) to a file.
+                          OUTBOX_RELAY_DELIVERY_LOG=str(delivery_log))
         relays = {"A": c.RelayProcess([], env), "B": c.RelayProcess([], env)}
         every_relay = list(relays.values())
         stack.callback(lambda: [r.stop(timeout=30) for r in every_relay])
@@ -372,7 +497,7 @@ def main() -> int:
                       f"sockets A {s.sockets_a}  backends {s.db_connections}")
                 next_sample += args.sample_every
             if now >= next_fault and now < seconds - 1:
-                kind = FAULTS[fault_index % len(FAULTS)]
+                kind = faults[fault_index % len(faults)]
                 fault_index += 1
                 detail = ""
                 if kind == "relay-kill":
@@ -415,6 +540,7 @@ def main() -> int:
         reader.stop.set()
         reader.join(timeout=30)
         seen, messages = set(reader.seen), reader.messages
+        diagnosis = diagnose(ids - seen, read_delivery_log(delivery_log), reader.at, run.faults, start_epoch)
         read_seconds = time.monotonic() - read_started
         c.say("reading the oldest messages again from offset 0 (written before any broker restart) ...")
         oldest = oldest_readable(broker.bootstrap_servers, topic, PARTITIONS, want=OLDEST_CHECKED, timeout=120)
@@ -461,6 +587,7 @@ def main() -> int:
         "oldest_readable_after_restarts": {"read": len(oldest), "all_known_ids": set(oldest) <= ids,
                                            "first_broker_restart_at_seconds": first_restart},
         "final_status": counts,
+        "missing_diagnosis": diagnosis,
         "missing_rows": [{"id": r[0], "created_at_seconds": round(r[1] - start_epoch, 1),
                           "done_at_seconds": round(r[2] - start_epoch, 1) if r[2] else None, "attempts": r[3]}
                          for r in missing_rows[:200]],
@@ -487,6 +614,13 @@ def main() -> int:
         f"({', '.join(f'{k} x{sum(1 for f in run.faults if f.kind == k)}' for k in FAULTS)})",
         f"  delivered {len(seen & ids)}/{len(ids)} unique ids, missing {len(missing)}, "
         f"duplicates {report['duplicates']}; final status {counts}",
+        f"  delivery reports: {diagnosis['success_reports']} successes; "
+        f"{diagnosis['duplicate_sequence_answers']} DUPLICATE_SEQUENCE_NUMBER answers taken as success for "
+        f"{diagnosis['duplicate_sequence_acked_messages']} messages "
+        f"({diagnosis['ids_acked_only_by_duplicate_sequence']} ids acked only so, "
+        f"{diagnosis['of_which_reader_saw']} of them stored all the same); "
+        f"errors {diagnosis['error_reports']}",
+        f"  missing ids by cause: {diagnosis['counts']}",
         f"  after every fault, the first {len(oldest)} messages from offset 0 are still readable: {oldest_ok}",
         f"  oldest pending age: max {report['oldest_pending_age_seconds']['max']} s, "
         f"median {report['oldest_pending_age_seconds']['median']} s; "

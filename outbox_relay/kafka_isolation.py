@@ -164,13 +164,17 @@ def plan_isolation(messages: Sequence[Message], outcomes: Sequence[Outcome],
 class _Verdict:
     """The isolation producer's delivery report for one message."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("delivery_log", "done", "error", "message_id")
 
-    def __init__(self) -> None:
+    def __init__(self, message_id: int = 0, delivery_log: Any = None) -> None:
         self.done = False
         self.error: KafkaError | None = None
+        self.message_id = message_id
+        self.delivery_log = delivery_log  # kafka_publisher.DeliveryLog (diagnostics) or None
 
-    def on_delivery(self, err: KafkaError | None, _msg: Any) -> None:
+    def on_delivery(self, err: KafkaError | None, msg: Any) -> None:
+        if self.delivery_log is not None:
+            self.delivery_log.record("isolation", self.message_id, err, msg)
         self.error = err
         self.done = True
 
@@ -195,6 +199,7 @@ class RejectionIsolator:
         self._lock = threading.Lock()
         self._producer: Producer | None = None
         self.isolated_total = 0
+        self.delivery_log: Any = None  # kafka_publisher.DeliveryLog when OUTBOX_RELAY_DELIVERY_LOG is set
 
     # --- lifecycle -------------------------------------------------------------------
     def _get_producer(self) -> Producer:
@@ -297,7 +302,7 @@ class RejectionIsolator:
         def start(index: int) -> bool:
             """Produce ``messages[index]``; False if produce() refused it (outcome set)."""
             nonlocal produced
-            verdict = _Verdict()
+            verdict = _Verdict(messages[index].id, self.delivery_log)
             refused = self._produce(producer, messages[index], verdict, deadline)
             if refused is not None:
                 result[index] = refused

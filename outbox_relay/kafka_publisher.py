@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -69,6 +70,10 @@ REPLACE_CODES = frozenset({
 })
 
 
+UNPROVEN_ACK = ("kafka: acknowledged by a DUPLICATE_SEQUENCE_NUMBER answer (the broker says it already "
+                "stored this batch, without an offset); not taken as proof of delivery: publishing it again")
+
+
 def is_refusal(err: KafkaError) -> bool:
     """An error that waiting cannot fix: failed authentication, or a TLS handshake that
     failed on the certificate (not one that was merely cut off)."""
@@ -122,17 +127,63 @@ def classify(err: KafkaError) -> Outcome:
     return RetryableError(text, transport=code in TRANSPORT_CODES)
 
 
+#: Diagnostics: a file to which every delivery report is appended (see ``DeliveryLog``).
+DELIVERY_LOG_ENV = "OUTBOX_RELAY_DELIVERY_LOG"
+
+
+class DeliveryLog:
+    """Diagnostics, off unless ``OUTBOX_RELAY_DELIVERY_LOG`` names a file: one line per
+    delivery report, ``time pid source message_id partition offset error`` (tab-separated;
+    ``time`` = Unix seconds; ``source`` = ``main<generation>`` or ``isolation``;
+    ``offset`` = ``None`` when the report has none; ``error`` = ``-`` for a success),
+    appended with one ``write`` per line (O_APPEND), so several relays can share a file
+    and a SIGKILLed relay loses no line it reported. Lets a test tell where the broker
+    said it stored a message the relay then finalized as done (``bench/soak.py``)."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._pid = os.getpid()
+
+    @classmethod
+    def from_environment(cls) -> DeliveryLog | None:
+        path = os.environ.get(DELIVERY_LOG_ENV)
+        return cls(path) if path else None
+
+    def record(self, source: str, message_id: int, err: KafkaError | None, msg: Any) -> None:
+        try:
+            partition, offset = (msg.partition(), msg.offset()) if msg is not None else (None, None)
+        except Exception:  # a message object without them: log what there is
+            partition, offset = None, None
+        error = "-" if err is None else err.name()
+        line = f"{time.time():.3f}\t{self._pid}\t{source}\t{message_id}\t{partition}\t{offset}\t{error}\n"
+        try:
+            os.write(self._fd, line.encode())
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            os.close(self._fd)
+        except OSError:
+            pass
+
+
 class _BatchWaiter:
     """Collects the delivery reports of one batch (called from the poll thread)."""
 
-    __slots__ = ("_created", "_lock", "_owner", "done", "errors", "outcomes", "remaining")
+    __slots__ = ("_created", "_generation", "_ids", "_lock", "_owner", "_source", "done", "errors", "outcomes",
+                 "remaining")
 
     _UNSET: Any = object()
 
-    def __init__(self, size: int, owner: KafkaPublisher, created: list[float]) -> None:
+    def __init__(self, size: int, owner: KafkaPublisher, created: list[float],
+                 ids: list[int] | None = None, generation: int = 0) -> None:
         self.outcomes: list[Any] = [self._UNSET] * size
         self.errors: list[KafkaError | None] = [None] * size  # delivery report errors, for isolation
         self._created = created
+        self._ids = ids  # message ids, only when the delivery log is on
+        self._generation = generation  # of the producer the batch was produced into
+        self._source = f"main{generation}"
         self.remaining = size
         self.done = threading.Event()
         self._lock = threading.Lock()
@@ -149,8 +200,14 @@ class _BatchWaiter:
             if self.remaining == 0:
                 self.done.set()
 
-    def on_delivery(self, index: int, err: KafkaError | None, _msg: Any) -> None:
+    def on_delivery(self, index: int, err: KafkaError | None, msg: Any) -> None:
+        delivery_log = self._owner.delivery_log
+        if delivery_log is not None and self._ids is not None:
+            delivery_log.record(self._source, self._ids[index], err, msg)
         if err is None:
+            if self._owner.duplicate_sequence_ack(self._generation, msg):
+                self.settle(index, RetryableError(UNPROVEN_ACK))
+                return
             self._owner.observer.message_acknowledged(time.time() - self._created[index])
             self.settle(index, None)
             return
@@ -179,14 +236,22 @@ class KafkaPublisher(Publisher):
         self.aborting = threading.Event()
         self._thread: threading.Thread | None = None
         self.replacements = 0
+        # Acknowledgements that were DUPLICATE_SEQUENCE_NUMBER answers (see duplicate_sequence_ack).
+        self._dupseq_lock = threading.Lock()
+        self._dupseq_runs: dict[tuple[int, int], int] = {}  # (generation, partition) -> next offset of the run
+        self.duplicate_sequence_acks = 0
         self.local_queue_full_waits = 0  # produce() calls that found the local queue full
         self._refusal: str | None = None  # the last authentication/TLS refusal (see is_refusal)
         self._tls_failure: str | None = None  # the last connection failure, if it was in the TLS handshake
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
+        # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
+        self.delivery_log = DeliveryLog.from_environment()
         # issue 14: the messages of a refused record batch are judged one by one.
         self.isolation = RejectionIsolator(self._config, classify=classify,
                                            on_isolated=lambda count: self.observer.messages_isolated(count))
+        if self.delivery_log is not None:
+            self.isolation.delivery_log = self.delivery_log
 
     # --- lifecycle -------------------------------------------------------------------
     def _new_producer(self) -> Producer:
@@ -249,6 +314,48 @@ class KafkaPublisher(Publisher):
                     pass
             producer.flush(timeout_seconds)
         self.isolation.close(timeout_seconds, discard_queued=self.aborting.is_set())  # issue 14
+
+    def duplicate_sequence_ack(self, generation: int, msg: Any) -> bool:
+        """True if this successful delivery report came from a DUPLICATE_SEQUENCE_NUMBER
+        answer, which is no proof that the broker stored the message.
+
+        librdkafka takes that answer ("this producer's record batch with this sequence
+        is already stored") as a success and numbers the batch's messages from the base
+        offset of the error response, -1: the batch's first report has no offset
+        (``msg.offset()`` is None or negative), the next ones 0, 1, 2, ... Apache Kafka
+        answers a duplicate with the original offsets instead, so there this never
+        happens; a broker that advances a producer's sequence before it stores the
+        batch (tansu 0.6 on S3, killed in between) answers it for a batch it lost. The
+        reports of one record batch are served one after another on the poll thread,
+        so a run is tracked per producer generation and partition; a false positive
+        costs a duplicate message, never a loss."""
+        try:
+            offset = msg.offset()
+            if offset is not None and offset >= 0 and not self._dupseq_runs:
+                return False  # the common case, without taking the lock: no run open
+            partition = msg.partition()
+        except Exception:  # no message object: nothing to judge by
+            return False
+        key = (generation, partition)
+        if offset is None or offset < 0:
+            with self._dupseq_lock:
+                self._dupseq_runs[key] = 0
+                self.duplicate_sequence_acks += 1
+            allowed, suppressed = self._error_lines.allow("DUPLICATE_SEQUENCE_NUMBER")
+            if allowed:
+                log.warning("kafka acknowledgement without an offset (a DUPLICATE_SEQUENCE_NUMBER answer); "
+                            "publishing the record batch's messages again", partition=partition, suppressed=suppressed)
+            return True
+        with self._dupseq_lock:
+            expected = self._dupseq_runs.get(key)
+            if expected is None:
+                return False
+            if offset == expected:
+                self._dupseq_runs[key] = offset + 1
+                self.duplicate_sequence_acks += 1
+                return True
+            del self._dupseq_runs[key]
+            return False
 
     # --- health ----------------------------------------------------------------------
     def _on_error(self, err: KafkaError) -> None:
@@ -364,9 +471,10 @@ class KafkaPublisher(Publisher):
         """Produce the batch and return at once; ``wait()`` collects the outcomes.
         Lets a worker claim its next batch while this one is being delivered."""
         deadline = time.monotonic() + timeout_seconds
-        waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages])
         with self._lock:
             producer, generation = self._producer, self.generation
+        waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages],
+                              [m.id for m in messages] if self.delivery_log is not None else None, generation)
         if producer is None:
             raise RuntimeError("KafkaPublisher.start() was not called")
         runs = RunGuard()  # an ordered run stops at a row produce() refused
