@@ -183,3 +183,38 @@ def test_finalize_whose_reply_was_lost_is_recognised_in_delete_mode(pg_dsn, tabl
     assert result.done == 5 and result.lost == []
     assert metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 0
     assert statuses(pg_dsn, table) == {}
+
+
+def test_keep_mode_finalize_never_runs_the_delete_join(pg_dsn, table):
+    """The delete branch of the finalize is gated by a one-time check of the table's
+    mode: in keep mode its join is never executed, whatever the statistics say (taken
+    here while no row was processing, which once made it loop over the batch per row)."""
+    store = OutboxStore(pg_dsn, table, pool_size=1)
+    store.open()
+    try:
+        store.migrate(on_done="keep", ordering=True)
+        insert_rows(pg_dsn, table, 300)
+        run_sql(pg_dsn, table, "ANALYZE {t}")  # nothing processing when the statistics were taken
+        claimed = _claim(store, batch=300)
+        assert len(claimed) == 300
+        query = store.sql.query("finalize", strict=False)
+        params = {"ids": [r.id for r in claimed], "versions": [r.lease_version for r in claimed],
+                  "statuses": ["done"] * len(claimed), "delays": [0.0] * len(claimed),
+                  "errors": [None] * len(claimed), "refunds": [0] * len(claimed)}
+        with psycopg.connect(pg_dsn) as conn:
+            plan = conn.execute(psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + query, params).fetchone()[0]
+            conn.rollback()
+    finally:
+        store.close()
+
+    def nodes(node):
+        yield node
+        for child in node.get("Plans", []):
+            yield from nodes(child)
+
+    deletes = [n for n in nodes(plan[0]["Plan"]) if n.get("Operation") == "Delete"]
+    assert len(deletes) == 1
+    joins = [n for n in nodes(deletes[0]) if "Join Type" in n]
+    assert joins and all(n["Actual Loops"] == 0 for n in joins)  # gated off: never executed
+    updates = [n for n in nodes(plan[0]["Plan"]) if n.get("Operation") == "Update"]
+    assert updates[0]["Actual Rows"] == 300
