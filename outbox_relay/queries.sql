@@ -446,12 +446,16 @@ WITH decided AS (
 ), deleted AS (
     -- (SELECT ...) rather than a join with mode: a condition without columns of the
     -- joined tables is checked once, before the join, so a keep-mode table never runs
-    -- this join. (Joined, it was checked per row afterwards; with statistics taken
-    -- while no row was processing, the planner looped over the whole batch for every
-    -- processing row: ~0.5 s per 1000-row batch.)
+    -- this join. The delivered rows come as arrays of their own (%(done_ids)s,
+    -- %(done_versions)s), not as "decided WHERE status = 'done'": the planner then
+    -- knows how many there are and looks them up by primary key. With statistics
+    -- taken while hardly any row was processing (the usual case: autovacuum's ANALYZE
+    -- of an idle outbox), it otherwise guessed ~5 delivered rows and rescanned them
+    -- for every processing row: 0.2-0.8 s per 1000-row batch instead of ~5 ms.
     DELETE FROM {table} AS o
-    USING decided AS f
-    WHERE (SELECT delete_done FROM mode) AND f.status = 'done'
+    USING unnest(%(done_ids)b::bigint[], %(done_versions)b::bigint[]) AS f(id, version)
+    WHERE (SELECT delete_done FROM mode)
+      AND o.id = ANY(%(done_ids)b::bigint[])
       AND o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
     RETURNING o.id
 ), updated AS (

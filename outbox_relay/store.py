@@ -175,6 +175,21 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def finalize_params(items: Sequence[FinalizeItem]) -> dict[str, Any]:
+    """The parameters of queries.sql "finalize" for a batch's decisions."""
+    return {
+        "ids": [i.id for i in items],
+        "versions": [i.lease_version for i in items],
+        "statuses": [i.status for i in items],
+        "delays": [max(0.0, float(i.delay_seconds)) for i in items],
+        "errors": [i.error for i in items],
+        "refunds": [1 if i.refund_attempt else 0 for i in items],
+        # delivered rows again, for the delete branch (see queries.sql "finalize")
+        "done_ids": [i.id for i in items if i.status == "done"],
+        "done_versions": [i.lease_version for i in items if i.status == "done"],
+    }
+
+
 class OutboxStore:
     """Statements on one outbox table over a connection pool (autocommit connections)."""
 
@@ -659,14 +674,7 @@ class OutboxStore:
         accepted (the others lost their lease to a newer claim)."""
         if not items:
             return set()
-        params = {
-            "ids": [i.id for i in items],
-            "versions": [i.lease_version for i in items],
-            "statuses": [i.status for i in items],
-            "delays": [max(0.0, float(i.delay_seconds)) for i in items],
-            "errors": [i.error for i in items],
-            "refunds": [1 if i.refund_attempt else 0 for i in items],
-        }
+        params = finalize_params(items)
         with self._mapped("finalize"), self._pool.connection() as conn:
             cur = conn.execute(self.sql.query("finalize", strict=strict), params)
             return {r[0] for r in cur.fetchall()}
