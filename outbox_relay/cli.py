@@ -7,7 +7,6 @@ traceback.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import sys
@@ -20,7 +19,7 @@ import typer
 from .config import Settings, load_settings, parse_duration
 from .errors import ConfigError, OutboxRelayError
 from .filters import FILTER_NAMES, DeadFilter, parse_filter
-from .operations import Action, change_dead, diagnose_aggregate, os_user, preview_dead, row_states
+from .operations import Action, change_dead, diagnose_aggregate, jsonable, os_user, preview_dead, row_states
 from .ordering import OrderingRule
 from .store import DeadSummary
 
@@ -207,16 +206,6 @@ UntilOpt = Annotated[str | None, typer.Option(
     "--until", help="Only rows created before: a duration ago (2h, 7d) or a timestamp.")]
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
 def _filter(store: Any, **values: Any) -> DeadFilter:
     """CLI filter options -> DeadFilter; a bad value exits 2 naming the option."""
     try:
@@ -268,7 +257,7 @@ def dead_list(
         with _errors():
             rows = store.dead_page(selector, after_id=after_id, limit=limit)
             if json_out:
-                typer.echo(json.dumps([_jsonable(row) for row in rows]))
+                typer.echo(json.dumps([jsonable(row) for row in rows]))
                 return
             matched = store.dead_count(selector, budget_ms=budget_ms)
             summary = store.dead_summary(selector, timeout_ms=budget_ms) if matched.n else None
@@ -413,7 +402,7 @@ def aggregate_show(
     if json_out:
         typer.echo(json.dumps({
             "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
-            "rows": [_jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
+            "rows": [jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
                                | {"ordered": ordering.is_ordered(row["event_type"]), "state": state})
                      for row, state in zip(found, states, strict=True)]}))
         return
@@ -441,7 +430,7 @@ def audit_list(
         store.require_audit_table()
         entries = store.audit_list(limit=limit, before_id=before_id)
     if json_out:
-        typer.echo(json.dumps([_jsonable(e) for e in entries]))
+        typer.echo(json.dumps([jsonable(e) for e in entries]))
         return
     if not entries:
         typer.echo("no audit entries")

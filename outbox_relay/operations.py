@@ -46,6 +46,17 @@ def selector_description(selector: DeadFilter) -> dict[str, Any]:
     return {"filter": selector.describe()}
 
 
+def jsonable(value: Any) -> Any:
+    """A CLI/console result made JSON-serialisable (timestamps as ISO 8601)."""
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
 @dataclass(slots=True)
 class Preview:
     """What a retry/skip would change, before changing anything."""

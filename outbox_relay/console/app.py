@@ -41,6 +41,7 @@ from ..operations import (
     blocking_head,
     change_dead,
     diagnose_aggregate,
+    jsonable,
     preview_dead,
     row_states,
     selector_description,
@@ -99,16 +100,6 @@ def _num(value: int | Count | None) -> str:
     if isinstance(value, Count):
         return f"{value.n:,}" if value.exact else f"\u2265 {value.n:,}"
     return f"{value:,}"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dt.datetime):
-        return value.isoformat()
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 class _Guard:
@@ -594,7 +585,7 @@ class Console:
             matched = self.store.dead_count(selector, budget_ms=self.count_budget_ms)
             summary = self.store.dead_summary(selector, timeout_ms=self.count_budget_ms) if matched.n else None
             return {
-                "rows": _jsonable(rows),
+                "rows": jsonable(rows),
                 "matched": matched.n, "matched_exact": matched.exact,
                 "next_after_id": rows[-1]["id"] if len(rows) == page_size else None,
                 "by_event_type": dict(summary.by_event_type) if summary else None,
@@ -612,7 +603,7 @@ class Console:
         row.pop("database_now", None)
         row["payload"] = json.loads(row["payload"])
         row["headers"] = json.loads(row["headers"]) if row["headers"] is not None else None
-        return JSONResponse(_jsonable(row))
+        return JSONResponse(jsonable(row))
 
     async def api_retry(self, request: Request, who: Principal) -> Response:
         return await self._api_change(request, who, "retry")
@@ -696,7 +687,7 @@ class Console:
         def load() -> dict[str, Any]:
             self.store.require_audit_table()
             entries = self.store.audit_list(limit=page_size, before_id=before_id)
-            return {"entries": _jsonable(entries),
+            return {"entries": jsonable(entries),
                     "next_before_id": entries[-1]["id"] if len(entries) == page_size else None}
 
         return JSONResponse(await run_in_threadpool(load))

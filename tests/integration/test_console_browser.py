@@ -25,9 +25,8 @@ from tests.helpers.console import quoted, row_states, seed_dead
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
 # ./dev runs it on the first pass only (see pyproject.toml markers).
-pytestmark = pytest.mark.first_pass_only
+pytestmark = [pytest.mark.first_pass_only, pytest.mark.timeout(180)]
 
-pytestmark = pytest.mark.timeout(180)
 TOKEN = "browser-test-token"
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -22,6 +22,9 @@ from outbox_relay.embedded import read_messages
 from outbox_relay.kafka_publisher import UNPROVEN_ACK, from_settings
 from outbox_relay.publisher import Message, RetryableError
 
+# Exercises the broker rather than PostgreSQL's SQL: ./dev runs it on the first pass only.
+pytestmark = pytest.mark.first_pass_only
+
 boto3 = pytest.importorskip("boto3")  # moto[server] brings it (test extra)
 
 

@@ -10,10 +10,14 @@ import time
 import uuid
 from pathlib import Path
 
+import pytest
 from confluent_kafka import Producer
 
 from outbox_relay.kafka_publisher import from_settings
 from outbox_relay.publisher import Message
+
+# Exercises the broker rather than PostgreSQL's SQL: ./dev runs it on the first pass only.
+pytestmark = pytest.mark.first_pass_only
 
 
 def _librdkafka_instances() -> int:
