@@ -78,7 +78,7 @@ def _store(settings: Settings) -> Iterator[Any]:
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     store = make_store(settings, pool_size=2, application_name="outbox-relay-cli")
     with _errors():
-        store.open()
+        store.open(fail_fast=True)
         try:
             yield store
         finally:

@@ -251,9 +251,19 @@ class OutboxStore:
         self._opened = False
 
     # --- lifecycle -------------------------------------------------------------------
-    def open(self, *, wait: bool = True) -> None:
+    def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
+        """Open the pool. ``fail_fast`` (one-shot commands): one connection attempt
+        first, and its error at once, rather than the pool retrying a server that
+        refuses for ``connect_timeout_seconds`` + 1 s."""
         if self._opened:
             return
+        if fail_fast:
+            try:
+                with self._connect_once():
+                    pass
+            except psycopg.Error as exc:
+                raise DatabaseUnavailable(
+                    f"cannot connect to the database: {redact_dsn(_first_line(exc), self._dsn)}") from None
         try:
             self._pool.open(wait=wait, timeout=self._connect_timeout + 1)
         except psycopg_pool.PoolTimeout as exc:
