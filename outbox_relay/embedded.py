@@ -127,6 +127,16 @@ class EmbeddedPostgres:
         self.stop()
 
 
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if the process has not gone 5 s later."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
 class EmbeddedPgBouncer:
     """A private ``pgbouncer`` on 127.0.0.1:<port> in front of one PostgreSQL database.
 
@@ -250,12 +260,7 @@ class EmbeddedPgBouncer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+            _terminate(self.proc)
         self.proc = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -325,12 +330,7 @@ class EmbeddedObjectStore:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+            _terminate(self.proc)
         self.proc = None
 
     def __enter__(self) -> EmbeddedObjectStore:
@@ -433,12 +433,7 @@ class EmbeddedBroker:
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.resume_quietly()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+            _terminate(self.proc)
         self.proc = None
 
     def resume_quietly(self) -> None:
