@@ -11,9 +11,10 @@ gauges are reset rather than left frozen at a stale value, and
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,34 @@ log = structlog.get_logger("outbox_relay.metrics")
 
 OUTCOMES = ("done", "retry", "defer", "dead")
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """``histogram.observe(v)`` for every value, with one update per bucket touched
+    instead of a locked update (and a walk of the buckets) per value: the latency of
+    every acknowledged message is observed, ~1 us each on the path that collects
+    delivery reports. Same exposition as observing one by one (tests/unit/test_metrics_observe.py);
+    falls back to that if prometheus_client's internals ever differ."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if not values:
+        return
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(bounds)
+    for value in values:
+        if value != value:  # NaN: in no bucket, as observe() does
+            histogram.observe(value)
+            continue
+        # the first bound >= value: observe()'s "value <= bound" (+Inf is the last bound)
+        counts[bisect.bisect_left(bounds, value)] += 1
+    total.inc(sum(v for v in values if v == v))
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
 
 
 class RelayMetrics(PublisherObserver):
@@ -124,6 +153,9 @@ class RelayMetrics(PublisherObserver):
     # --- PublisherObserver ----------------------------------------------------------------
     def message_acknowledged(self, seconds_since_created: float) -> None:
         self.end_to_end_latency_seconds.observe(seconds_since_created)
+
+    def messages_acknowledged(self, seconds_since_created: Sequence[float]) -> None:
+        observe_many(self.end_to_end_latency_seconds, seconds_since_created)
 
     def client_replaced(self, reason: str) -> None:
         self.producer_replacements_total.inc()

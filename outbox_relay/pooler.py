@@ -46,6 +46,7 @@ from .schema import EXECUTABLE
 # queries.sql section "bound_statement" (transaction-local statement_timeout), its
 # comment lines left out: they would travel with every statement.
 _BOUND_STATEMENT = EXECUTABLE["bound_statement"]
+_SETTINGS_STATEMENT = EXECUTABLE["claim_settings"]
 
 
 class _ThreadState(threading.local):
@@ -114,6 +115,33 @@ class PoolerConnection(psycopg.Connection[Any]):
             _state.in_bounded_pipeline = False
         if in_transaction:
             self._transaction_bounded = True
+
+
+def execute_with_settings(cursor: psycopg.Cursor[Any], query: Query, params: Params | None,
+                          settings: dict[str, str]) -> None:
+    """Execute ``query`` under transaction-local ``settings``: a set_config statement
+    (queries.sql "claim_settings") pipelined in front of it, one Sync, one round trip.
+    In autocommit both run in one implicit transaction, so the settings end with it;
+    in an explicit transaction they last until it ends. Through a transaction pooler
+    the statement's statement_timeout rides in the same set_config. The caller
+    fetches the results from ``cursor`` afterwards."""
+    conn = cursor.connection
+    settings = dict(settings)
+    bounds_transaction = False
+    if isinstance(conn, PoolerConnection) and conn._needs_bound():
+        settings["statement_timeout"] = str(conn.statement_timeout_ms)
+        bounds_transaction = conn.info.transaction_status == pq.TransactionStatus.INTRANS
+    _state.in_bounded_pipeline = True
+    try:
+        with conn.pipeline():  # leaving it sends the one Sync and waits for both results
+            psycopg.Cursor(conn).execute(_SETTINGS_STATEMENT, (list(settings), list(settings.values())),
+                                         prepare=False)
+            # Inside the pipeline a BoundedCursor does not bound again (_needs_bound).
+            cursor.execute(cast(QueryNoTemplate, query), params)
+    finally:
+        _state.in_bounded_pipeline = False
+    if bounds_transaction and isinstance(conn, PoolerConnection):
+        conn._transaction_bounded = True
 
 
 class BoundedCursor(psycopg.Cursor[Any]):

@@ -427,17 +427,22 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
 
 -- name: finalize
 -- Every outcome of a batch in ONE fenced statement (one round trip): the decisions
--- come in as parallel arrays (decision.py decides, this only writes). Only the claim
--- that still holds lease_version may write; rows that do not match are lost leases.
+-- come in as arrays (decision.py decides, this only writes). Only the claim that
+-- still holds lease_version may write; rows that do not match are lost leases.
 -- {strict} is either empty or "AND o.lease_until > now()" (strict lease policy).
---   done:    the table's mode (on_done in {state_table}, set by migrate) says:
+--   done:    %(done_ids)s / %(done_versions)s (array literals: usually the whole batch).
+--            The table's mode (on_done in {state_table}, set by migrate) says:
 --            keep:   done_at = now(), last_error cleared
 --            delete: the row is deleted — a DELETE record instead of a new row version
+--   every other outcome comes as six parallel arrays (usually empty):
 --   pending: due after delay_seconds; a NULL error keeps the previous last_error
 --            (a release is not a failure); refund = 1 gives the claim's attempt back
 --   dead:    last_error = the reason
--- The arrays travel in binary format (the b placeholders): cheaper for the relay to encode.
+-- The six arrays travel in binary format (the b placeholders).
 WITH decided AS (
+    SELECT f.id, f.version, 'done'::text AS status, 0::float8 AS delay_seconds, NULL::text AS error, 0 AS refund
+    FROM unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
+    UNION ALL
     SELECT * FROM unnest(%(ids)b::bigint[], %(versions)b::bigint[], %(statuses)b::text[],
                          %(delays)b::float8[], %(errors)b::text[], %(refunds)b::int[])
              AS f(id, version, status, delay_seconds, error, refund)
@@ -446,16 +451,16 @@ WITH decided AS (
 ), deleted AS (
     -- (SELECT ...) rather than a join with mode: a condition without columns of the
     -- joined tables is checked once, before the join, so a keep-mode table never runs
-    -- this join. The delivered rows come as arrays of their own (%(done_ids)s,
-    -- %(done_versions)s), not as "decided WHERE status = 'done'": the planner then
-    -- knows how many there are and looks them up by primary key. With statistics
-    -- taken while hardly any row was processing (the usual case: autovacuum's ANALYZE
-    -- of an idle outbox), it otherwise guessed ~5 delivered rows and rescanned them
-    -- for every processing row: 0.2-0.8 s per 1000-row batch instead of ~5 ms.
+    -- this join. The delivered rows are read from their own arrays, not from
+    -- "decided WHERE status = 'done'": the planner then knows how many there are and
+    -- looks them up by primary key. With statistics taken while hardly any row was
+    -- processing (the usual case: autovacuum's ANALYZE of an idle outbox), it
+    -- otherwise guessed ~5 delivered rows and rescanned them for every processing
+    -- row: 0.2-0.8 s per 1000-row batch instead of ~5 ms.
     DELETE FROM {table} AS o
-    USING unnest(%(done_ids)b::bigint[], %(done_versions)b::bigint[]) AS f(id, version)
+    USING unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
     WHERE (SELECT delete_done FROM mode)
-      AND o.id = ANY(%(done_ids)b::bigint[])
+      AND o.id = ANY(%(done_ids)s::bigint[])
       AND o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
     RETURNING o.id
 ), updated AS (
@@ -704,6 +709,19 @@ SELECT (SELECT count(*) FROM purged), (SELECT max(dedup_key) FROM scanned)
 -- commit in the order they obtained ids. The key space is shared with other advisory
 -- lock users only through this hash of (table, aggregate_id).
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
+
+-- name: claim_settings
+-- Planner settings of the claim, set transaction-locally by a statement pipelined in
+-- front of it (one round trip, store.py). enable_bitmapscan = off: the claim must read
+-- its partial indexes in order and stop after LIMIT rows. Without statistics that
+-- know the backlog (a table filled faster than autovacuum's ANALYZE follows, or last
+-- analyzed while every row was done) the planner estimates a handful of pending rows
+-- and prefers a bitmap scan of ALL of them plus a sort: every claim then reads, sizes
+-- and sorts the whole backlog (measured: 243 ms per claim at a 300 000-row backlog
+-- instead of 8 ms), and a drain becomes quadratic. With bitmap scans off the ordered
+-- index scan is the plan with and without statistics. Also carries the
+-- transaction_pooler's statement_timeout when the statement needs one (pooler.py).
+SELECT set_config(name, value, true) FROM unnest(%s::text[], %s::text[]) AS s(name, value)
 
 -- name: bound_statement
 -- database.transaction_pooler: the statement_timeout of the one statement (or the

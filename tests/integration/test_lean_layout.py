@@ -57,3 +57,56 @@ def test_migrate_converges_an_old_layout_while_a_relay_drains_it(make_settings, 
         relay.stop()
     assert sum("dropped index" in n for n in notes) == 2 and sum("created index" in n for n in notes) == 2
     assert store.missing_ordering_indexes() == []
+
+
+
+def _claim_plan(store, pg_dsn, *, settings, batch):
+    """EXPLAIN ANALYZE (rolled back) of the plain claim, run the way the store runs it:
+    execute_with_settings(...) with the given planner settings in front of it."""
+    import psycopg
+
+    from outbox_relay.pooler import execute_with_settings
+
+    params = {"owner": "plan", "batch": batch, "lease_seconds": 30.0, "max_attempts": 5,
+              "max_batch_bytes": 8 << 20, "candidates": batch, "max_message_bytes": None, "excluded_types": []}
+    query = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + store.sql.query("claim")
+    with psycopg.connect(pg_dsn) as conn:
+        cur = conn.cursor()
+        execute_with_settings(cur, query, params, settings)
+        plan = cur.fetchone()[0]
+        conn.rollback()
+
+    def nodes(node):
+        yield node
+        for child in node.get("Plans", []):
+            yield from nodes(child)
+
+    return list(nodes(plan[0]["Plan"]))
+
+
+def test_claim_reads_the_front_of_the_backlog_even_without_statistics(store, pg_dsn, table):
+    """A 20 000-row backlog in a table never analyzed (filled faster than autovacuum's
+    ANALYZE follows, or restored / pg_upgraded without statistics): the planner then
+    expects a few hundred pending rows, fewer than the relay's default batch. Under the
+    claim's settings the claim still walks the pending index in order and stops after
+    the batch; without them it bitmap-scans and sorts the whole backlog (the control
+    below), which made every claim O(backlog) and a drain quadratic."""
+    from outbox_relay.store import CLAIM_SETTINGS
+
+    run_sql(pg_dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+                           "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', jsonb_build_object('seq', g) "
+                           "FROM generate_series(1, 20000) AS g")
+    batch = 1000  # relay.batch_size's default
+
+    plan = _claim_plan(store, pg_dsn, settings=CLAIM_SETTINGS, batch=batch)
+    scans = [n for n in plan if n.get("Index Name", "").endswith("_pending_idx")]
+    assert [n["Node Type"] for n in scans] == ["Index Scan"]
+    assert scans[0]["Actual Rows"] == batch  # stopped at the batch: the backlog was not read
+    assert not [n for n in plan if n["Node Type"].startswith("Bitmap") and n["Actual Rows"] > batch]
+
+    control = _claim_plan(store, pg_dsn, settings={}, batch=batch)
+    bitmap = [n for n in control if n["Node Type"] == "Bitmap Heap Scan"]
+    assert bitmap and max(n["Actual Rows"] for n in bitmap) == 20000  # the hazard the settings avoid
+
+    claimed = store.claim(owner="A", batch=batch, lease_seconds=30, max_attempts=5).rows
+    assert [r.id for r in claimed] == list(range(claimed[0].id, claimed[0].id + batch))
