@@ -67,6 +67,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", help="use this Kafka cluster instead of starting the embedded tansu broker")
     parser.add_argument("--keep", action="store_true", help="keep the bench schemas (with --dsn) for inspection")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
+    parser.add_argument("--database-cpus", metavar="LIST",
+                        help="pin PostgreSQL (its postmaster and every backend) to these CPUs, e.g. 0, and this "
+                             "process, the broker and the relay to the others: the database on a host of its own, "
+                             "as in production, instead of sharing its cores with the relay and the broker")
 
 
 @contextlib.contextmanager
@@ -76,12 +80,22 @@ def servers(args: argparse.Namespace, *, need_broker: bool = True) -> Iterator[t
 
     tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-bench-"))
     pg = broker = None
+    database_cpus = parse_cpus(getattr(args, "database_cpus", None))
+    if database_cpus:
+        others = set(os.sched_getaffinity(0)) - database_cpus
+        if not others:
+            raise SystemExit("--database-cpus leaves no CPU for the relay and the broker")
+        os.sched_setaffinity(0, others)  # inherited by the broker and relay subprocesses
     try:
         dsn = args.dsn
         if not dsn:
             say("starting embedded PostgreSQL 18 ...")
             pg = EmbeddedPostgres(base_dir=tmp).start()
             dsn = pg.dsn
+        if database_cpus:
+            pinned = pin_postgres(dsn, database_cpus)
+            say(f"PostgreSQL pinned to CPU {sorted(database_cpus)} ({pinned} processes); "
+                f"this process, the broker and the relay to CPU {sorted(os.sched_getaffinity(0))}")
         bootstrap = getattr(args, "bootstrap", None)
         if need_broker and not bootstrap:
             say("starting embedded Kafka-protocol broker (tansu) ...")
@@ -94,6 +108,40 @@ def servers(args: argparse.Namespace, *, need_broker: bool = True) -> Iterator[t
         if pg is not None:
             pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def parse_cpus(text: str | None) -> set[int]:
+    """"0" / "0,2" / "0-1" -> a set of CPU numbers (empty for None)."""
+    cpus: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def pin_postgres(dsn: str, cpus: set[int]) -> int:
+    """Pin a local PostgreSQL's postmaster and its children to ``cpus``; backends
+    started later are forked by the postmaster and inherit it. Returns how many
+    processes were pinned."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+        postmaster = _ppid(backend)
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _ppid(int(p)) == postmaster]
+        for pid in (postmaster, *children):
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(pid, cpus)
+    return 1 + len(children)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])
 
 
 def server_version(dsn: str) -> str:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -124,6 +125,13 @@ def rfc3339(moment: dt.datetime) -> str:
     return text.removesuffix("+00:00") + "Z"
 
 
+@functools.lru_cache(maxsize=4096)
+def _routed_topic(template: str, aggregate_type: str, event_type: str) -> str:
+    """The template filled in; cached, as a deployment has few (type, event) pairs and
+    this runs for every message."""
+    return template.format(aggregate_type=aggregate_type, event_type=event_type)
+
+
 def default_cloudevents_source(table: str) -> str:
     return f"/outbox-relay/{table}"
 
@@ -158,7 +166,7 @@ class WireFormat:
         return cls(fmt, template, source)
 
     def topic(self, row: Claimed) -> str:
-        return row.topic or self.topic_template.format(aggregate_type=row.aggregate_type, event_type=row.event_type)
+        return row.topic or _routed_topic(self.topic_template, row.aggregate_type, row.event_type)
 
     def encode(self, row: Claimed) -> Encoded:
         """Topic, key, value and headers of ``row``; raises ``FormatError``."""

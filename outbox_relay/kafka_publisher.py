@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -509,7 +509,7 @@ class KafkaPublisher(Publisher):
                 continue
             callback = partial(waiter.on_delivery, index)
             # librdkafka copies the headers: the message's own list is passed as it is.
-            wire_headers = cast(list[tuple[str, str | bytes | None]], message.headers)
+            wire_headers: Any = message.headers
             while True:
                 try:
                     producer.produce(

@@ -27,7 +27,7 @@ import structlog
 from .backoff import full_jitter_backoff
 from .breaker import CircuitBreaker
 from .budget import InFlightBudget
-from .decision import RetryPolicy, decide, is_outage
+from .decision import DONE, RetryPolicy, decide, is_outage
 from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
 from .finalizer import BatchResult, Finalizer, log_batch
 from .formats import WireFormat
@@ -394,7 +394,10 @@ class Worker:
         # whole: release it (attempts refunded) and open the breaker.
         if outage is None:
             outage = self.breaker is not None and is_outage(outcomes)
-        decisions = [decide(row.attempts, outcome, outage=outage, policy=self.cfg.retry_policy)
+        policy = self.cfg.retry_policy
+        # A delivered row is DONE whatever else is true (decide's first rule), spelled
+        # out here because it is nearly every row of nearly every batch.
+        decisions = [DONE if outcome is None else decide(row.attempts, outcome, outage=outage, policy=policy)
                      for row, outcome in zip(rows, outcomes, strict=True)]
         if self.breaker is not None:
             if outage:
