@@ -451,12 +451,15 @@ WITH decided AS (
 ), deleted AS (
     -- (SELECT ...) rather than a join with mode: a condition without columns of the
     -- joined tables is checked once, before the join, so a keep-mode table never runs
-    -- this join. The delivered rows are read from their own arrays, not from
-    -- "decided WHERE status = 'done'": the planner then knows how many there are and
-    -- looks them up by primary key. With statistics taken while hardly any row was
-    -- processing (the usual case: autovacuum's ANALYZE of an idle outbox), it
-    -- otherwise guessed ~5 delivered rows and rescanned them for every processing
-    -- row: 0.2-0.8 s per 1000-row batch instead of ~5 ms.
+    -- this join. The delivered rows come as arrays of their own, not as "decided WHERE
+    -- status = 'done'", and o.id = ANY(them): the planner then knows how many there
+    -- are and looks them up by primary key. With statistics taken while hardly any row
+    -- was processing (the usual case: autovacuum's ANALYZE of an idle outbox), it
+    -- otherwise guessed ~5 delivered rows and rescanned them for every processing row:
+    -- 0.2-0.8 s per 1000-row batch instead of ~5 ms. FINALIZE_SETTINGS (store.py):
+    -- no bitmap scans, whose reading of the processing index grew with every row
+    -- finalized since the last VACUUM (a bitmap scan never marks an index entry dead;
+    -- an index scan does, and skips it from then on).
     DELETE FROM {table} AS o
     USING unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
     WHERE (SELECT delete_done FROM mode)
@@ -710,17 +713,21 @@ SELECT (SELECT count(*) FROM purged), (SELECT max(dedup_key) FROM scanned)
 -- lock users only through this hash of (table, aggregate_id).
 SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 
--- name: claim_settings
--- Planner settings of the claim, set transaction-locally by a statement pipelined in
--- front of it (one round trip, store.py). enable_bitmapscan = off: the claim must read
--- its partial indexes in order and stop after LIMIT rows. Without statistics that
--- know the backlog (a table filled faster than autovacuum's ANALYZE follows, or last
--- analyzed while every row was done) the planner estimates a handful of pending rows
--- and prefers a bitmap scan of ALL of them plus a sort: every claim then reads, sizes
--- and sorts the whole backlog (measured: 243 ms per claim at a 300 000-row backlog
--- instead of 8 ms), and a drain becomes quadratic. With bitmap scans off the ordered
--- index scan is the plan with and without statistics. Also carries the
--- transaction_pooler's statement_timeout when the statement needs one (pooler.py).
+-- name: statement_settings
+-- Planner settings of the claim and the finalize, set transaction-locally by a
+-- statement pipelined in front of them (one round trip; pooler.execute_with_settings,
+-- store.py CLAIM_SETTINGS / FINALIZE_SETTINGS). Both must touch only the rows they
+-- work on, with and without statistics that describe the table:
+-- - the claim reads its partial indexes in order and stops after LIMIT rows
+--   (enable_bitmapscan = off). Without statistics that know the backlog (a table
+--   filled faster than autovacuum's ANALYZE follows, or restored without statistics)
+--   the planner expects a few hundred pending rows and prefers a bitmap scan of ALL
+--   of them plus a sort: every claim then read, sized and sorted the whole backlog
+--   (243 ms per claim at a 300 000-row backlog instead of 8 ms), a quadratic drain.
+-- - the finalize reads the processing index with an index scan, never a bitmap scan
+--   (see "finalize").
+-- Also carries the transaction_pooler's statement_timeout when the statement needs
+-- one (pooler.py).
 SELECT set_config(name, value, true) FROM unnest(%s::text[], %s::text[]) AS s(name, value)
 
 -- name: bound_statement

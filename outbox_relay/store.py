@@ -207,8 +207,10 @@ def _bigint_array(values: Sequence[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
-# Planner settings of the claim statement (queries.sql "claim_settings" says why).
+# Planner settings of the claim and the finalize (queries.sql "statement_settings"
+# says why): plans that touch only the rows of the batch, whatever the statistics say.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off"}
+FINALIZE_SETTINGS = {"enable_bitmapscan": "off"}
 
 
 class OutboxStore:
@@ -708,7 +710,8 @@ class OutboxStore:
             return set()
         params = finalize_params(items)
         with self._mapped("finalize"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("finalize", strict=strict), params)
+            cur = conn.cursor()
+            execute_with_settings(cur, self.sql.query("finalize", strict=strict), params, FINALIZE_SETTINGS)
             return {r[0] for r in cur.fetchall()}
 
     # Conveniences over finalize() for scripts, benchmarks and tests.

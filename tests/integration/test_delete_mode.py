@@ -12,7 +12,8 @@ import pytest
 from outbox_relay import enqueue
 from outbox_relay.embedded import read_messages
 from outbox_relay.relay import Relay
-from outbox_relay.store import FinalizeItem, OutboxStore, finalize_params
+from outbox_relay.pooler import execute_with_settings
+from outbox_relay.store import FINALIZE_SETTINGS, FinalizeItem, OutboxStore, finalize_params
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, rows, run_sql, statuses, wait_for
 
@@ -201,8 +202,11 @@ def _finalize_plan(pg_dsn, table, on_done, ordering):
         assert len(claimed) == 300
         query = store.sql.query("finalize", strict=False)
         params = finalize_params([FinalizeItem(r.id, r.lease_version, "done") for r in claimed])
-        with psycopg.connect(pg_dsn) as conn:
-            plan = conn.execute(psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + query, params).fetchone()[0]
+        with psycopg.connect(pg_dsn) as conn:  # planned as the store plans it (FINALIZE_SETTINGS)
+            cur = conn.cursor()
+            execute_with_settings(cur, psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + query, params,
+                                  FINALIZE_SETTINGS)
+            plan = cur.fetchone()[0]
             conn.rollback()
     finally:
         store.close()
