@@ -34,6 +34,7 @@ aggregates within 1.5x of none.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ import _common as c
 import psycopg
 from psycopg import ClientCursor, sql
 
+from outbox_relay import store as store_module
 from outbox_relay.config import load_settings
 from outbox_relay.store import OutboxStore, Reschedule
 
@@ -66,7 +68,8 @@ FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g
 """
 
 
-def load(dsn: str, table: str, *, done: int, pending: int, aggregates: int, pad: int, chunk: int) -> float:
+def load(dsn: str, table: str, *, done: int, pending: int, aggregates: int, pad: int, chunk: int,
+         analyze: bool = True) -> float:
     started = time.monotonic()
     stmt = sql.SQL(LOAD_SQL).format(table=c.ident(table))
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -79,8 +82,9 @@ def load(dsn: str, table: str, *, done: int, pending: int, aggregates: int, pad:
                                     "first": serial + 1, "last": serial + count})
                 serial += count
                 c.say(f"    {table}: {status} {first + count}/{n}")
-        c.say(f"    {table}: VACUUM (ANALYZE) ...")
-        conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(c.ident(table)))
+        if analyze:
+            c.say(f"    {table}: VACUUM (ANALYZE) ...")
+            conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(c.ident(table)))
     return time.monotonic() - started
 
 
@@ -132,6 +136,9 @@ def explain(dsn: str, table: str, name: str, params: dict[str, Any] | None) -> s
         text = store_sql.query(name).as_string(conn)
         cur = ClientCursor(conn)
         try:
+            if name.startswith("claim"):  # planned as the store plans its claims
+                cur.execute("SELECT set_config(name, value, true) FROM jsonb_each_text(%s::jsonb) AS s(name, value)",
+                            (json.dumps(store_module.CLAIM_SETTINGS),))
             rows = cur.execute("EXPLAIN (ANALYZE, BUFFERS) " + text, params).fetchall()
         finally:
             conn.rollback()
@@ -152,6 +159,17 @@ def measure(dsn: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
         store.claim(owner="warm", batch=1, lease_seconds=1, max_attempts=12)  # connection + catalog caches
         c.say(f"  {table}: timing claim x{args.reps} ...")
         claim = time_claims(store, batch=args.batch_size, reps=args.reps, ordered=False)
+        unplanned = None
+        if args.no_statistics:
+            # Side by side: the same claim planned without CLAIM_SETTINGS (what versions
+            # before this one did), on the same table without statistics.
+            c.say(f"  {table}: timing claim without the planner settings x{args.reps} ...")
+            saved = dict(store_module.CLAIM_SETTINGS)
+            store_module.CLAIM_SETTINGS.clear()
+            try:
+                unplanned = time_claims(store, batch=args.batch_size, reps=args.reps, ordered=False)
+            finally:
+                store_module.CLAIM_SETTINGS.update(saved)
         c.say(f"  {table}: timing ordered claim x{args.reps} ...")
         ordered = time_claims(store, batch=args.batch_size, reps=args.reps, ordered=True)
     finally:
@@ -165,7 +183,8 @@ def measure(dsn: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in STATS:
         plans[name] = explain(dsn, table, name, dict(STATS_PARAMS, table=OutboxStore(dsn, table).sql.regclass_text))
-    return {"claim": claim, "claim_ordered_heads": ordered, **stats,
+    extra = {"claim_without_settings": unplanned} if unplanned is not None else {}
+    return {"claim": claim, "claim_ordered_heads": ordered, **extra, **stats,
             "plans": plans, "plan_execution_ms": {k: plan_time(v) for k, v in plans.items()}}
 
 
@@ -240,6 +259,10 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=250_000, help="rows per INSERT while loading")
     parser.add_argument("--no-plans", action="store_true", help="leave the EXPLAIN output out of the text report")
     parser.add_argument("--target-ratio", type=float, default=2.0)
+    parser.add_argument("--no-statistics", action="store_true",
+                        help="scale part: no ANALYZE after loading and autovacuum off for the tables (a backlog "
+                             "that arrived faster than autovacuum follows); also times the claim planned without "
+                             "the claim's planner settings, side by side")
     parser.add_argument("--parts", default="scale,dead", help="scale (large vs small), dead (dead-only aggregates)")
     parser.add_argument("--dead-aggregates", default="0,20000,100000",
                         help="dead part: counts of aggregates holding only one old dead row (default 0,20000,100000)")
@@ -263,12 +286,17 @@ def main() -> int:
             try:
                 for table in (large, small):  # the ordered claim is timed too: the ordering indexes
                     c.migrate(dsn, table, notify_trigger=False, ordering=True)
+                    if args.no_statistics:
+                        with psycopg.connect(dsn, autocommit=True) as conn:
+                            conn.execute(sql.SQL("ALTER TABLE {} SET (autovacuum_enabled = off)")
+                                         .format(c.ident(table)))
                 c.say(f"loading {large}: {args.rows} done + {args.rows} pending rows ...")
                 report["load_seconds_large"] = round(load(dsn, large, done=args.rows, pending=args.rows,
-                                                          aggregates=args.aggregates, pad=pad, chunk=args.chunk), 1)
+                                                          aggregates=args.aggregates, pad=pad, chunk=args.chunk,
+                                                          analyze=not args.no_statistics), 1)
                 c.say(f"loading {small}: {args.small} pending rows ...")
                 load(dsn, small, done=0, pending=args.small, aggregates=min(args.aggregates, args.small), pad=pad,
-                     chunk=args.chunk)
+                     chunk=args.chunk, analyze=not args.no_statistics)
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     report["large_table_size"] = conn.execute(
                         "SELECT pg_size_pretty(pg_total_relation_size(%s::regclass))", (large,)).fetchone()[0]
@@ -314,6 +342,13 @@ def scale_lines(report: dict[str, Any], args: argparse.Namespace, targets: dict[
                  f"{report['small']['claim']['rows_per_claim']} small; ordered: "
                  f"{report['large']['claim_ordered_heads']['rows_per_claim']} / "
                  f"{report['small']['claim_ordered_heads']['rows_per_claim']}")
+    if "claim_without_settings" in report["large"]:
+        lg, sm = report["large"]["claim_without_settings"], report["small"]["claim_without_settings"]
+        ratio = round(lg["median_ms"] / sm["median_ms"], 2) if sm["median_ms"] else None
+        report["ratios_large_over_small"]["claim_without_settings"] = ratio
+        lines.append(f"  {'claim, no settings':<22}{lg['median_ms']:>10.2f}{sm['median_ms']:>10.2f}{ratio!s:>8}   "
+                     "(the claim planned as before CLAIM_SETTINGS)")
+    lines.append(f"  statistics: {'none (no ANALYZE, autovacuum off)' if args.no_statistics else 'VACUUM (ANALYZE)'}")
     lines.append(f"  claim_ratio {ratios['claim']}   target <= {args.target_ratio:g}x   {'met' if met else 'NOT MET'}")
     if not args.no_plans:
         for name, plan in report["large"]["plans"].items():

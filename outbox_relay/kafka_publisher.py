@@ -503,11 +503,12 @@ class KafkaPublisher(Publisher):
         if producer is None:
             raise RuntimeError("KafkaPublisher.start() was not called")
         runs = RunGuard()  # an ordered run stops at a row produce() refused
+        on_delivery = waiter.on_delivery  # one bound method for the batch, not one per message
         for index, message in enumerate(messages):
             if runs.stopped(message.order_key):
                 waiter.settle(index, NotDelivered(RELEASED_AFTER_FAILURE))
                 continue
-            callback = partial(waiter.on_delivery, index)
+            callback = partial(on_delivery, index)
             # librdkafka copies the headers: the message's own list is passed as it is.
             wire_headers: Any = message.headers
             while True:

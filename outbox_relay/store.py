@@ -643,8 +643,11 @@ class OutboxStore:
             with conn.transaction():
                 cur = conn.cursor()
                 unordered = dict(params, excluded_types=types)
+                # The first statement sets the claim's planner settings for the whole
+                # transaction (_plain_claim does it in the else branch).
                 if all_ordered:
-                    reaped = [(r[0], r[1], r[2]) for r in cur.execute(self.sql.query("reap"), params).fetchall()]
+                    execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
+                    reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
                 else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
