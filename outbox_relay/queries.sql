@@ -724,7 +724,8 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 --   the planner expects a few hundred pending rows and prefers a bitmap scan of ALL
 --   of them plus a sort: every claim then read, sized and sorted the whole backlog
 --   (243 ms per claim at a 300 000-row backlog instead of 8 ms), a quadratic drain.
--- - the finalize reads the processing index with an index scan, never a bitmap scan
+-- - the finalize (and the heartbeat's extend_lease, the same join) reads the processing
+--   index with an index scan, never a bitmap scan
 --   (see "finalize").
 -- Also carries the transaction_pooler's statement_timeout when the statement needs
 -- one (pooler.py).

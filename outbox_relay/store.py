@@ -210,7 +210,7 @@ def _bigint_array(values: Sequence[int]) -> str:
 # Planner settings of the claim and the finalize (queries.sql "statement_settings"
 # says why): plans that touch only the rows of the batch, whatever the statistics say.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off"}
-FINALIZE_SETTINGS = {"enable_bitmapscan": "off"}
+FINALIZE_SETTINGS = {"enable_bitmapscan": "off"}  # also the heartbeat's extend_lease (the same join)
 
 
 class OutboxStore:
@@ -736,8 +736,10 @@ class OutboxStore:
         ids = [row_id for row_id, _ in claims]
         versions = [version for _, version in claims]
         with self._mapped("extend lease"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("extend_lease", strict=strict),
-                               {"ids": list(ids), "versions": list(versions), "lease_seconds": float(lease_seconds)})
+            cur = conn.cursor()  # the finalize's join, so the finalize's planner settings
+            execute_with_settings(cur, self.sql.query("extend_lease", strict=strict),
+                                  {"ids": list(ids), "versions": list(versions),
+                                   "lease_seconds": float(lease_seconds)}, FINALIZE_SETTINGS)
             return {r[0] for r in cur.fetchall()}
 
     # --- monitoring ------------------------------------------------------------------
