@@ -757,6 +757,10 @@ class OutboxStore:
         with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
+            # These walk the front of the claim's partial indexes up to count_cap, like the
+            # claim: without statistics a bitmap scan read the whole backlog instead
+            # (stats_backlog 101 -> 37 ms at a 200 000-row backlog; 37 -> 29 ms analyzed).
+            conn.execute("SET LOCAL enable_bitmapscan = off")
             depth = dict.fromkeys(STATUSES, 0)
             estimated: list[str] = []
             if include_depth:
