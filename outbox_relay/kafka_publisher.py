@@ -195,7 +195,9 @@ class _BatchWaiter:
         if size == 0:
             self.done.set()
 
-    def settle(self, index: int, outcome: Outcome) -> None:
+    def settle(self, index: int, outcome: Outcome, latency_seconds: float | None = None) -> None:
+        """Record the message's outcome (the first one wins); ``latency_seconds`` (an
+        acknowledgement's) is kept for the batch's one histogram update."""
         with self._lock:
             if self.outcomes[index] is not self._UNSET:
                 return
@@ -203,21 +205,13 @@ class _BatchWaiter:
             self.remaining -= 1
             if self.remaining == 0:
                 self.done.set()
-
-    def acknowledged(self, index: int, latency_seconds: float) -> None:
-        """``settle(index, None)`` that also keeps the message's latency."""
-        with self._lock:
-            if self.outcomes[index] is not self._UNSET:
+            if latency_seconds is None:
                 return
-            self.outcomes[index] = None
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.done.set()
             latencies = self._latencies
             if latencies is not None:
                 latencies.append(latency_seconds)
                 return
-        # A report after the batch's latencies were handed over (it timed out): alone.
+        # An acknowledgement after the batch's latencies were handed over (it timed out): alone.
         self._owner.observer.messages_acknowledged((latency_seconds,))
 
     def take_latencies(self) -> list[float]:
@@ -234,7 +228,7 @@ class _BatchWaiter:
             if owner.duplicate_sequence_ack(self._generation, msg):
                 self.settle(index, RetryableError(UNPROVEN_ACK))
                 return
-            self.acknowledged(index, time.time() - self._created[index])
+            self.settle(index, None, time.time() - self._created[index])
             return
         if err.code() in REPLACE_CODES:
             self._owner.request_replacement(f"delivery error {err.name()}")

@@ -44,3 +44,39 @@ def test_the_default_observer_forwards_a_batch_one_by_one():
 
     Observer().messages_acknowledged([0.1, 0.2])
     assert seen == [0.1, 0.2]
+
+
+def test_a_batch_hands_its_latencies_over_once_and_a_late_ack_alone():
+    """KafkaPublisher's batch waiter keeps acknowledged messages' latencies for one
+    observer call per batch; an acknowledgement after that (the batch timed out) is
+    reported on its own, never lost."""
+    import time
+
+    from outbox_relay.kafka_publisher import KafkaPublisher, _BatchWaiter
+
+    calls = []
+
+    class Observer(PublisherObserver):
+        def messages_acknowledged(self, seconds_since_created):
+            calls.append(list(seconds_since_created))
+
+    class Report:
+        def partition(self):
+            return 0
+
+        def offset(self):
+            return 7
+
+    publisher = KafkaPublisher({"bootstrap.servers": "127.0.0.1:1"})
+    publisher.observer = Observer()
+    created = time.time() - 2.0
+    waiter = _BatchWaiter(3, publisher, [created] * 3)
+    waiter.on_delivery(0, None, Report())
+    waiter.on_delivery(1, None, Report())
+    waiter.on_delivery(1, None, Report())  # a second report for one message: its first outcome stands
+    assert calls == []  # nothing per message
+    latencies = waiter.take_latencies()
+    assert len(latencies) == 2 and all(1.9 < s < 10 for s in latencies)
+    waiter.on_delivery(2, None, Report())  # after the hand-over
+    assert len(calls) == 1 and len(calls[0]) == 1 and 1.9 < calls[0][0] < 10
+    assert waiter.done.is_set() and waiter.outcomes == [None, None, None]
