@@ -26,6 +26,7 @@ from .heartbeat import LeaseKeeper
 from .metrics import MetricsServer, RelayMetrics, StatsRefresher
 from .publisher import Publisher, load_publisher
 from .store import OutboxStore
+from .submitter import Submitter
 from .tracing import Tracing, make_tracing
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig
@@ -63,6 +64,7 @@ class Relay:
         self._stop_claiming = threading.Event()
         self._stopped = threading.Event()
         self._listener: NotificationListener | None = None
+        self._submitter: Submitter | None = None
         self._server: MetricsServer | None = None
         self._refresher: StatsRefresher | None = None
         self.breaker: CircuitBreaker | None = None
@@ -194,10 +196,13 @@ class Relay:
                                   extend_after_fraction=s.relay.heartbeat_after_fraction,
                                   strict=s.relay.strict_lease)
         self.keeper.start()
+        # Pipelining publishers: one thread builds and submits every worker's batches,
+        # so workers go straight on to their next statement (submitter.py).
+        self._submitter = Submitter() if publisher.pipelines else None
         for index in range(s.relay.workers):
             worker = Worker(index, self.store, self.publisher, cfg, self.metrics, wakeup=self.wakeup,
                             breaker=self.breaker, stop_event=self._stop_claiming, keeper=self.keeper,
-                            budget=budget, tracing=self.tracing)
+                            budget=budget, tracing=self.tracing, submitter=self._submitter)
             self.workers.append(worker)
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)
@@ -294,6 +299,8 @@ class Relay:
                 thread.join(timeout=10)
         if self._listener is not None:
             self._listener.join(timeout=3)
+        if self._submitter is not None:
+            self._submitter.close()
         if self.keeper is not None:
             self.keeper.stop()
         self._close_publisher()

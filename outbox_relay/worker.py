@@ -19,7 +19,9 @@ import random
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -36,6 +38,7 @@ from .metrics import RelayMetrics
 from .ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
 from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, build_message
 from .store import Claimed, OutboxStore
+from .submitter import Submitter
 from .tracing import NO_TRACE, BatchTrace, Tracing
 from .wakeup import Wakeup
 
@@ -126,6 +129,14 @@ class _Batch:
     trace: BatchTrace = NO_TRACE
 
 
+@dataclass
+class _Submitted:
+    """A batch handed to the Submitter: built and submitted on its thread."""
+
+    future: Future[_Batch]
+    held_bytes: int = 0  # taken from the in-flight budget until the finalize
+
+
 class Worker:
     """One worker thread's loop. ``stop()`` makes it finish its batch and return."""
 
@@ -133,7 +144,7 @@ class Worker:
                  metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
                  breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None,
                  keeper: LeaseKeeper | None = None, budget: InFlightBudget | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, submitter: Submitter | None = None) -> None:
         self.index = index
         self.owner = f"{config.owner}:w{index}"
         self.store = store
@@ -145,7 +156,10 @@ class Worker:
         self.stop_event = stop_event or threading.Event()
         self.keeper = keeper
         self.budget = budget
-        self._in_flight: _Batch | None = None  # the pipelined batch, for cleanup if the loop dies
+        # Builds and submits this worker's batches on its own thread (pipelining
+        # publishers; submitter.py says why). None: the worker does it itself.
+        self.submitter = submitter
+        self._in_flight: _Batch | _Submitted | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(store, strict_lease=config.strict_lease,
@@ -173,7 +187,8 @@ class Worker:
 
     def _loop(self) -> None:
         pipelined = self.publisher.pipelines
-        in_flight: _Batch | None = None
+        submitter = self.submitter if pipelined else None
+        in_flight: _Batch | _Submitted | None = None
         while not self.stop_event.is_set():
             self._in_flight = in_flight
             if self.breaker is not None and self.breaker.is_open:
@@ -201,6 +216,13 @@ class Worker:
             if len(rows) >= self.cfg.batch_size:
                 self.wakeup.wake_one()  # a backlog: get another worker going
             if rows:
+                if submitter is not None:
+                    handed = _Submitted(submitter.submit(partial(self._start, rows, trace)),
+                                        held if self.budget is not None else 0)
+                    if in_flight is not None:
+                        self._complete(in_flight)
+                    in_flight = handed
+                    continue
                 try:
                     batch = self._start(rows, trace)
                 except BaseException:
@@ -232,7 +254,7 @@ class Worker:
         if in_flight is not None:
             self._complete(in_flight)
 
-    def _reserve_bytes(self, in_flight: _Batch | None) -> tuple[int | None, _Batch | None]:
+    def _reserve_bytes(self, in_flight: _Batch | _Submitted | None) -> tuple[int | None, _Batch | _Submitted | None]:
         """Reserve room for the next claim in the process's in-flight budget. If it is
         full, finish our own pipelined batch first (never wait on ourselves), then wait.
         Returns (bytes reserved or None if stopped while waiting, the in-flight batch)."""
@@ -346,15 +368,23 @@ class Worker:
             batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
         return batch
 
-    def _complete(self, batch: _Batch) -> BatchResult:
+    def _complete(self, batch: _Batch | _Submitted) -> BatchResult:
         """Wait for the publish outcomes, then finalize with fencing. The batch's bytes
         go back to the in-flight budget whatever happens."""
+        if isinstance(batch, _Submitted):
+            try:
+                started = batch.future.result()  # re-raises what building or submitting raised
+            except BaseException:
+                self._release_bytes(batch)
+                raise
+            started.held_bytes, batch.held_bytes = batch.held_bytes, 0
+            batch = started
         try:
             return self._wait_and_finalize(batch)
         finally:
             self._release_bytes(batch)
 
-    def _release_bytes(self, batch: _Batch) -> None:
+    def _release_bytes(self, batch: _Batch | _Submitted) -> None:
         if self.budget is not None and batch.held_bytes:
             self.budget.release(batch.held_bytes)
             batch.held_bytes = 0
