@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from outbox_relay.kafka_publisher import KafkaPublisher
 from outbox_relay.publisher import Message, SimplePublisher
 from outbox_relay.relay import Relay
@@ -128,3 +130,44 @@ def test_ordered_claim_keeps_to_the_byte_budget_and_a_prefix_of_each_run(store, 
     rest = store.claim(owner="p", batch=100, lease_seconds=30, max_attempts=3, ordered_types=["*"],
                        run_length=10, max_batch_bytes=1000)
     assert len(rest.rows) == 1
+
+
+class PipeliningPublisher(SimplePublisher):
+    """A SimplePublisher that lets the worker pipeline (so batches go through the Submitter)."""
+
+    pipelines = True
+
+    def publish(self, message: Message) -> None:
+        pass
+
+
+def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_the_bytes_back(
+        make_settings, store, pg_dsn, table, monkeypatch):
+    """A bug while building a batch on the Submitter's thread surfaces in the worker that
+    handed it over (the thread ends, /healthz reports it) and the batch's bytes go back to
+    the process budget, as when the worker built the batch itself."""
+    from outbox_relay import worker as worker_module
+    from outbox_relay.budget import InFlightBudget
+    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.submitter import Submitter
+    from outbox_relay.worker import Worker, WorkerConfig
+
+    insert_rows(pg_dsn, table, 5)
+    settings = make_settings()
+    publisher = PipeliningPublisher()
+    budget = InFlightBudget(settings.relay.max_in_flight_bytes)
+    submitter = Submitter()
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug in build_message")
+
+    monkeypatch.setattr(worker_module, "build_message", broken)
+    worker = Worker(0, store, publisher, WorkerConfig.from_settings(settings, publisher), RelayMetrics(),
+                    budget=budget, submitter=submitter)
+    try:
+        with pytest.raises(RuntimeError, match="a bug in build_message"):
+            worker.run()
+    finally:
+        submitter.close()
+    assert budget.used_bytes == 0
+    assert statuses(pg_dsn, table) == {"processing": 5}  # claimed, never published: the lease recovers them
