@@ -216,18 +216,15 @@ class Worker:
             if len(rows) >= self.cfg.batch_size:
                 self.wakeup.wake_one()  # a backlog: get another worker going
             if rows:
-                if submitter is not None:
-                    handed = _Submitted(submitter.submit(partial(self._start, rows, trace)),
-                                        held if self.budget is not None else 0)
-                    if in_flight is not None:
-                        self._complete(in_flight)
-                    in_flight = handed
-                    continue
-                try:
-                    batch = self._start(rows, trace)
-                except BaseException:
-                    self._return_bytes(held, 0)
-                    raise
+                batch: _Batch | _Submitted
+                if submitter is not None:  # built and submitted on the submitter's thread
+                    batch = _Submitted(submitter.submit(partial(self._start, rows, trace)))
+                else:
+                    try:
+                        batch = self._start(rows, trace)
+                    except BaseException:
+                        self._return_bytes(held, 0)
+                        raise
                 batch.held_bytes = held if self.budget is not None else 0
                 if pipelined:
                     if in_flight is not None:
