@@ -1,4 +1,4 @@
-"""A DUPLICATE_SEQUENCE_NUMBER answer is no proof of delivery (bench/soak.py, README "Soak").
+"""A DUPLICATE_SEQUENCE_NUMBER answer is no proof of delivery (bench/soak.py; docs/benchmarks/tansu-2core.md, "Soak").
 
 tansu 0.6 on S3 advances an idempotent producer's sequence (in its ``meta.json``)
 before it stores the record batch. Killed in between, it has consumed the sequence
