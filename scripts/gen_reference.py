@@ -197,7 +197,7 @@ def configuration_reference() -> str:
            "are case-sensitive. Settings marked *secret* are never printed: not in logs, not in "
            "validation errors. A bad value exits 2 with one line naming the setting.", ""]
     for section_name, model in _sections():
-        out += [f"## `[{section_name}]`", "", _cell(model.__doc__) or "", "",
+        out += [f"## `[{section_name}]` {{#{section_name}}}", "", _cell(model.__doc__) or "", "",
                 "| setting | environment variable | default | meaning |", "|---|---|---|---|"]
         for name, field in model.model_fields.items():
             env = f"OUTBOX_RELAY_{section_name.upper()}__{name.upper()}"
