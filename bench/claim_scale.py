@@ -44,7 +44,7 @@ from psycopg import ClientCursor, sql
 
 from outbox_relay import store as store_module
 from outbox_relay.config import load_settings
-from outbox_relay.store import OutboxStore, Reschedule
+from outbox_relay.db.store import OutboxStore, Reschedule
 
 DEFAULTS = load_settings(None)
 STATS = ("stats_backlog", "stats_expired", "stats_depth")

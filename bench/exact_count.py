@@ -29,8 +29,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_relay.config import load_settings
-from outbox_relay.filters import DeadFilter
-from outbox_relay.store import OutboxStore
+from outbox_relay.core.filters import DeadFilter
+from outbox_relay.db.store import OutboxStore
 
 DEFAULTS = load_settings(None)
 

@@ -96,7 +96,7 @@ def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
     c.create_topic(bootstrap, topic)
     env = c.relay_env(dsn, table, bootstrap, topic)
     env["PYTHONPATH"] = str(root)
-    command = [sys.executable, "-m", "outbox_relay.cli"]
+    command = [sys.executable, "-m", "outbox_relay.operator.cli"]
     log = Path(f"/tmp/outbox-relay-memory-{c.RUN_ID}-{name}-{index}.log")
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, "run", "--workers", str(args.workers)], env=env, stdout=out,

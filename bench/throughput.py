@@ -52,7 +52,7 @@ from psycopg import sql
 from psycopg.rows import class_row
 
 from outbox_relay.config import load_settings
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 
 DEFAULTS = load_settings(None)  # the product's defaults (no file; env is not read for bench knobs)
 
@@ -255,7 +255,7 @@ def run_seed(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, An
     with psycopg.connect(dsn) as conn, conn.transaction():
         c.copy_backlog(conn, table, args.events, aggregates=args.aggregates, payload_bytes=args.payload_bytes)
     dispatcher = SeedDispatcher(table)
-    from outbox_relay.kafka_publisher import producer_config
+    from outbox_relay.publishers.kafka import producer_config
 
     conf = producer_config(load_settings(None, kafka={"bootstrap_servers": bootstrap}))
     conns = [psycopg.connect(dsn) for _ in range(args.workers)]

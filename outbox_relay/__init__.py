@@ -20,7 +20,7 @@ from .errors import (
     OutboxRelayError,
     SchemaMissing,
 )
-from .publisher import Defer, Message, PermanentError, Publisher, RetryableError, SimplePublisher
+from .publishers.base import Defer, Message, PermanentError, Publisher, RetryableError, SimplePublisher
 
 __all__ = [
     "BrokerUnavailable",

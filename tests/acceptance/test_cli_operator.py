@@ -13,7 +13,7 @@ import json
 import psycopg
 import pytest
 
-from outbox_relay.operations import os_user
+from outbox_relay.operator.operations import os_user
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.console import quoted, row_states, seed_dead
 

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 
 
 def main() -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_relay.filters import DeadFilter
-from outbox_relay.metrics import RelayMetrics, StatsRefresher
+from outbox_relay.core.filters import DeadFilter
+from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from tests.helpers.console import seed_dead
 from tests.helpers.db import wait_for
 

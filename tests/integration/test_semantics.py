@@ -31,10 +31,10 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from outbox_relay.metrics import RelayMetrics
+from outbox_relay.db.store import OutboxStore, Reschedule
+from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import Defer, Message, PermanentError, RetryableError, SimplePublisher
-from outbox_relay.store import OutboxStore, Reschedule
-from outbox_relay.worker import Worker, WorkerConfig
+from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import ROOT
 from tests.helpers.db import DELETE_MODE, assert_delivered, insert_rows, rows, run_sql
 

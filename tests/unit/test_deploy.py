@@ -398,7 +398,7 @@ def test_documented_metric_set_matches_the_declared_types() -> None:
 
 def test_package_exports_every_documented_metric() -> None:
     """deploy/ relies on these names: the relay's own registry must have them all."""
-    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.observability.metrics import RelayMetrics
 
     registry = CollectorRegistry()
     RelayMetrics(registry=registry)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .publisher import Message, Outcome
+    from ..publishers.base import Message, Outcome
 
 ALL_TYPES = "*"
 #: The reason recorded (in logs only: a release keeps the row's last_error) for a row
@@ -81,7 +81,7 @@ class RunGuard:
 def release_after_failures(order_keys: Sequence[str | None], outcomes: list[Outcome]) -> None:
     """In place, for rows in id order: every row after a failed row of the same
     ordered aggregate becomes ``NotDelivered`` (released), whatever its own outcome."""
-    from .publisher import NotDelivered
+    from ..publishers.base import NotDelivered
 
     guard = RunGuard()
     for index, key in enumerate(order_keys):

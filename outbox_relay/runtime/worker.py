@@ -26,24 +26,24 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from .backoff import full_jitter_backoff
-from .breaker import CircuitBreaker
-from .budget import InFlightBudget
-from .decision import DONE, RetryPolicy, decide, is_outage
-from .errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
+from ..core.backoff import full_jitter_backoff
+from ..core.breaker import CircuitBreaker
+from ..core.budget import InFlightBudget
+from ..core.decision import DONE, RetryPolicy, decide, is_outage
+from ..core.formats import WireFormat
+from ..core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
+from ..db.store import Claimed, OutboxStore
+from ..errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
+from ..observability.metrics import RelayMetrics
+from ..observability.tracing import NO_TRACE, BatchTrace, Tracing
+from ..publishers.base import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, build_message
 from .finalizer import BatchResult, Finalizer, log_batch
-from .formats import WireFormat
 from .heartbeat import InFlight, LeaseKeeper
-from .metrics import RelayMetrics
-from .ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
-from .publisher import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, build_message
-from .store import Claimed, OutboxStore
 from .submitter import Submitter
-from .tracing import NO_TRACE, BatchTrace, Tracing
 from .wakeup import Wakeup
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from ..config import Settings
 
 log = structlog.get_logger("outbox_relay.worker")
 

@@ -23,7 +23,7 @@ GRANT_KINDS = ("relay", "operator", "writer")
 
 
 def _load_sections() -> dict[str, str]:
-    text = resources.files(__package__).joinpath("queries.sql").read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath("sql", "queries.sql").read_text(encoding="utf-8")
     sections: dict[str, str] = {}
     matches = list(_SECTION_RE.finditer(text))
     for match, following in zip(matches, [*matches[1:], None], strict=True):

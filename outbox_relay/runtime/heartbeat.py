@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .errors import DatabaseError
-from .service import PeriodicService
-from .store import Claimed, OutboxStore
+from ..core.service import PeriodicService
+from ..db.store import Claimed, OutboxStore
+from ..errors import DatabaseError
 
 log = structlog.get_logger("outbox_relay.heartbeat")
 

@@ -16,11 +16,11 @@ from collections import Counter
 import psycopg
 import typer
 
-from .api import enqueue
-from .config import load_settings
+from ..api import enqueue
+from ..config import load_settings
+from ..observability.logs import configure_logging
+from ..runtime.relay import Relay, make_store
 from .embedded import EmbeddedBroker, EmbeddedPostgres, read_messages
-from .logs import configure_logging
-from .relay import Relay, make_store
 
 AGGREGATE_TYPES = ("order", "customer", "invoice")
 EVENT_TYPES = {"order": ("OrderCreated", "OrderPaid", "OrderShipped"),

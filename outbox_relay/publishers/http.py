@@ -89,13 +89,13 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
-from .errors import ConfigError
-from .formats import CE_HTTP_PREFIX, HTTP_HEADER_PREFIX, TRACE_HEADERS, http_header_name, http_headers
-from .ordering import RELEASED_AFTER_FAILURE, chains
-from .publisher import Defer, Message, NotDelivered, Outcome, PermanentError, Publisher, RetryableError
+from ..core.formats import CE_HTTP_PREFIX, HTTP_HEADER_PREFIX, TRACE_HEADERS, http_header_name, http_headers
+from ..core.ordering import RELEASED_AFTER_FAILURE, chains
+from ..errors import ConfigError
+from .base import Defer, Message, NotDelivered, Outcome, PermanentError, Publisher, RetryableError
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from ..config import Settings
 
 URL_FIELDS = ("aggregate_type", "aggregate_id", "event_type", "topic", "id")
 HEADER_PREFIX = HTTP_HEADER_PREFIX

@@ -57,8 +57,8 @@ from typing import Any
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from .ordering import RELEASED_AFTER_FAILURE
-from .publisher import Message, NotDelivered, Outcome, PermanentError, RetryableError
+from ..core.ordering import RELEASED_AFTER_FAILURE
+from .base import Message, NotDelivered, Outcome, PermanentError, RetryableError
 
 log = structlog.get_logger("outbox_relay.kafka")
 

@@ -21,7 +21,9 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 from psycopg import sql
 
-from .errors import (
+from ..core.filters import DeadFilter
+from ..core.ordering import OrderingRule
+from ..errors import (
     CommitOutcomeUnknown,
     ConfigError,
     DatabaseError,
@@ -29,8 +31,6 @@ from .errors import (
     DatabaseUnavailable,
     SchemaMissing,
 )
-from .filters import DeadFilter
-from .ordering import OrderingRule
 from .pooler import PoolerConnection, configure_bound, execute_with_settings
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 

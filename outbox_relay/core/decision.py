@@ -31,8 +31,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..publishers.base import Defer, NotDelivered, Outcome, PermanentError, RetryableError
 from .backoff import Uniform, full_jitter_backoff
-from .publisher import Defer, NotDelivered, Outcome, PermanentError, RetryableError
 
 
 class Kind(enum.Enum):

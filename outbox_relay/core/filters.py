@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from .config import parse_duration
+from ..config import parse_duration
 
 # The filter names of the CLI (--event-type …) and of the console's JSON API (event_type …).
 FILTER_NAMES = ("event_type", "aggregate_type", "aggregate_id", "error_contains", "since", "until", "limit")

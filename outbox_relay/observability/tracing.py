@@ -21,13 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .finalizer import BatchResult
-    from .publisher import Message, Outcome, Publisher
-    from .store import ClaimResult
+    from ..config import Settings
+    from ..db.store import ClaimResult
+    from ..publishers.base import Message, Outcome, Publisher
+    from ..runtime.finalizer import BatchResult
 
 
 class BatchTrace:

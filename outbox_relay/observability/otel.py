@@ -57,15 +57,15 @@ from opentelemetry.trace import (
     TraceState,
 )
 
-from .errors import ConfigError
-from .formats import TRACE_HEADERS
+from ..core.formats import TRACE_HEADERS
+from ..errors import ConfigError
 from .tracing import BatchTrace, Tracing
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .finalizer import BatchResult
-    from .publisher import Message, Outcome, Publisher, SpanAttributes
-    from .store import ClaimResult
+    from ..config import Settings
+    from ..db.store import ClaimResult
+    from ..publishers.base import Message, Outcome, Publisher, SpanAttributes
+    from ..runtime.finalizer import BatchResult
 
 log = structlog.get_logger("outbox_relay.otel")
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from .backoff import full_jitter_backoff
-from .decision import Decision, Kind
-from .errors import DatabaseError, DatabaseUnavailable
-from .store import Claimed, FinalizeItem, OutboxStore
+from ..core.backoff import full_jitter_backoff
+from ..core.decision import Decision, Kind
+from ..db.store import Claimed, FinalizeItem, OutboxStore
+from ..errors import DatabaseError, DatabaseUnavailable
 
 log = structlog.get_logger("outbox_relay.finalizer")
 

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .filters import DeadFilter
-from .ordering import OrderingRule
-from .store import Count, DeadSummary, OutboxStore
+from ..core.filters import DeadFilter
+from ..core.ordering import OrderingRule
+from ..db.store import Count, DeadSummary, OutboxStore
 
 Action = Literal["retry", "skip"]
 ACTIONS: tuple[Action, ...] = ("retry", "skip")

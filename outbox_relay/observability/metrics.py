@@ -22,13 +22,13 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .decision import Kind
-from .publisher import PublisherObserver
-from .service import PeriodicService
-from .store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
+from ..core.decision import Kind
+from ..core.service import PeriodicService
+from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
+from ..publishers.base import PublisherObserver
 
 if TYPE_CHECKING:
-    from .finalizer import BatchResult
+    from ..runtime.finalizer import BatchResult
 
 log = structlog.get_logger("outbox_relay.metrics")
 

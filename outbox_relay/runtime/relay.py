@@ -18,16 +18,16 @@ from typing import Any
 
 import structlog
 
-from .breaker import CircuitBreaker
-from .budget import InFlightBudget
-from .config import Settings
-from .errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
+from ..config import Settings
+from ..core.breaker import CircuitBreaker
+from ..core.budget import InFlightBudget
+from ..db.store import OutboxStore
+from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
+from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
+from ..observability.tracing import Tracing, make_tracing
+from ..publishers.base import Publisher, load_publisher
 from .heartbeat import LeaseKeeper
-from .metrics import MetricsServer, RelayMetrics, StatsRefresher
-from .publisher import Publisher, load_publisher
-from .store import OutboxStore
 from .submitter import Submitter
-from .tracing import Tracing, make_tracing
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig
 

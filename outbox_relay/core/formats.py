@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 if TYPE_CHECKING:
-    from .config import Settings
-    from .store import Claimed
+    from ..config import Settings
+    from ..db.store import Claimed
 
 
 class MessageFormat(enum.StrEnum):

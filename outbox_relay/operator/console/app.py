@@ -33,9 +33,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from ..config import Settings
-from ..errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
-from ..filters import FILTER_NAMES, DeadFilter, parse_filter
+from ...config import Settings
+from ...core.filters import FILTER_NAMES, DeadFilter, parse_filter
+from ...core.ordering import OrderingRule
+from ...db.store import STATUSES, Count, OutboxStore
+from ...errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
 from ..operations import (
     Action,
     blocking_head,
@@ -46,8 +48,6 @@ from ..operations import (
     row_states,
     selector_description,
 )
-from ..ordering import OrderingRule
-from ..store import STATUSES, Count, OutboxStore
 from .auth import (
     COOKIE_NAME,
     LoginThrottle,

@@ -10,8 +10,8 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp
 
-from ..config import Settings
-from ..store import OutboxStore
+from ...config import Settings
+from ...db.store import OutboxStore
 from .app import create_app
 
 log = structlog.get_logger("outbox_relay.console")
@@ -73,7 +73,7 @@ def serve(settings: Settings) -> None:
             sock.bind((c.host, c.port))
         except OSError as exc:
             sock.close()
-            from ..errors import ConfigError
+            from ...errors import ConfigError
 
             raise ConfigError(f"console.port: cannot listen on {c.host}:{c.port}: {exc.strerror}") from None
         # Listening before the start-up line: a client that reads the url from it and

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import OutboxRelayError
+from ..errors import OutboxRelayError
 
 
 class EmbeddedUnavailable(OutboxRelayError):

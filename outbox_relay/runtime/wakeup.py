@@ -15,7 +15,7 @@ import threading
 
 import structlog
 
-from .store import Listener, OutboxStore
+from ..db.store import Listener, OutboxStore
 
 log = structlog.get_logger("outbox_relay.wakeup")
 

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from .errors import BrokerRefused
-from .kafka_isolation import RejectionIsolator  # issue 14
-from .logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
-from .ordering import RELEASED_AFTER_FAILURE, RunGuard
-from .publisher import (
+from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
+from ..errors import BrokerRefused
+from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
+from .base import (
     Message,
     NotDelivered,
     Outcome,
@@ -38,9 +37,10 @@ from .publisher import (
     RetryableError,
     SpanAttributes,
 )
+from .kafka_isolation import RejectionIsolator  # issue 14
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from ..config import Settings
 
 log = structlog.get_logger("outbox_relay.kafka")
 

@@ -16,12 +16,12 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from .config import Settings, load_settings, parse_duration
-from .errors import ConfigError, OutboxRelayError
-from .filters import FILTER_NAMES, DeadFilter, parse_filter
+from ..config import Settings, load_settings, parse_duration
+from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
+from ..core.ordering import OrderingRule
+from ..db.store import DeadSummary
+from ..errors import ConfigError, OutboxRelayError
 from .operations import Action, change_dead, diagnose_aggregate, jsonable, os_user, preview_dead, row_states
-from .ordering import OrderingRule
-from .store import DeadSummary
 
 app = typer.Typer(
     name="outbox-relay",
@@ -52,7 +52,7 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
     except ConfigError as exc:
         _fail(str(exc), 2)
         raise  # unreachable
-    from .logs import configure_logging
+    from ..observability.logs import configure_logging
 
     configure_logging(settings.log.level, settings.log.format, secrets=settings.secret_values)
     return settings
@@ -71,7 +71,7 @@ def _errors() -> Iterator[None]:
 
 @contextmanager
 def _store(settings: Settings) -> Iterator[Any]:
-    from .relay import make_store
+    from ..runtime.relay import make_store
 
     # A one-shot command reports a connection failure as one line (see _errors); the
     # pool's own multi-line retry warnings would only repeat it on stderr.
@@ -111,7 +111,7 @@ def run(
 ) -> None:
     """Run the relay in the foreground until SIGTERM/SIGINT."""
     settings = _settings(config, relay={"workers": workers} if workers else None)
-    from .relay import Relay
+    from ..runtime.relay import Relay
 
     with _errors():
         relay = Relay(settings)
@@ -521,7 +521,7 @@ def grants(
     all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
     the table's owner. Nothing is executed: pipe the output to psql as the owner."""
     settings = _settings(config)
-    from .schema import TableSql
+    from ..db.schema import TableSql
 
     roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
     if not any(roles.values()):
@@ -556,7 +556,7 @@ def demo(
     workers: Annotated[int, typer.Option("--workers", min=1, help="Relay worker threads.")] = 4,
 ) -> None:
     """Embedded PostgreSQL + embedded broker: write events, relay them, read them back."""
-    from .demo import run_demo
+    from .._embedded.demo import run_demo
 
     with _errors():
         code = run_demo(events=events, workers=workers)
