@@ -20,7 +20,8 @@ from .errors import (
     OutboxRelayError,
     SchemaMissing,
 )
-from .publishers.base import Defer, Message, PermanentError, Publisher, RetryableError, SimplePublisher
+from .model import Defer, Message, PermanentError, RetryableError
+from .publishers.base import Publisher, SimplePublisher
 
 __all__ = [
     "BrokerUnavailable",

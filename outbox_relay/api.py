@@ -98,7 +98,7 @@ def enqueue(
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
         ):
             raise TypeError("headers must be a mapping of str to str")
-        from .publishers.base import RESERVED_HEADERS
+        from .core.formats import RESERVED_HEADERS
 
         reserved = RESERVED_HEADERS.intersection(headers)
         if reserved:

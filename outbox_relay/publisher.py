@@ -7,24 +7,26 @@ written against keeps working.
 
 from __future__ import annotations
 
+from .model import (
+    Defer,
+    Message,
+    NotDelivered,
+    Outcome,
+    PermanentError,
+    PublisherObserver,
+    PublishOutcome,
+    RetryableError,
+    SpanAttributes,
+)
 from .publishers.base import (
     BUILTIN_PUBLISHERS,
     ENTRY_POINT_GROUP,
     RESERVED_HEADERS,
-    Defer,
     Factory,
-    Message,
     MessageFormatError,
-    NotDelivered,
-    Outcome,
     PendingBatch,
-    PermanentError,
     Publisher,
-    PublisherObserver,
-    PublishOutcome,
-    RetryableError,
     SimplePublisher,
-    SpanAttributes,
     build_message,
     load_publisher,
 )

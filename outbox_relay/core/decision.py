@@ -31,7 +31,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..publishers.base import Defer, NotDelivered, Outcome, PermanentError, RetryableError
+from ..model import Defer, NotDelivered, Outcome, PermanentError, RetryableError
 from .backoff import Uniform, full_jitter_backoff
 
 

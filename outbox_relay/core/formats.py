@@ -1,6 +1,6 @@
 """Message formats: what one outbox row looks like on the wire (``kafka.message_format``).
 
-``build_message`` (publisher.py) is the one code path from a claimed row to a
+``build_message`` (publishers/base.py) is the one code path from a claimed row to a
 ``Message``; it asks a ``WireFormat`` for the topic, key, value and headers. Every
 format keeps the payload exactly as stored (``jsonb::text``, never re-serialised)
 and forwards the row's own ``headers``.
@@ -37,7 +37,6 @@ context (``traceparent``, ``tracestate``) keeps its own name in every format.
 from __future__ import annotations
 
 import datetime as dt
-import enum
 import functools
 import json
 import re
@@ -46,20 +45,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import quote
 
+from ..model import MessageFormat
+
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..db.store import Claimed
-
-
-class MessageFormat(enum.StrEnum):
-    CONTRACT = "contract"
-    CLOUDEVENTS_BINARY = "cloudevents-binary"
-    CLOUDEVENTS_STRUCTURED = "cloudevents-structured"
-    DEBEZIUM = "debezium"
-
-    @property
-    def is_cloudevents(self) -> bool:
-        return self in (MessageFormat.CLOUDEVENTS_BINARY, MessageFormat.CLOUDEVENTS_STRUCTURED)
+    from ..model import Claimed
 
 
 CONTRACT_TOPIC_TEMPLATE = "outbox.{aggregate_type}"

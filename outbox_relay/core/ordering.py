@@ -23,8 +23,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..model import NotDelivered
+
 if TYPE_CHECKING:
-    from ..publishers.base import Message, Outcome
+    from ..model import Message, Outcome
 
 ALL_TYPES = "*"
 #: The reason recorded (in logs only: a release keeps the row's last_error) for a row
@@ -81,8 +83,6 @@ class RunGuard:
 def release_after_failures(order_keys: Sequence[str | None], outcomes: list[Outcome]) -> None:
     """In place, for rows in id order: every row after a failed row of the same
     ordered aggregate becomes ``NotDelivered`` (released), whatever its own outcome."""
-    from ..publishers.base import NotDelivered
-
     guard = RunGuard()
     for index, key in enumerate(order_keys):
         if guard.stopped(key):

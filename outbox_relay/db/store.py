@@ -31,6 +31,8 @@ from ..errors import (
     DatabaseUnavailable,
     SchemaMissing,
 )
+from ..model import Claimed as Claimed  # re-exported: callers that read claims import it from the store
+from ..model import FinalizeItem as FinalizeItem  # re-exported with Claimed
 from .pooler import PoolerConnection, configure_bound, execute_with_settings
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 
@@ -47,43 +49,12 @@ BLOCKED_FROM_DEAD_ROWS = 1000
 
 
 @dataclass(slots=True)
-class Claimed:
-    """One row owned by this worker until ``lease_version`` changes."""
-
-    id: int
-    lease_version: int
-    attempts: int
-    aggregate_type: str
-    aggregate_id: str
-    event_type: str
-    # JSON text exactly as stored (jsonb::text), never re-serialised; None when the
-    # row is larger than the target accepts (see size_bytes): it was not fetched.
-    payload: str | None
-    topic: str | None
-    headers: str | None  # JSON text or None
-    created_at: dt.datetime
-    size_bytes: int = 0  # payload + headers as text, as the claim measured them
-
-
-@dataclass(slots=True)
 class ClaimResult:
     rows: list[Claimed]
     reaped: list[tuple[int, int, str | None]] = field(default_factory=list)  # (id, version, owner)
     # Where the next ordered claim should start (round-robin); None: from the first
     # aggregate (an empty string is a valid aggregate_id, so it cannot mean "start").
     ordered_after: str | None = None
-
-
-@dataclass(slots=True)  # not frozen: one per row of every batch, and a frozen __init__ costs ~3x
-class FinalizeItem:
-    """One row's decision as the fenced finalize writes it (see decision.Decision)."""
-
-    id: int
-    lease_version: int
-    status: str  # done | pending | dead
-    delay_seconds: float = 0.0
-    error: str | None = None
-    refund_attempt: bool = False
 
 
 @dataclass(slots=True)

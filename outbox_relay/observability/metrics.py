@@ -25,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..core.decision import Kind
 from ..core.service import PeriodicService
 from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
-from ..publishers.base import PublisherObserver
+from ..model import PublisherObserver
 
 if TYPE_CHECKING:
     from ..runtime.finalizer import BatchResult

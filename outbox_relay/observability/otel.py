@@ -1,6 +1,6 @@
 """OpenTelemetry tracing of the relay (``otel.enabled = true``, extra ``outbox-relay[otel]``).
 
-Imported only when tracing is enabled (``tracing.make_tracing``). Per batch:
+Imported only when tracing is enabled (``tracing_factory.make_tracing``). Per batch:
 
 - ``outbox claim`` (INTERNAL, a root span): the claim statement, for non-empty claims.
 - one ``send <topic>`` span per published message (PRODUCER), following the
@@ -64,7 +64,8 @@ from .tracing import BatchTrace, Tracing
 if TYPE_CHECKING:
     from ..config import Settings
     from ..db.store import ClaimResult
-    from ..publishers.base import Message, Outcome, Publisher, SpanAttributes
+    from ..model import Message, Outcome, SpanAttributes
+    from ..publishers.base import Publisher
     from ..runtime.finalizer import BatchResult
 
 log = structlog.get_logger("outbox_relay.otel")

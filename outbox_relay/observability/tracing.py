@@ -12,8 +12,8 @@ The worker reports each batch's life to a ``BatchTrace`` obtained from
 
 This module imports nothing of OpenTelemetry: with ``otel.enabled = false`` (the
 default) the relay uses ``Tracing()`` — one shared do-nothing ``BatchTrace`` per
-batch, no per-message work, no ``opentelemetry`` import. ``make_tracing`` loads the
-OpenTelemetry implementation (``outbox_relay.otel``) only when it is enabled.
+batch, no per-message work, no ``opentelemetry`` import. ``tracing_factory.make_tracing``
+loads the OpenTelemetry implementation (``otel``) only when it is enabled.
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError
-
 if TYPE_CHECKING:
-    from ..config import Settings
     from ..db.store import ClaimResult
-    from ..publishers.base import Message, Outcome, Publisher
+    from ..model import Message, Outcome
     from ..runtime.finalizer import BatchResult
 
 
@@ -65,17 +62,3 @@ class Tracing:
     def close(self) -> None:
         """Flush and release (called once at shutdown)."""
 
-
-def make_tracing(settings: Settings, publisher: Publisher | None = None) -> Tracing:
-    """``otel.enabled`` -> the OpenTelemetry tracer, else the no-op ``Tracing()``.
-    ``publisher`` names the messaging system and adds its own span attributes
-    (``Publisher.name``, ``Publisher.span_attributes``).
-    Raises ``ConfigError`` when tracing is enabled but OpenTelemetry is not installed."""
-    if not settings.otel.enabled:
-        return Tracing()
-    try:
-        from .otel import OtelTracing
-    except ImportError as exc:
-        raise ConfigError(f"otel.enabled is true but OpenTelemetry is not installed ({exc.name or exc}): "
-                          "pip install 'outbox-relay[otel]'") from None
-    return OtelTracing.from_environment(settings, publisher=publisher)

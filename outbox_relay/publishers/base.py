@@ -31,102 +31,33 @@ import abc
 import importlib
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from ..core.formats import RESERVED_HEADERS as RESERVED_HEADERS  # re-exported: the contract's reserved header names
-from ..core.formats import FormatError, MessageFormat, WireFormat
+from ..core.formats import FormatError, WireFormat
+from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
 from ..errors import ConfigError, PublisherLoadError
+from ..model import (
+    Message,
+    NotDelivered,
+    Outcome,
+    PermanentError,
+    PublisherObserver,
+    PublishOutcome,
+    RetryableError,
+    SpanAttributes,
+)
 
 if TYPE_CHECKING:
     from ..config import Settings
     from ..core.ordering import OrderingRule
-    from ..db.store import Claimed
+    from ..model import Claimed
 
 
-# --- outcomes ------------------------------------------------------------------------------
-class PublishOutcome(Exception):
-    """Base of the outcome exceptions a publisher may report."""
-
-    reason: str
-
-
-class RetryableError(PublishOutcome):
-    """A transient failure: retry later with backoff, consuming an attempt.
-
-    ``retry_after_seconds`` is a floor for the backoff (e.g. HTTP Retry-After).
-    ``transport`` marks a failure of the connection to the target as a whole (broker
-    unreachable), which the circuit breaker counts instead of burning attempts.
-    """
-
-    def __init__(self, reason: str, *, retry_after_seconds: float | None = None, transport: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after_seconds = retry_after_seconds
-        self.transport = transport
-
-
-class NotDelivered(RetryableError):
-    """No outcome when the relay had to stop waiting (shutdown, or an earlier row of
-    the same ordered run failed): the row is released unpublished-as-far-as-we-know,
-    due now, attempt refunded."""
-
-
-class PermanentError(PublishOutcome):
-    """Retrying cannot succeed: the row goes dead for a person to look at."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Defer(PublishOutcome):
-    """Not yet: reschedule after ``delay`` seconds without consuming an attempt."""
-
-    def __init__(self, delay: float | timedelta, reason: str) -> None:
-        super().__init__(reason)
-        self.delay = float(delay.total_seconds() if isinstance(delay, timedelta) else delay)
-        self.reason = reason
-
-
-Outcome = PublishOutcome | None
-
-#: What ``Publisher.span_attributes`` returns: OpenTelemetry attribute names and values.
-SpanAttributes = Mapping[str, str | int | float | bool]
 _NO_SPAN_ATTRIBUTES: SpanAttributes = MappingProxyType({})
-
-
-# --- messages ------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Message:
-    """What gets published for one outbox row, in the configured message format."""
-
-    id: int
-    topic: str
-    key: str
-    value: str  # the payload as JSON text
-    headers: list[tuple[str, str]]
-    aggregate_type: str
-    aggregate_id: str
-    event_type: str
-    attempts: int = 0
-    lease_version: int = 0
-    created_at_epoch: float = 0.0
-    #: The aggregate id when the event type is ordered (``relay.ordered_event_types``),
-    #: else None. Messages with the same key form a run: a publisher must not send a
-    #: message after a failed one of the same key (see ``outbox_relay.ordering``).
-    order_key: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)  # free for plug-ins' own use
-    #: The wire format ``key``/``value``/``headers`` are in (``kafka.message_format``).
-    format: MessageFormat = MessageFormat.CONTRACT
-
-    @property
-    def message_id(self) -> str:
-        return str(self.id)
 
 
 class MessageFormatError(PermanentError):
@@ -179,27 +110,6 @@ class _PublishOnWait(PendingBatch):
 
     def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
         return self._publisher.publish_batch(self._messages, timeout_seconds=self._timeout_seconds, cancel=cancel)
-
-
-class PublisherObserver:
-    """What a publisher reports besides outcomes. The relay attaches its metrics
-    (``RelayMetrics`` implements this); the default does nothing. Called from any
-    thread, so implementations must be thread-safe and quick."""
-
-    def message_acknowledged(self, seconds_since_created: float) -> None:
-        """The target acknowledged a message ``seconds_since_created`` after its row was written."""
-
-    def messages_acknowledged(self, seconds_since_created: Sequence[float]) -> None:
-        """Several acknowledgements at once (a batch's): one call instead of one per
-        message. The default calls ``message_acknowledged`` for each."""
-        for seconds in seconds_since_created:
-            self.message_acknowledged(seconds)
-
-    def client_replaced(self, reason: str) -> None:
-        """The publisher replaced its client (e.g. a fatally failed Kafka producer)."""
-
-    def messages_isolated(self, count: int) -> None:
-        """``count`` messages rejected together were re-sent one by one to find the bad ones."""
 
 
 class Publisher(abc.ABC):
@@ -312,8 +222,6 @@ class SimplePublisher(Publisher):
 
     def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
                       cancel: threading.Event | None = None) -> list[Outcome]:
-        from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
-
         deadline = time.monotonic() + timeout_seconds
         outcomes: list[Outcome] = []
         runs = RunGuard()

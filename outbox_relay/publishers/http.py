@@ -92,7 +92,8 @@ import httpx
 from ..core.formats import CE_HTTP_PREFIX, HTTP_HEADER_PREFIX, TRACE_HEADERS, http_header_name, http_headers
 from ..core.ordering import RELEASED_AFTER_FAILURE, chains
 from ..errors import ConfigError
-from .base import Defer, Message, NotDelivered, Outcome, PermanentError, Publisher, RetryableError
+from ..model import Defer, Message, NotDelivered, Outcome, PermanentError, RetryableError
+from .base import Publisher
 
 if TYPE_CHECKING:
     from ..config import Settings

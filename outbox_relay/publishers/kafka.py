@@ -26,17 +26,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
 from ..errors import BrokerRefused
+from ..model import Message, NotDelivered, Outcome, PermanentError, RetryableError, SpanAttributes
 from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
-from .base import (
-    Message,
-    NotDelivered,
-    Outcome,
-    PendingBatch,
-    PermanentError,
-    Publisher,
-    RetryableError,
-    SpanAttributes,
-)
+from .base import PendingBatch, Publisher
 from .kafka_isolation import RejectionIsolator  # issue 14
 
 if TYPE_CHECKING:

@@ -58,7 +58,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from ..core.ordering import RELEASED_AFTER_FAILURE
-from .base import Message, NotDelivered, Outcome, PermanentError, RetryableError
+from ..model import Message, NotDelivered, Outcome, PermanentError, RetryableError
 
 log = structlog.get_logger("outbox_relay.kafka")
 

@@ -23,8 +23,9 @@ import structlog
 
 from ..core.backoff import full_jitter_backoff
 from ..core.decision import Decision, Kind
-from ..db.store import Claimed, FinalizeItem, OutboxStore
+from ..db.store import OutboxStore
 from ..errors import DatabaseError, DatabaseUnavailable
+from ..model import Claimed, FinalizeItem
 
 log = structlog.get_logger("outbox_relay.finalizer")
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import structlog
 
 from ..core.service import PeriodicService
-from ..db.store import Claimed, OutboxStore
+from ..db.store import OutboxStore
 from ..errors import DatabaseError
+from ..model import Claimed
 
 log = structlog.get_logger("outbox_relay.heartbeat")
 

@@ -24,7 +24,8 @@ from ..core.budget import InFlightBudget
 from ..db.store import OutboxStore
 from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
 from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
-from ..observability.tracing import Tracing, make_tracing
+from ..observability.tracing import Tracing
+from ..observability.tracing_factory import make_tracing
 from ..publishers.base import Publisher, load_publisher
 from .heartbeat import LeaseKeeper
 from .submitter import Submitter

@@ -32,11 +32,12 @@ from ..core.budget import InFlightBudget
 from ..core.decision import DONE, RetryPolicy, decide, is_outage
 from ..core.formats import WireFormat
 from ..core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
-from ..db.store import Claimed, OutboxStore
+from ..db.store import OutboxStore
 from ..errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
+from ..model import Claimed, Message, NotDelivered, Outcome, PermanentError
 from ..observability.metrics import RelayMetrics
 from ..observability.tracing import NO_TRACE, BatchTrace, Tracing
-from ..publishers.base import Message, NotDelivered, Outcome, PendingBatch, PermanentError, Publisher, build_message
+from ..publishers.base import PendingBatch, Publisher, build_message
 from .finalizer import BatchResult, Finalizer, log_batch
 from .heartbeat import InFlight, LeaseKeeper
 from .submitter import Submitter

@@ -276,7 +276,7 @@ def test_tracing_off_imports_no_opentelemetry():
     code = """
 import sys
 from outbox_relay.config import load_settings
-from outbox_relay.observability.tracing import make_tracing
+from outbox_relay.observability.tracing_factory import make_tracing
 from outbox_relay.api import current_trace_headers
 import outbox_relay.operator.cli, outbox_relay.runtime.relay, outbox_relay.runtime.worker, outbox_relay.publishers.http
 tracing = make_tracing(load_settings(None))
@@ -312,7 +312,7 @@ import sys
 sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
 from outbox_relay.config import load_settings
 from outbox_relay.errors import ConfigError
-from outbox_relay.observability.tracing import make_tracing
+from outbox_relay.observability.tracing_factory import make_tracing
 try:
     make_tracing(load_settings(None, otel={"enabled": True}))
 except ConfigError as exc:

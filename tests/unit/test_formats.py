@@ -15,9 +15,9 @@ from cloudevents.core.bindings import kafka as ce_kafka
 from cloudevents.core.formats.json import JSONFormat
 
 from outbox_relay.config import load_settings
-from outbox_relay.core.formats import MessageFormat, WireFormat, http_headers, rfc3339
-from outbox_relay.db.store import Claimed
+from outbox_relay.core.formats import WireFormat, http_headers, rfc3339
 from outbox_relay.errors import ConfigError
+from outbox_relay.model import Claimed, MessageFormat
 from outbox_relay.publisher import MessageFormatError, build_message
 
 CREATED = dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.timezone(dt.timedelta(hours=2)))

@@ -15,8 +15,8 @@ from confluent_kafka import KafkaError
 from outbox_relay.config import check_environment, load_settings
 from outbox_relay.core.backoff import backoff_ceiling, full_jitter_backoff
 from outbox_relay.core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, chains, release_after_failures
-from outbox_relay.db.store import Claimed
 from outbox_relay.errors import ConfigError
+from outbox_relay.model import Claimed
 from outbox_relay.operator.operations import blocking_head, diagnose_aggregate, row_states
 from outbox_relay.publisher import (
     Defer,
