@@ -42,7 +42,7 @@ import _common as c
 import psycopg
 from psycopg import ClientCursor, sql
 
-from outbox_relay import store as store_module
+from outbox_relay.db import store as store_module
 from outbox_relay.config import load_settings
 from outbox_relay.db.store import OutboxStore, Reschedule
 

@@ -43,4 +43,4 @@ __all__ = [
     "load_settings",
 ]
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__

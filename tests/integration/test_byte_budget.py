@@ -146,7 +146,7 @@ def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_t
     """A bug while building a batch on the Submitter's thread surfaces in the worker that
     handed it over (the thread ends, /healthz reports it) and the batch's bytes go back to
     the process budget, as when the worker built the batch itself."""
-    from outbox_relay import worker as worker_module
+    from outbox_relay.runtime import worker as worker_module
     from outbox_relay.core.budget import InFlightBudget
     from outbox_relay.observability.metrics import RelayMetrics
     from outbox_relay.runtime.submitter import Submitter

@@ -7,7 +7,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from outbox_relay import store as store_module
+from outbox_relay.db import store as store_module
 from outbox_relay.db.store import OutboxStore
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import ON_DONE, assert_delivered, rows
