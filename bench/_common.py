@@ -211,7 +211,7 @@ FROM generate_series(1, %(n)s) AS g
 def add_dead_aggregates(dsn: str, table: str, n: int, *, payload_bytes: int = 200, analyze: bool = True) -> None:
     """``n`` aggregates holding nothing but one old dead row each (ids below any later row;
     aggregate ids 'agg-<n>-dead' sort among the live 'agg-<n>' ones),
-    the operator's backlog of issue 16; then VACUUM, with ANALYZE unless the caller's
+    an operator's dead backlog; then VACUUM, with ANALYZE unless the caller's
     backlog is still to come (statistics of a table holding only dead rows would tell
     the planner that no row is ever pending)."""
     if n <= 0:

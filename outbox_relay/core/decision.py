@@ -1,4 +1,4 @@
-"""What a row becomes after its publish outcome: a pure decision (seed 000, section 4).
+"""What a row becomes after its publish outcome: a pure decision, the same for every publisher.
 
 ``decide`` maps (claimed row, outcome, outage?, policy) to a frozen ``Decision``:
 the status the fenced finalize writes, the delay before the row is due again, the

@@ -56,8 +56,8 @@ BASE_INDEXES: tuple[str, ...] = ("pending", "processing", "dead", "dedup_key")
 # Only where relay.ordered_event_types is set: the ordered claim and the blocked gauge.
 ORDERING_INDEXES: tuple[str, ...] = ("aggregate_active", "aggregate_dead")
 # Created by earlier versions, read by none of today's statements: migrate drops them.
-# aggregate: replaced by the two ordering indexes (issue 16); unfinished_created and
-# done: the gauges read the claim's indexes and purge walks the primary key (issue 12).
+# aggregate: replaced by the two ordering indexes, which leave dead rows out; unfinished_created and
+# done: the gauges read the claim's indexes and purge walks the primary key (fewer indexes to write per row).
 OBSOLETE_INDEXES: tuple[str, ...] = ("aggregate", "unfinished_created", "done")
 # New pages are filled to half (see queries.sql, set_fillfactor).
 FILLFACTOR = 50
@@ -133,7 +133,7 @@ class TableSql:
             "channel_literal": sql.Literal(self.channel),
             "fillfactor": sql.Literal(FILLFACTOR),
             "strict": sql.SQL(""),
-            # Operator console / CLI (issue 18): the audit trail and the shared dead-row filter.
+            # Operator console / CLI: the audit trail and the one dead-row filter both use.
             "audit_table": self._qualified(_short(base, "audit")),
             "dead_filter": sql.SQL(_strip_comments(QUERIES["dead_filter"])),
         }

@@ -421,7 +421,7 @@ class OutboxStore:
                     conn.execute(self.sql.index_ddl(key, concurrently=False))
             for statement in self.sql.statements("create_state_table"):
                 conn.execute(statement)
-            conn.execute(self.sql.query("create_audit_table"))  # operator retry/skip trail (issue 18)
+            conn.execute(self.sql.query("create_audit_table"))  # who retried/skipped which dead rows, and why
             if not self._state_has_mode(conn):
                 conn.execute(self.sql.query("add_on_done"))
             if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
@@ -600,7 +600,7 @@ class OutboxStore:
         }
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
-        # the rows' lease expires and a later claim takes them (seed 002).
+        # the rows' lease expires and a later claim takes them (never publish what may not be ours).
         rows: list[Claimed] = []
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
@@ -723,7 +723,7 @@ class OutboxStore:
         count_cap: int = 100_000,
         blocked_limit: int = 100,
     ) -> Stats:
-        """The monitoring queries of seed 000 section 6, in one read-only transaction."""
+        """The monitoring reads (depth per status, oldest pending age, blocked aggregates), one read-only snapshot."""
         ordering = OrderingRule.of(ordered_types)
         with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
@@ -808,7 +808,7 @@ class OutboxStore:
             return {r[0] for r in conn.execute(self.sql.query("dead_skip"),
                                                {"ids": list(ids), "reason": reason}).fetchall()}
 
-    # --- operator console / CLI (issue 18): filters, exact counts, audit ------------------
+    # --- operator console / CLI: filters, exact counts, audit -------------------------------
     # Everything the CLI's filtered dead-letter commands and the console read or change.
     # Filters are bound parameters (filters.DeadFilter.sql_params); statements run with
     # prepare=False so PostgreSQL plans each one with the actual filter values (a

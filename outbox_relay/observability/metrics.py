@@ -168,7 +168,7 @@ class RelayMetrics(PublisherObserver):
 
 
 class _SlowExactCount:
-    """Exact counts of the statuses above ``metrics.exact_count_limit`` (issue 18).
+    """Exact counts of the statuses above ``metrics.exact_count_limit``, so an operator never acts on an estimate.
 
     The per-refresh count stops at the cap; above it the planner's estimate is stale
     exactly when an operator looks (right after a bulk failure). So a status above the

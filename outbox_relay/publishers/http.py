@@ -33,7 +33,7 @@ Each outbox row becomes one ``POST`` to ``http.url_template``:
   part of the binding) and ``User-Agent`` but never ``Idempotency-Key``, an
   ``X-Outbox-*``/``ce-*`` header or the trace context. Their values are never logged.
 
-Outcomes (seed 000, section 4):
+Outcomes (the same four as every publisher's, see ``outbox_relay.core.decision``):
 
 ============================================  ==================================================
 response                                      outcome

@@ -29,7 +29,7 @@ from ..errors import BrokerRefused
 from ..model import Message, NotDelivered, Outcome, PermanentError, RetryableError, SpanAttributes
 from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
 from .base import PendingBatch, Publisher
-from .kafka_isolation import RejectionIsolator  # issue 14
+from .kafka_isolation import RejectionIsolator  # one bad record must not condemn its whole record batch
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -258,7 +258,7 @@ class KafkaPublisher(Publisher):
         self._last_probe: tuple[float, bool] = (0.0, False)
         # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
         self.delivery_log = DeliveryLog.from_environment()
-        # issue 14: the messages of a refused record batch are judged one by one.
+        # The messages of a refused record batch are judged one by one: one bad record must not condemn the rest.
         self.isolation = RejectionIsolator(self._config, classify=classify,
                                            on_isolated=lambda count: self.observer.messages_isolated(count))
         if self.delivery_log is not None:
@@ -324,7 +324,7 @@ class KafkaPublisher(Publisher):
                 except KafkaException:
                     pass
             producer.flush(timeout_seconds)
-        self.isolation.close(timeout_seconds, discard_queued=self.aborting.is_set())  # issue 14
+        self.isolation.close(timeout_seconds, discard_queued=self.aborting.is_set())  # its re-sends too
 
     def duplicate_sequence_ack(self, generation: int, msg: Any) -> bool:
         """True if this successful delivery report came from a DUPLICATE_SEQUENCE_NUMBER
@@ -573,11 +573,11 @@ class InFlightBatch(PendingBatch):
         latencies = waiter.take_latencies()
         if latencies:
             publisher.observer.messages_acknowledged(latencies)
-        # --- issue 14: a refused record batch does not condemn every message in it ---
+        # --- a refused record batch does not condemn every message in it: re-sent one by one ---
         if self._messages and not publisher.aborting.is_set() and not (cancel is not None and cancel.is_set()):
             outcomes = publisher.isolation.resolve(self._messages, outcomes, waiter.errors, deadline=self._deadline,
                                                    cancel=cancel, abort=publisher.aborting)
-        # --- end issue 14 ---
+        # --- end of the re-sends ---
         return outcomes
 
 

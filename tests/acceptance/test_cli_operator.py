@@ -1,4 +1,4 @@
-"""Issue 18 through the real CLI (a subprocess) against a real PostgreSQL: dead-row
+"""Dead-row operations through the real CLI (a subprocess) against a real PostgreSQL: dead-row
 filters, dry runs, chunked retry/skip by filter, the audit trail, `aggregate show`,
 and exact counts in `status`.
 

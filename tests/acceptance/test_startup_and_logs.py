@@ -1,4 +1,4 @@
-"""Start-up while a dependency is away, and logs that stay structured (issue 13).
+"""Start-up while a dependency is away (the relay waits, never crash-loops), and logs that stay structured.
 
 A real `outbox-relay run` subprocess is started with its database stopped, its
 table not yet migrated and its broker not running. It must stay up (/healthz 200,

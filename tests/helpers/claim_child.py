@@ -1,4 +1,5 @@
-"""Child process for the SIGKILL test (seed 001): claim one row, report it, then hang.
+"""Child process for the SIGKILL test (a killed claimer's rows come back after its lease):
+claim one row, report it, then hang.
 
 Usage: python claim_child.py DSN TABLE
 

@@ -1,4 +1,4 @@
-"""Memory bounded by bytes (issue 15), against a real PostgreSQL and the real broker:
+"""Memory bounded by bytes, not rows, against a real PostgreSQL and the real broker:
 a claim stops at relay.max_batch_bytes, a single larger row is claimed alone and
 delivered, a row above kafka.message_max_bytes goes dead without being fetched,
 workers wait for the in-flight budget instead of failing, and a full producer queue

@@ -1,4 +1,4 @@
-"""relay.on_done = "delete" (issue 12 item 2): the fenced finalize deletes delivered rows;
+"""relay.on_done = "delete": the fenced finalize deletes delivered rows;
 dead rows stay; dedup keys outlive their rows in both modes; `migrate` sets the mode
 and `run` refuses a relay whose setting differs from the table's."""
 

@@ -1,4 +1,4 @@
-"""Issue 18: counts an operator can trust. The depth gauge above
+"""Counts an operator can trust. The depth gauge above
 metrics.exact_count_limit comes from a slower exact count, not the planner's
 estimate (which is stale right after a bulk failure); counts that run out of time
 are lower bounds, never guesses."""

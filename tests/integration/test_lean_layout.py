@@ -1,4 +1,4 @@
-"""The lean index layout (issue 12): no index on done_at or created_at. Purge walks the
+"""The lean index layout (fewer indexes to write per row): no index on done_at or created_at. Purge walks the
 primary key; the backlog gauges read the claim's own indexes."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Per-aggregate ordering (seed 000 section 5) and the write side that keeps it.
+"""Per-aggregate ordering (rows of one aggregate delivered in id order, none after a failed
+one) and the write side that keeps it.
 
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): in delete mode
 a delivered head leaves the table instead of turning done, and its follower must

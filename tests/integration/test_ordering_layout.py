@@ -1,4 +1,4 @@
-"""The ordering index layout (issue 16): dead rows leave the skip-scan index, and
+"""The ordering index layout: dead rows leave the skip-scan index (a dead backlog costs the claim nothing), and
 `migrate` brings any table to the layout idempotently, CONCURRENTLY on existing tables.
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE)."""
 

@@ -1,4 +1,4 @@
-"""A broker that refuses whole record batches for one bad record (issue 14).
+"""A broker that refuses whole record batches for one bad record: only the bad record may go dead.
 
 The embedded tansu broker started with a schema directory validates every record
 batch produced to a topic that has ``<topic>.json`` and refuses the batch with

@@ -1,4 +1,4 @@
-"""The outcome decision (seed 000, section 4) as a table: every rule, the outage and
+"""The outcome decision (what a row becomes after its publish outcome) as a table: every rule, the outage and
 last-attempt cases. Pure: no database, no clock."""
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ K8S = DEPLOY / "kubernetes"
 METRICS_PORT = MetricsSettings().port
 SHUTDOWN_TIMEOUT = RelaySettings().shutdown_timeout_seconds
 
-# The documented metrics (DESIGN.md contract plus the product's additions), as the
+# The documented metrics (the public contract's plus the product's additions), as the
 # series names PromQL sees: counters with _total, histograms as _bucket/_count/_sum.
 DOCUMENTED_METRICS = {
     # gauges
@@ -436,7 +436,7 @@ def test_alerts_have_runbook_annotations_and_severity() -> None:
 
 
 def test_alerts_cover_the_seed_monitoring_section() -> None:
-    """Seed 000 section 6, plus breaker and liveness."""
+    """A backlog that ages, new dead rows, lost or expiring leases, plus breaker and liveness."""
     rules = alert_rules()
 
     def matching(pattern: str) -> list[dict[str, Any]]:
@@ -533,7 +533,7 @@ def _quantity_bytes(text: str) -> int:
 
 
 def test_k8s_memory_limit_fits_the_in_flight_budget() -> None:
-    """Memory is bounded by relay.max_in_flight_bytes (issue 15): the shipped limit
+    """Memory is bounded by relay.max_in_flight_bytes: the shipped limit
     keeps the README's rule, limit >= 100 MiB + 3 x max_in_flight_bytes."""
     from outbox_relay.config import RelaySettings
 

@@ -77,7 +77,7 @@ CREATE UNIQUE INDEX {concurrently} IF NOT EXISTS {idx_dedup_key} ON {table} (ded
 -- Ordering only. Pending and processing rows per aggregate: the ordered claim's skip
 -- scan and its head lookup (claim_ordered_heads), the runs behind a head, the
 -- blocked-aggregates gauge. Dead rows are left out so that aggregates holding only
--- dead rows cost the ordered claim nothing (issue 16).
+-- dead rows cost the ordered claim nothing, however many dead rows pile up.
 CREATE INDEX {concurrently} IF NOT EXISTS {idx_aggregate_active} ON {table} (aggregate_id, id)
     WHERE status IN ('pending', 'processing')
 
@@ -546,7 +546,7 @@ SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until < 
 -- behind it. Walks the aggregates that have pending or processing rows (the skip scan
 -- of claim_ordered_heads over {idx_aggregate_active}, at most %(scan_cap)s of them) and
 -- probes each for an earlier dead row ({idx_aggregate_dead}): the cost follows the
--- aggregates with work, never the number of dead rows (issue 16).
+-- aggregates with work, never the number of dead rows (a dead backlog must not slow the gauge).
 WITH RECURSIVE aggregates AS (
     (SELECT a.aggregate_id FROM {table} AS a
      WHERE a.status IN ('pending', 'processing')
@@ -762,7 +762,7 @@ RETURNING 1
 DELETE FROM {table} WHERE received_at < now() - make_interval(secs => %(older_than_seconds)s)
 
 -- ===================================================================================
--- Operator console and CLI (issue 18): filtered dead-letter operations, exact
+-- Operator console and CLI: filtered dead-letter operations, exact
 -- counts, aggregate diagnosis, the audit trail. (This banner has no placeholders:
 -- it ends the section above, whose text is formatted.)
 -- ===================================================================================
