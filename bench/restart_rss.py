@@ -23,10 +23,10 @@ import time
 
 from confluent_kafka import Producer
 
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedObjectStore
 from outbox_relay.config import load_settings
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore
-from outbox_relay.kafka_publisher import from_settings
 from outbox_relay.publisher import Message
+from outbox_relay.publishers.kafka import from_settings
 
 
 def rss_mb() -> float:

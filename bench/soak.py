@@ -48,7 +48,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 
 FAULTS = ("relay-kill", "broker-restart", "db-terminate")
 PARTITIONS = 4

@@ -22,9 +22,9 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 from outbox_relay.config import Settings, load_settings
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import DELETE_MODE, ON_DONE
 
 

@@ -18,9 +18,9 @@ import uuid
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox_relay.embedded import read_messages
-from outbox_relay.kafka_publisher import UNPROVEN_ACK, from_settings
+from outbox_relay._embedded.embedded import read_messages
 from outbox_relay.publisher import Message, RetryableError
+from outbox_relay.publishers.kafka import UNPROVEN_ACK, from_settings
 
 # Exercises the broker rather than PostgreSQL's SQL: ./dev runs it on the first pass only.
 pytestmark = pytest.mark.first_pass_only

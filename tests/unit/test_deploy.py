@@ -43,7 +43,7 @@ def exported_metrics() -> set[str]:
     """Every series the relay exports, as PromQL sees them (counters with _total,
     histograms as _bucket/_count/_sum), read from the relay's own metric registry:
     the one list of metrics (docs/reference/metrics.md is generated from it too)."""
-    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.observability.metrics import RelayMetrics
 
     registry = CollectorRegistry()
     RelayMetrics(registry=registry)
@@ -381,7 +381,7 @@ def test_alerts_have_runbook_annotations_and_severity() -> None:
 
 
 def test_alerts_cover_the_seed_monitoring_section() -> None:
-    """Seed 000 section 6, plus breaker and liveness."""
+    """A backlog that ages, new dead rows, lost or expiring leases, plus breaker and liveness."""
     rules = alert_rules()
 
     def matching(pattern: str) -> list[dict[str, Any]]:
@@ -478,8 +478,8 @@ def _quantity_bytes(text: str) -> int:
 
 
 def test_k8s_memory_limit_fits_the_in_flight_budget() -> None:
-    """Memory is bounded by relay.max_in_flight_bytes (issue 15): the shipped limit
-    keeps the README's rule, limit >= 100 MiB + 3 x max_in_flight_bytes."""
+    """Memory is bounded by relay.max_in_flight_bytes: the shipped limit
+    keeps the sizing rule of docs/explanation/memory.md, limit >= 100 MiB + 3 x max_in_flight_bytes."""
     from outbox_relay.config import RelaySettings
 
     container = k8s("deployment.yaml")["spec"]["template"]["spec"]["containers"][0]
