@@ -116,3 +116,12 @@ def test_config_example_loads_to_the_defaults(tmp_path: Path, monkeypatch: pytes
             monkeypatch.delenv(key)
     settings = load_settings(path)
     assert settings.relay.batch_size == 1000 and settings.metrics.port == 9464
+
+
+def test_readme_links_work_on_the_package_index() -> None:
+    """README.md is also the package's index page (pyproject `readme`), where a relative
+    link or image has nothing to point at: every target is absolute or an anchor."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)", text) + re.findall(r"""<img[^>]+src=["']([^"']+)""", text)
+    relative = [t for t in targets if not t.startswith(("https://", "http://", "#"))]
+    assert relative == [], f"relative links in README.md: {relative}"
