@@ -17,7 +17,7 @@ import time
 import pytest
 
 from outbox_relay._embedded.embedded import read_messages
-from outbox_relay.relay import Relay
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, statuses, wait_for
 from tests.kafka.conftest import sample
 

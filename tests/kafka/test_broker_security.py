@@ -29,7 +29,7 @@ import pytest
 
 from outbox_relay._embedded.embedded import read_messages
 from outbox_relay._embedded.kafka import KafkaBroker, run_tool
-from outbox_relay.relay import Relay
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.certs import TestCA
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, rows, statuses, wait_for

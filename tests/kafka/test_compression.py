@@ -9,7 +9,7 @@ import json
 import pytest
 
 from outbox_relay._embedded.embedded import read_messages
-from outbox_relay.relay import Relay
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, statuses, wait_for
 
 pytestmark = [pytest.mark.first_pass_only, pytest.mark.timeout(180)]
