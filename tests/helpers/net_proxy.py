@@ -162,8 +162,8 @@ class TcpProxy:
             await asyncio.gather(
                 self._pipe(client_reader, server_writer, watch=watch, downstream=False),
                 self._pipe(server_reader, client_writer, watch=None, downstream=True))
-        except (OSError, asyncio.IncompleteReadError):
-            pass
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # a reset, or the proxy stopping
         finally:
             for writer in (client_writer, server_writer):
                 self._writers.discard(writer)

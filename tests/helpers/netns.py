@@ -1,18 +1,20 @@
 """A host of its own for a relay: a network namespace with one veth link per peer.
 
 ``RelayHost`` makes a network namespace and, for each peer (the database, the broker),
-a veth pair of its own: the host end carries ``10.231.<n>.<4k+1>/30``, the namespace
-end ``...<4k+2>/30``. Nothing is routed anywhere else: the namespace has no default
-route, so a relay inside it reaches exactly the addresses the test gave the host ends
-(and its own loopback). On the host end a ``TcpProxy`` (``net_proxy.py``) listens and
-forwards to the real server on 127.0.0.1, so one link can be slowed or made lossy
-without touching the other.
+a link of its own: a router namespace between two veth pairs, relay namespace
+(``10.231.<n>.<8k+2>``) -> router -> host (``10.231.<n>.<8k+6>``). Nothing is routed
+anywhere else: the namespace has no default route, only a route to each link's host
+address, so a relay inside it reaches exactly the addresses the test gave (and its own
+loopback). On the host address a ``TcpProxy`` (``net_proxy.py``) listens and forwards
+to the real server on loopback, so one link can be slowed or made lossy without
+touching the other.
 
 ``Link.cut()`` puts a token bucket too small for any packet (``tbf rate 8bit burst 10``)
-on both ends of that link's veth pair: every packet is dropped silently, no RST, the
-TCP connections stay open on both sides, as when a route is lost. ``Link.heal()``
-removes it. ``RelayHost.close()`` (also on ``with`` exit, whatever the test did) kills
-what runs in the namespace and deletes the namespace and the veth pairs.
+on both of the router's interfaces: every packet is dropped silently one hop away, no
+RST, the TCP connections stay open on both sides, as when a route is lost (this kernel
+has no netem; tbf is what it has). ``Link.heal()`` removes it. ``RelayHost.close()``
+(also on ``with`` exit, whatever the test did) kills what runs in the namespace and
+deletes the namespaces and the veth pairs.
 
 Needs root and iproute2: ``netns_missing_reason()`` says why not, for ``pytest.skip``.
 """
@@ -87,23 +89,46 @@ def _free_subnet_octet() -> int:
 
 
 class Link:
-    """One veth pair between the namespace and the host, for one peer."""
+    """One path between the namespace and the host, for one peer, through a router of
+    its own: relay namespace <-veth-> router namespace <-veth-> host. A cut drops the
+    packets in the router, one hop away from both ends, as a lost route does: each
+    end's kernel sent its packets and hears nothing back (a drop at an end's own
+    interface would be a local drop, which the sending kernel sees and treats apart)."""
 
     def __init__(self, host: RelayHost, name: str, index: int) -> None:
         self.name = name
         tag = host.tag
-        self.host_if = f"{tag}{index}h"
-        self.ns_if = f"{tag}{index}n"
-        self.host_address = f"{SUBNET_PREFIX}.{host.octet}.{4 * index + 1}"
-        self.ns_address = f"{SUBNET_PREFIX}.{host.octet}.{4 * index + 2}"
-        self._netns = host.name
+        base = 8 * index
+        net = f"{SUBNET_PREFIX}.{host.octet}"
+        self.router = f"{tag}r{index}"
+        self.ns_if, self.router_ns_if = f"{tag}{index}n", f"{tag}{index}a"
+        self.router_host_if, self.host_if = f"{tag}{index}b", f"{tag}{index}h"
+        self.ns_address, router_ns_side = f"{net}.{base + 2}", f"{net}.{base + 1}"
+        router_host_side, self.host_address = f"{net}.{base + 5}", f"{net}.{base + 6}"
+        self._relay_ns = host.name
         self.proxies: list[TcpProxy] = []
         self.is_cut = False
-        _ip("link", "add", self.host_if, "type", "veth", "peer", "name", self.ns_if, "netns", host.name)
-        _ip("addr", "add", f"{self.host_address}/30", "dev", self.host_if)
-        _ip("link", "set", self.host_if, "up")
+        _ip("netns", "add", self.router)
+        _ip("-n", self.router, "link", "set", "lo", "up")
+        subprocess.run(["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+                       check=True, capture_output=True, timeout=20)
+        # relay namespace <-> router
+        _ip("-n", self.router, "link", "add", self.router_ns_if, "type", "veth", "peer", "name", self.ns_if,
+            "netns", host.name)
+        _ip("-n", self.router, "addr", "add", f"{router_ns_side}/30", "dev", self.router_ns_if)
+        _ip("-n", self.router, "link", "set", self.router_ns_if, "up")
         _ip("-n", host.name, "addr", "add", f"{self.ns_address}/30", "dev", self.ns_if)
         _ip("-n", host.name, "link", "set", self.ns_if, "up")
+        # router <-> host
+        _ip("-n", self.router, "link", "add", self.router_host_if, "type", "veth", "peer", "name", self.host_if,
+            "netns", "1")
+        _ip("-n", self.router, "addr", "add", f"{router_host_side}/30", "dev", self.router_host_if)
+        _ip("-n", self.router, "link", "set", self.router_host_if, "up")
+        _ip("addr", "add", f"{self.host_address}/30", "dev", self.host_if)
+        _ip("link", "set", self.host_if, "up")
+        # Each end reaches the other through the router, and nothing else.
+        _ip("-n", host.name, "route", "add", f"{self.host_address}/32", "via", router_ns_side)
+        _ip("route", "add", f"{self.ns_address}/32", "via", router_host_side, "dev", self.host_if)
 
     def forward(self, target: str, *, port: int = 0) -> TcpProxy:
         """A proxy on this link's host address forwarding to ``target`` (host:port)."""
@@ -114,16 +139,14 @@ class Link:
 
     def cut(self) -> None:
         """Drop every packet on this link, both ways, silently (the connections stay open)."""
-        for args in ((), ("-n", self._netns)):
-            interface = self.ns_if if args else self.host_if
-            _tc(*args, "qdisc", "replace", "dev", interface, "root", "tbf", "rate", "8bit", "burst", "10",
-                "latency", "1ms")
+        for interface in (self.router_ns_if, self.router_host_if):
+            _tc("-n", self.router, "qdisc", "replace", "dev", interface, "root", "tbf", "rate", "8bit",
+                "burst", "10", "latency", "1ms")
         self.is_cut = True
 
     def heal(self) -> None:
-        for args in ((), ("-n", self._netns)):
-            interface = self.ns_if if args else self.host_if
-            _tc(*args, "qdisc", "del", "dev", interface, "root", check=False)
+        for interface in (self.router_ns_if, self.router_host_if):
+            _tc("-n", self.router, "qdisc", "del", "dev", interface, "root", check=False)
         self.is_cut = False
 
     def set_delay(self, seconds: float) -> None:
@@ -139,6 +162,7 @@ class Link:
             with contextlib.suppress(Exception):
                 proxy.stop()
         self.proxies.clear()
+        _ip("netns", "del", self.router, check=False)  # its veth ends, and with them their peers
         _ip("link", "del", self.host_if, check=False)
 
 
