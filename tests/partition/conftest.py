@@ -8,7 +8,7 @@ class), listening on 127.0.0.1 and advertising the proxy on the broker link's ho
 address, so every connection a relay in the namespace makes to it crosses that link.
 The test process itself reaches the broker the same way (its metadata names that
 address), so a broker link held or slowed by its proxy holds the test's readers too;
-a cut (tbf on the veth pair) only concerns the namespace.
+a cut (packets dropped in the link's router) only concerns the namespace.
 """
 
 from __future__ import annotations

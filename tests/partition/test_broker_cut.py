@@ -21,7 +21,7 @@ from tests.partition.conftest import Partition, events, report, wait_until
 pytestmark = [pytest.mark.partition, pytest.mark.first_pass_only]
 
 LEASE_SECONDS = 4
-CUT_SECONDS = 10  # several delivery timeouts and breaker probes
+CUT_SECONDS = 6  # several delivery timeouts (1.6 s) and breaker probes
 
 
 def test_broker_cut_releases_rows_without_burning_attempts_and_resumes(partition: Partition) -> None:

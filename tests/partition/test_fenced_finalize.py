@@ -30,7 +30,11 @@ from tests.partition.conftest import Partition, events, report, wait_until
 
 pytestmark = [pytest.mark.partition, pytest.mark.first_pass_only]
 
-LEASE_SECONDS = 3
+LEASE_SECONDS = 5
+# A waits this long for the broker's acks: far longer than the cut takes to put in
+# place (tc in the router namespace, slow on a loaded machine), so A's publish is not
+# failed by its own delivery timeout while the acks are held back.
+A_DELIVERY_TIMEOUT_SECONDS = 4
 GAVE_UP = "finalize failed; rows will be reclaimed after their lease"
 LOST_LEASE = "lost lease: finalize rejected, row belongs to a newer claim"
 
@@ -52,7 +56,8 @@ def _arm_hold_on_produce(net: Partition) -> threading.Event:
 
 def _run_cut_before_finalize(net: Partition, *, heal_while_connected: bool) -> dict[str, object]:
     a_settings = {"OUTBOX_RELAY_RELAY__WORKERS": "1", "OUTBOX_RELAY_RELAY__BATCH_SIZE": "100",
-                  "OUTBOX_RELAY_RELAY__LEASE_SECONDS": str(LEASE_SECONDS)}
+                  "OUTBOX_RELAY_RELAY__LEASE_SECONDS": str(LEASE_SECONDS),
+                  "OUTBOX_RELAY_KAFKA__DELIVERY_TIMEOUT_SECONDS": str(A_DELIVERY_TIMEOUT_SECONDS)}
     if heal_while_connected:
         # Long enough that the connection outlives the partition: the finalize arrives late.
         a_settings.update({"OUTBOX_RELAY_DATABASE__TCP_USER_TIMEOUT_MS": "60000",
@@ -115,7 +120,7 @@ def _run_cut_before_finalize(net: Partition, *, heal_while_connected: bool) -> d
                              timeout=30)
     copies = Counter(int(m["headers"]["message_id"]) for m in messages)
     assert set(copies) == every_id
-    assert {i for i, n in copies.items() if n > 1} == set(in_flight)
+    assert {i for i, n in copies.items() if n > 1} == set(in_flight), relay_a.output()[-3000:]
     assert all(copies[i] == 2 for i in in_flight)
     relay_a.terminate()
     relay_b.terminate()
