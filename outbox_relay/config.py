@@ -302,6 +302,11 @@ class MetricsSettings(_Section):
         default=10_000, ge=1,
         description="Time budget of an exact count (gauge, status, dead list, console); past it: a lower bound (>= N).",
     )
+    xmin_horizon_warn_seconds: float = Field(
+        default=300.0, ge=0,
+        description="Log one warning when the oldest xmin horizon holding back vacuum of the outbox (a long "
+                    "transaction, a prepared transaction, a replication slot) is older than this (0 = never).",
+    )
 
 
 class HttpPublisherSettings(_Section):

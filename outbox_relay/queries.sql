@@ -997,3 +997,78 @@ GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, topic, headers,
 GRANT SELECT (id, dedup_key) ON {table} TO {role};
 GRANT SELECT (dedup_key, outbox_id), INSERT (dedup_key), UPDATE (outbox_id) ON {dedup_keys} TO {role};
 GRANT SELECT ON {state_table} TO {role}
+
+-- MVCC pressure: what keeps vacuum from removing the outbox's dead rows, and how
+-- vacuum is keeping up (vacuum_health.py).
+
+-- name: xmin_horizon_holders
+-- Everything that holds back the xmin horizon of an ordinary table of this database,
+-- oldest first (PostgreSQL's rule, procarray.c ComputeXidHorizons): the xid or snapshot
+-- xmin of every backend connected to this database (a VACUUM itself does not count);
+-- a walsender without a slot whose standby sends hot_standby_feedback (connected to
+-- no database, it holds back every database); the xid of every prepared transaction
+-- of this database; the xmin of every replication slot (a physical slot's xmin is its
+-- standby's feedback; a slot's catalog_xmin holds back only the system catalogs, not
+-- this table). Backends in other databases and prepared transactions of other
+-- databases do not hold back this table. The session running this query is left out.
+-- visible: whether this role may read the backend's transaction start (a member of
+-- pg_read_all_stats, or of the backend's own role); a backend's xid and xmin are
+-- shown to every role. held_seconds: since the transaction (or the prepared
+-- transaction) began; NULL for a slot and a walsender (they record no time) and for a
+-- backend not visible.
+WITH holders AS (
+    SELECT 'backend'::text AS kind, a.pid, a.usename::text AS user_name, a.application_name, a.state,
+           a.backend_type, a.xact_start, NULL::timestamptz AS prepared_at, NULL::text AS gid,
+           NULL::text AS slot_name, NULL::text AS slot_type, NULL::boolean AS slot_active,
+           CASE WHEN a.backend_xid IS NULL THEN a.backend_xmin
+                WHEN a.backend_xmin IS NULL THEN a.backend_xid
+                WHEN age(a.backend_xid) >= age(a.backend_xmin) THEN a.backend_xid
+                ELSE a.backend_xmin END AS horizon,
+           (pg_has_role('pg_read_all_stats', 'USAGE')
+            OR (a.usesysid IS NOT NULL AND pg_has_role(a.usesysid, 'USAGE'))) AS visible,
+           -- a walsender's xmin is its standby's feedback: no time of its own (as a slot)
+           CASE WHEN a.backend_type <> 'walsender'
+                THEN extract(epoch FROM now() - coalesce(a.xact_start, a.backend_start))::float8 END AS held_seconds
+    FROM pg_stat_activity AS a
+    WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+      AND a.pid <> pg_backend_pid()
+      AND (a.datname = current_database() OR (a.datid IS NULL AND a.backend_type = 'walsender'))
+      AND NOT (a.backend_type = 'autovacuum worker' AND a.query LIKE 'autovacuum: VACUUM%%')
+    UNION ALL
+    SELECT 'prepared', NULL, p.owner::text, NULL, NULL, NULL, NULL, p.prepared, p.gid, NULL, NULL, NULL,
+           p.transaction, true, extract(epoch FROM now() - p.prepared)::float8
+    FROM pg_prepared_xacts AS p
+    WHERE p.database = current_database()
+    UNION ALL
+    SELECT 'slot', s.active_pid, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.slot_name::text, s.slot_type,
+           s.active, s.xmin, true, NULL
+    FROM pg_replication_slots AS s
+    WHERE s.xmin IS NOT NULL
+)
+SELECT kind, pid, user_name, application_name, state, backend_type, xact_start, prepared_at, gid,
+       slot_name, slot_type, slot_active, horizon::text AS horizon_xid, age(horizon) AS age_xids, visible,
+       CASE WHEN visible THEN held_seconds END AS held_seconds
+FROM holders
+ORDER BY age(horizon) DESC, held_seconds DESC NULLS LAST
+LIMIT %(limit)s
+
+-- name: vacuum_figures
+-- The outbox's dead tuples, sizes and last vacuum, from the statistics views (no
+-- table access: cheap at any size). Seconds since the last vacuum: manual or auto,
+-- whichever is later; NULL if the table was never vacuumed.
+SELECT coalesce(s.n_dead_tup, 0) AS dead_tuples,
+       coalesce(s.n_live_tup, 0) AS live_tuples,
+       pg_relation_size(c.oid) AS heap_bytes,
+       pg_indexes_size(c.oid) AS index_bytes,
+       extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8 AS since_vacuum_seconds,
+       coalesce(s.autovacuum_count, 0) + coalesce(s.vacuum_count, 0) AS vacuums
+FROM pg_class AS c
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+WHERE c.oid = %(table)s::regclass
+
+-- name: grant_read_all_stats
+-- The relay's xmin horizon gauge and `status` name the session that holds vacuum back:
+-- PostgreSQL shows another role's transaction start only to members of
+-- pg_read_all_stats (or pg_monitor, which includes it). Granting a predefined role
+-- needs a superuser (or, from PostgreSQL 16, a role with ADMIN on it).
+GRANT pg_read_all_stats TO {role}

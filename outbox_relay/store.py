@@ -33,6 +33,7 @@ from .filters import DeadFilter
 from .ordering import OrderingRule
 from .pooler import PoolerConnection, configure_bound, execute_with_settings
 from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
+from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
 
 STATUSES = ("pending", "processing", "done", "dead")
 # Statuses with a partial index of their own: counting them reads only their entries.
@@ -808,6 +809,27 @@ class OutboxStore:
             attempts=attempts,
             blocked_aggregates=blocked,
         )
+
+    def xmin_horizon(self, *, limit: int = 5, timeout_ms: int | None = None) -> XminHorizon:
+        """What holds back vacuum of this table, oldest first (vacuum_health.py)."""
+        with self._mapped("xmin horizon"), self._pool.connection() as conn, conn.transaction():
+            if timeout_ms:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
+            cur = conn.execute(self.sql.query("xmin_horizon_holders"), {"limit": limit}, prepare=False)
+            names = [d.name for d in cur.description or ()]
+            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        return XminHorizon(holders_from_rows(rows))
+
+    def vacuum_figures(self, *, timeout_ms: int | None = None) -> VacuumFigures:
+        """Dead tuples, heap and index size, last vacuum of the table (statistics views only)."""
+        with self._mapped("vacuum figures"), self._pool.connection() as conn, conn.transaction():
+            if timeout_ms:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
+            row = conn.execute(self.sql.query("vacuum_figures"), {"table": self.sql.regclass_text}).fetchone()
+        assert row is not None
+        return VacuumFigures(dead_tuples=int(row[0]), live_tuples=int(row[1]), heap_bytes=int(row[2]),
+                             index_bytes=int(row[3]), since_vacuum_seconds=float(row[4]) if row[4] is not None
+                             else None, vacuums=int(row[5]))
 
     def ping(self, timeout_seconds: float = 2.0) -> bool:
         try:
