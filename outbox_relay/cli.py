@@ -138,7 +138,8 @@ def migrate(
         _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
     with _store(settings) as store:
         notes = store.migrate(notify_trigger=not no_notify_trigger, ordering=ordering,
-                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes)
+                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes,
+                              autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()})
     for note in notes:
         typer.echo(f"  {note}")
     typer.echo(f"migrated {settings.database.table}")

@@ -91,11 +91,24 @@ class DatabaseSettings(_Section):
                     "no startup options, no server-side prepared statements, statement_timeout set inside "
                     "each statement's transaction, and LISTEN only on listen_dsn.",
     )
+    autovacuum: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Autovacuum storage parameters migrate sets on the outbox, e.g. "
+                    "{autovacuum_vacuum_threshold = 5000}; \"default\" removes one. Unset ones get the queue "
+                    "defaults (scale factor 0, threshold 1000, cost delay 0) unless the table has its own value.",
+    )
     listen_dsn: SecretStr | None = Field(
         default=None,
         description="Direct (unpooled) DSN used only by the one LISTEN connection per relay process; default: "
                     "dsn, or none if transaction_pooler is set (idle workers then poll) (secret).",
     )
+
+    @field_validator("autovacuum")
+    @classmethod
+    def _check_autovacuum(cls, value: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
+        from .autovacuum import check_overrides
+
+        return dict(check_overrides(value))
 
     @field_validator("dsn", "listen_dsn")
     @classmethod

@@ -1072,3 +1072,24 @@ WHERE c.oid = %(table)s::regclass
 -- pg_read_all_stats (or pg_monitor, which includes it). Granting a predefined role
 -- needs a superuser (or, from PostgreSQL 16, a role with ADMIN on it).
 GRANT pg_read_all_stats TO {role}
+
+-- name: add_autovacuum_applied
+-- What migrate last set of the table's autovacuum parameters (autovacuum.py): a value
+-- still equal to it is migrate's own and may follow a new default; any other value is
+-- an operator's and is kept.
+ALTER TABLE {state_table} ADD COLUMN IF NOT EXISTS autovacuum_applied jsonb NOT NULL DEFAULT '{{}}'::jsonb
+
+-- name: autovacuum_state
+SELECT (SELECT reloptions FROM pg_class WHERE oid = %(table)s::regclass) AS reloptions,
+       (SELECT autovacuum_applied FROM {state_table}) AS applied
+
+-- name: set_autovacuum_applied
+UPDATE {state_table} SET autovacuum_applied = %(applied)s::jsonb
+
+-- name: set_storage_parameter
+-- {parameter} is a validated autovacuum parameter name, {value} a literal (autovacuum.py). Takes a
+-- SHARE UPDATE EXCLUSIVE lock: reads, writes and relays go on.
+ALTER TABLE {table} SET ({parameter} = {value})
+
+-- name: reset_storage_parameter
+ALTER TABLE {table} RESET ({parameter})

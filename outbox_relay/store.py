@@ -12,7 +12,7 @@ import datetime as dt
 import json
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,7 @@ import psycopg_pool
 from psycopg import errors as pg_errors
 from psycopg import sql
 
+from .autovacuum import check_overrides, parse_reloptions, plan
 from .errors import (
     CommitOutcomeUnknown,
     ConfigError,
@@ -377,7 +378,8 @@ class OutboxStore:
 
     # --- schema ----------------------------------------------------------------------
     def migrate(self, *, notify_trigger: bool = True, ordering: bool = False, on_done: str = "keep",
-                drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0) -> list[str]:
+                drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0,
+                autovacuum: Mapping[str, str] | None = None) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
         on an existing table indexes are built and dropped CONCURRENTLY (outside any
@@ -385,7 +387,9 @@ class OutboxStore:
         is set, so the ordering indexes must exist; without it they are left alone
         (other relays may be ordered) unless ``drop_ordering_indexes``. ``on_done``
         (relay.on_done) becomes the table's mode, which every relay's finalize reads.
-        Returns notes for the operator (one line each)."""
+        ``autovacuum`` (database.autovacuum): the operator's autovacuum parameters; the
+        queue defaults of autovacuum.py fill in the rest without overwriting a value
+        of the table's own. Returns notes for the operator (one line each)."""
         if on_done not in ("keep", "delete"):
             raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
         if self.transaction_pooler:
@@ -409,7 +413,7 @@ class OutboxStore:
                 for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
                     try:
                         notes += self._migrate_schema(conn, on_done=on_done, notify_trigger=notify_trigger,
-                                                      wanted=wanted)
+                                                      wanted=wanted, autovacuum=autovacuum or {})
                         break
                     except pg_errors.LockNotAvailable:
                         if attempt == _MIGRATE_LOCK_ATTEMPTS:
@@ -425,7 +429,7 @@ class OutboxStore:
         return notes
 
     def _migrate_schema(self, conn: psycopg.Connection[Any], *, on_done: str, notify_trigger: bool,
-                        wanted: Sequence[str]) -> list[str]:
+                        wanted: Sequence[str], autovacuum: Mapping[str, str]) -> list[str]:
         """The transactional part of migrate: table, columns, state and audit tables,
         mode, dedup keys, trigger; under a lock timeout (it is retried as a whole)."""
         notes: list[str] = []
@@ -454,6 +458,8 @@ class OutboxStore:
             conn.execute(self.sql.query("create_audit_table"))  # operator retry/skip trail (issue 18)
             if not self._state_has_mode(conn):
                 conn.execute(self.sql.query("add_on_done"))
+            conn.execute(self.sql.query("add_autovacuum_applied"))
+            notes += self._migrate_autovacuum(conn, autovacuum, created=created)
             if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
                 notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
                              "kept so far stay until purge" if on_done == "delete" else
@@ -469,6 +475,29 @@ class OutboxStore:
             else:
                 for statement in self.sql.statements("drop_notify_trigger"):
                     conn.execute(statement)
+        return notes
+
+    def _migrate_autovacuum(self, conn: psycopg.Connection[Any], overrides: Mapping[str, str], *,
+                            created: bool) -> list[str]:
+        """The table's autovacuum parameters (autovacuum.py decides, this writes)."""
+        row = conn.execute(self.sql.query("autovacuum_state"), {"table": self.sql.regclass_text}).fetchone()
+        current = parse_reloptions(row[0] if row else None)
+        applied = {str(k): str(v) for k, v in ((row[1] if row else None) or {}).items()}
+        changes, record, kept = plan(current, applied, check_overrides(overrides))
+        for change in changes:
+            parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
+            if change.value is None:
+                conn.execute(self.sql.query("reset_storage_parameter", parameter=parameter))
+            else:
+                conn.execute(self.sql.query("set_storage_parameter", parameter=parameter,
+                                            value=sql.Literal(change.value)))
+        if record != applied:
+            conn.execute(self.sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)})
+        notes = [f"kept {k}" for k in kept]
+        if changes and not created:
+            notes.append("autovacuum: " + ", ".join(
+                f"{c.parameter} = {c.value}" if c.value is not None else f"{c.parameter} reset" for c in changes)
+                + " (a queue table: see docs/explanation/mvcc-pressure.md)")
         return notes
 
     def _converge_indexes(self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool,
