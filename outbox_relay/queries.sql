@@ -229,9 +229,13 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- are looked at (the worker sizes it from the rows it saw last time), because sizing
 -- a row detoasts its payload. A row above %(max_message_bytes)s (NULL: no limit) is
 -- claimed without its payload: it goes dead at once, never held in memory.
+-- Full or fast (claim_cursor.py): %(full)s = false leaves out the reap and the expired
+-- leases (no read of the processing index), and %(from_at)s / %(from_id)s (NULL: the
+-- front) start the due rows' index scan at that key, past the dead entries of rows
+-- claimed before it. due_at: the claimed due row's key, where later claims start.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
-    WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+    WHERE %(full)s AND status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
     FOR UPDATE SKIP LOCKED
 ), reaped AS (
     UPDATE {table} AS o
@@ -246,7 +250,7 @@ WITH victims AS (
     SELECT id, 0 AS part, lease_until AS sort_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
-    WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+    WHERE %(full)s AND status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY lease_until
     LIMIT %(candidates)s
@@ -256,13 +260,15 @@ WITH victims AS (
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
     WHERE status = 'pending' AND available_at <= now()
+      AND (%(from_at)s::timestamptz IS NULL
+           OR (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint))
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY available_at, id
     LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT id, row_bytes FROM (
-        SELECT id, row_bytes,
+    SELECT id, row_bytes, part FROM (
+        SELECT id, row_bytes, part,
                row_number() OVER w AS n,
                sum(row_bytes) OVER w AS bytes_through
         FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS both_kinds
@@ -281,12 +287,16 @@ WITH victims AS (
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,
-              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes,
+              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at
 )
-SELECT false AS reaped, claimed.*, NULL::text AS reaped_owner FROM claimed
+SELECT false AS reaped, claimed.id, claimed.lease_version, claimed.attempts, claimed.aggregate_type,
+       claimed.aggregate_id, claimed.event_type, claimed.payload, claimed.topic, claimed.headers,
+       claimed.created_at, claimed.row_bytes, NULL::text AS reaped_owner, claimed.due_at
+FROM claimed
 UNION ALL
 SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
-       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner
+       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner, NULL::timestamptz
 FROM reaped
 
 -- name: claim_ordered_heads

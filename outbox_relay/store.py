@@ -22,6 +22,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from .autovacuum import check_overrides, parse_reloptions, plan
+from .claim_cursor import ClaimPlan, DueCursor
 from .errors import (
     CommitOutcomeUnknown,
     ConfigError,
@@ -274,6 +275,9 @@ class OutboxStore:
             timeout=max(connect_timeout_seconds, 5.0),
         )
         self._opened = False
+        # Where plain claims start reading the due index (claim_cursor.py): shared by
+        # every worker of this store, so claims stay flat while vacuum is held back.
+        self.due_cursor = DueCursor()
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
@@ -661,10 +665,30 @@ class OutboxStore:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (seed 002).
         rows: list[Claimed] = []
+        plan = self.due_cursor.begin()
+        lowest: list[tuple[dt.datetime, int]] = []  # due keys claimed, for the cursor
+        started = time.monotonic()
+        try:
+            result = self._claim(ordering, params, rows, plan, lowest, run_length=run_length,
+                                 ordered_after=ordered_after)
+        except BaseException:
+            self.due_cursor.failed(plan)
+            raise
+        self.due_cursor.end(plan, min(lowest) if lowest else None, time.monotonic() - started)
+        return result
+
+    def _claim(self, ordering: OrderingRule, params: dict[str, Any], rows: list[Claimed], plan: ClaimPlan,
+               lowest: list[tuple[dt.datetime, int]], *, run_length: int, ordered_after: str | None) -> ClaimResult:
+        all_ordered = ordering.all_types
+        types = ordering.explicit_types
+        batch = int(params["batch"])
+        max_batch_bytes = int(params["max_batch_bytes"])
+        start_at, start_id = plan.start if plan.start is not None else (None, None)
+        params = dict(params, full=plan.full, from_at=start_at, from_id=start_id)
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
-                reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows)
+                reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows, lowest)
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
@@ -676,13 +700,20 @@ class OutboxStore:
                 # The first statement sets the claim's planner settings for the whole
                 # transaction (_plain_claim does it in the else branch).
                 if all_ordered:
-                    execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
-                    reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
+                    # Poison rows are reaped by full claims only (claim_cursor.py): the
+                    # reap reads the front of the processing index.
+                    reaped = []
+                    if plan.full:
+                        execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
+                        reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
+                    else:
+                        execute_with_settings(cur, "SELECT 1", None, CLAIM_SETTINGS)
                 else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
                     reaped = self._plain_claim(cur, dict(unordered, batch=max(1, batch // 2),
-                                                         max_batch_bytes=max(1, max_batch_bytes // 2)), rows)
+                                                         max_batch_bytes=max(1, max_batch_bytes // 2)), rows,
+                                               lowest)
                 head_room = batch - len(rows)
                 params = dict(params, batch=head_room)
 
@@ -719,20 +750,27 @@ class OutboxStore:
                 room = batch - len(rows)
                 if not all_ordered and room > 0 and bytes_left() > 0:
                     reaped += self._plain_claim(cur, dict(unordered, batch=room, max_batch_bytes=bytes_left()),
-                                                rows)
+                                                rows, lowest)
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 
-    def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed]) -> list[tuple[int, int, str | None]]:
-        """Run the reap + claim statement; append claimed rows, return reaped ones."""
+    def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed],
+                     lowest: list[tuple[dt.datetime, int]]) -> list[tuple[int, int, str | None]]:
+        """Run the reap + claim statement; append claimed rows (and the lowest due key
+        claimed to ``lowest``), return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         execute_with_settings(cur, self.sql.query("claim"), params, CLAIM_SETTINGS)
+        keys: list[tuple[dt.datetime, int]] = []
         for record in cur.fetchall():
             if record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:
                 rows.append(Claimed(*record[1:12]))
+                if record[13] is not None:
+                    keys.append((record[13], record[1]))
+        if keys:
+            lowest.append(min(keys))
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------
