@@ -43,16 +43,31 @@ Key = tuple[dt.datetime, int]  # (available_at, id): the order of the due index
 @dataclass(frozen=True, slots=True)
 class ClaimPlan:
     full: bool
-    start: Key | None  # None: from the front of the index (a full claim)
+    start: Key | None  # None: from the front of the due index (a full claim)
+    leases_from: dt.datetime | None = None  # None: from the front of the processing index
+    measured: bool = True  # a full claim whose duration feeds the average (one at a time)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimOutcome:
+    """What one claim statement saw, for the next claims' start."""
+
+    lowest: Key | None = None  # the lowest due key it claimed
+    database_now: dt.datetime | None = None  # the statement's now()
+    leases_exhausted: bool = False  # its expired-lease scan did not stop at its LIMIT
 
 
 class DueCursor:
     """Shared by the workers of one process (thread-safe)."""
 
-    def __init__(self, *, lag_seconds: float = 2.0, rescan_min_seconds: float = 1.0,
-                 rescan_max_seconds: float = 30.0, full_cost_share: float = 0.1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, *, lag_seconds: float = 2.0, rescan_min_seconds: float = 0.0,
+                 rescan_max_seconds: float = 30.0, full_cost_share: float = 0.1, lease_margin_seconds: float = 1.0,
+                 fast_above_seconds: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+        self._fast_above = fast_above_seconds
+        self._full_costs: deque[float] = deque(maxlen=3)  # the last full claims' durations
+        self._full_cost = 0.0  # the least of them (0 until there are three)
         self._lag = lag_seconds
+        self._lease_margin = lease_margin_seconds
         self._rescan_min = rescan_min_seconds
         self._rescan_max = rescan_max_seconds
         self._cost_share = full_cost_share
@@ -61,43 +76,59 @@ class DueCursor:
         self._window: deque[tuple[float, Key]] = deque()  # (when, lowest key claimed), oldest first
         self._anchor: Key | None = None  # lowest key of the newest claim older than the window
         self._last_full_at = float("-inf")
-        self._last_full_seconds = 0.0
         self._full_running = False
+        self._leases_from: dt.datetime | None = None
         self.full_claims = 0
         self.fast_claims = 0
 
     def begin(self) -> ClaimPlan:
-        """The next claim: full if one is due (and no other worker runs one), else fast."""
+        """The next claim: full while full claims are cheap, or when one is due (and no
+        other worker runs one); else fast."""
         now = self._clock()
         with self._lock:
             self._expire(now)
             start = self._start()
-            interval = min(self._rescan_max, max(self._rescan_min, self._last_full_seconds / self._cost_share))
-            if not self._full_running and (start is None or now - self._last_full_at >= interval):
-                self._full_running = True
-                self._last_full_at = now
-                self.full_claims += 1
-                return ClaimPlan(full=True, start=None)
-            if start is None:  # another worker's full claim is running: so is this one, from the front
-                return ClaimPlan(full=True, start=None)
+            cheap = self._full_cost < self._fast_above  # nothing to save: every claim is full
+            interval = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
+            if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
+                if not self._full_running:
+                    self._full_running = True  # this one's duration feeds the average
+                    self._last_full_at = now
+                    self.full_claims += 1
+                    return ClaimPlan(full=True, start=None)
+                return ClaimPlan(full=True, start=None, measured=False)
             self.fast_claims += 1
-            return ClaimPlan(full=False, start=start)
+            return ClaimPlan(full=False, start=start, leases_from=self._leases_from)
 
-    def end(self, plan: ClaimPlan, lowest: Key | None, elapsed_seconds: float) -> None:
-        """Record what a claim found (its lowest due key) and, for a full one, its cost."""
+    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
+        """Record what a claim's statements saw and, for a full claim, its cost."""
         now = self._clock()
         with self._lock:
-            if plan.full and self._full_running:
+            if plan.full and plan.measured and self._full_running:
                 self._full_running = False
-                self._last_full_seconds = elapsed_seconds
-            if lowest is not None:
-                self._window.append((now, lowest))
+                # The least of the last three: a slow claim or two on a busy machine (or
+                # a new connection's first) do not switch the relay to fast claims, a
+                # horizon held back long enough to slow every full claim does.
+                self._full_costs.append(elapsed_seconds)
+                self._full_cost = min(self._full_costs) if len(self._full_costs) == self._full_costs.maxlen else 0.0
+            keys = [o.lowest for o in outcomes if o.lowest is not None]
+            if keys:
+                self._window.append((now, min(keys)))
+            for outcome in outcomes:
+                # Every lease that expired before this statement's clock was reclaimed
+                # (or is being changed by another transaction right now): later claims
+                # may start the processing index there, less a margin for the
+                # transactions still in flight.
+                if outcome.leases_exhausted and outcome.database_now is not None:
+                    floor = outcome.database_now - dt.timedelta(seconds=self._lease_margin)
+                    if self._leases_from is None or floor > self._leases_from:
+                        self._leases_from = floor
             self._expire(now)
 
     def failed(self, plan: ClaimPlan) -> None:
         """A claim that raised: a full one is tried again by the next claim."""
         with self._lock:
-            if plan.full and self._full_running:
+            if plan.full and plan.measured and self._full_running:
                 self._full_running = False
                 self._last_full_at = float("-inf")
 

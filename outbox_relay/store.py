@@ -22,7 +22,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from .autovacuum import check_overrides, parse_reloptions, plan
-from .claim_cursor import ClaimPlan, DueCursor
+from .claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 from .errors import (
     CommitOutcomeUnknown,
     ConfigError,
@@ -34,7 +34,7 @@ from .errors import (
 from .filters import DeadFilter
 from .ordering import OrderingRule
 from .pooler import PoolerConnection, configure_bound, execute_with_settings
-from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
+from .schema import BASE_INDEXES, EXECUTABLE, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
 
 STATUSES = ("pending", "processing", "done", "dead")
@@ -278,6 +278,9 @@ class OutboxStore:
         # Where plain claims start reading the due index (claim_cursor.py): shared by
         # every worker of this store, so claims stay flat while vacuum is held back.
         self.due_cursor = DueCursor()
+        self._claim_statement = self.sql.query(
+            "claim", due_from_at=sql.Placeholder("from_at"), due_from_id=sql.Placeholder("from_id"),
+            leases_from=sql.Placeholder("leases_from"), claim_report=sql.SQL(EXECUTABLE["claim_report"]))
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
@@ -666,25 +669,25 @@ class OutboxStore:
         # the rows' lease expires and a later claim takes them (seed 002).
         rows: list[Claimed] = []
         plan = self.due_cursor.begin()
-        lowest: list[tuple[dt.datetime, int]] = []  # due keys claimed, for the cursor
+        outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
         started = time.monotonic()
         try:
-            result = self._claim(ordering, params, rows, plan, lowest, run_length=run_length,
+            result = self._claim(ordering, params, rows, plan, outcomes, run_length=run_length,
                                  ordered_after=ordered_after)
         except BaseException:
             self.due_cursor.failed(plan)
             raise
-        self.due_cursor.end(plan, min(lowest) if lowest else None, time.monotonic() - started)
+        self.due_cursor.end(plan, outcomes, time.monotonic() - started)
         return result
 
     def _claim(self, ordering: OrderingRule, params: dict[str, Any], rows: list[Claimed], plan: ClaimPlan,
-               lowest: list[tuple[dt.datetime, int]], *, run_length: int, ordered_after: str | None) -> ClaimResult:
+               lowest: list[ClaimOutcome], *, run_length: int, ordered_after: str | None) -> ClaimResult:
         all_ordered = ordering.all_types
         types = ordering.explicit_types
         batch = int(params["batch"])
         max_batch_bytes = int(params["max_batch_bytes"])
         start_at, start_id = plan.start if plan.start is not None else (None, None)
-        params = dict(params, full=plan.full, from_at=start_at, from_id=start_id)
+        params = dict(params, from_at=start_at, from_id=start_id, leases_from=plan.leases_from)
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
@@ -700,14 +703,8 @@ class OutboxStore:
                 # The first statement sets the claim's planner settings for the whole
                 # transaction (_plain_claim does it in the else branch).
                 if all_ordered:
-                    # Poison rows are reaped by full claims only (claim_cursor.py): the
-                    # reap reads the front of the processing index.
-                    reaped = []
-                    if plan.full:
-                        execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
-                        reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
-                    else:
-                        execute_with_settings(cur, "SELECT 1", None, CLAIM_SETTINGS)
+                    execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
+                    reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
                 else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
@@ -755,22 +752,26 @@ class OutboxStore:
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 
     def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed],
-                     lowest: list[tuple[dt.datetime, int]]) -> list[tuple[int, int, str | None]]:
-        """Run the reap + claim statement; append claimed rows (and the lowest due key
-        claimed to ``lowest``), return reaped ones."""
+                     outcomes: list[ClaimOutcome]) -> list[tuple[int, int, str | None]]:
+        """Run the reap + claim statement; append claimed rows (and what the statement
+        saw to ``outcomes``, for the claim cursor), return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
-        execute_with_settings(cur, self.sql.query("claim"), params, CLAIM_SETTINGS)
+        execute_with_settings(cur, self._claim_statement, params, CLAIM_SETTINGS)
         keys: list[tuple[dt.datetime, int]] = []
+        database_now: dt.datetime | None = None
+        expired_seen = 0
         for record in cur.fetchall():
-            if record[0]:
+            if record[0] is None:  # the statement's clock and expired leases looked at
+                expired_seen, database_now = int(record[1]), record[13]
+            elif record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:
                 rows.append(Claimed(*record[1:12]))
                 if record[13] is not None:
                     keys.append((record[13], record[1]))
-        if keys:
-            lowest.append(min(keys))
+        outcomes.append(ClaimOutcome(lowest=min(keys) if keys else None, database_now=database_now,
+                                     leases_exhausted=expired_seen < int(params["candidates"])))
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------

@@ -41,7 +41,7 @@ def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
 
 def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str,
                                                                   store: OutboxStore) -> None:
-    store.due_cursor = DueCursor(lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0)
+    store.due_cursor = DueCursor(lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0)
     seen: dict[int, int] = {}
     # A writer transaction that begins (available_at = its start), inserts, and stays open.
     late = psycopg.connect(pg_dsn)
@@ -72,7 +72,7 @@ def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, t
 
 def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(pg_dsn: str, table: str,
                                                                              store: OutboxStore) -> None:
-    store.due_cursor = DueCursor(lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5)
+    store.due_cursor = DueCursor(lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5, fast_above_seconds=0.0)
     inserted: set[int] = set()
     lock = threading.Lock()
     stop = threading.Event()
@@ -140,7 +140,7 @@ def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, 
     holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT 1").fetchone()
     try:
-        store.due_cursor = DueCursor(lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600)
+        store.due_cursor = DueCursor(lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0)
         seen: dict[int, int] = {}
         with psycopg.connect(pg_dsn, autocommit=True) as writer:
             for _ in range(20):
