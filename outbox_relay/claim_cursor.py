@@ -1,31 +1,37 @@
-"""Where the plain claim starts reading the due index, so its cost stays flat while
+"""Where the plain claim starts reading its indexes, so that its cost stays flat while
 vacuum is held back.
 
-The claim reads the partial index of pending rows in (available_at, id) order and
-stops after LIMIT rows. Every delivered row leaves a dead entry at the front of that
-index (its pending version), which only vacuum removes; while something holds the
-xmin horizon back (a long transaction, a prepared transaction, a standby's slot)
-nothing is removed and not even marked dead in the index, so a claim from the front
-walks every row delivered since the horizon was taken (one heap visit each): its cost
-grows with time, and the relay falls further behind.
+The claim reads the partial index of pending rows in (available_at, id) order, and
+the partial index of processing rows by lease expiry for expired leases, and stops
+after LIMIT rows. Every delivered row leaves a dead entry at the front of both (its
+pending version; its processing version, whose lease_until has passed), which only
+vacuum removes. While something holds the xmin horizon back (a long transaction, a
+prepared transaction, a standby's slot) nothing is removed, nor even marked dead in
+the index, so a claim from the front walks every row delivered since the horizon was
+taken (one heap visit each): its cost grows with time, and the relay falls behind.
 
-So most claims ("fast") start at a key instead of the front: the lowest key claimed
-by any claim of this process in the last ``lag_seconds``, or, when there was none,
-the lowest key claimed by the newest claim before that. A fast claim walks only the
-dead entries of rows claimed since then (rate x lag, flat), and also skips the
-expired-lease and poison-row parts (they read the processing index, whose front fills
-with dead entries the same way).
+"Fast" claims start past those entries:
 
-A row that becomes due below that key is never skipped: a "full" claim, the original
-statement from the front of both indexes, runs at least every ``rescan_max_seconds``,
-more often when it is cheap (its last duration / ``full_cost_share``, at least
-``rescan_min_seconds``). Such rows are those of a writer transaction that committed
-more than ``lag_seconds`` after it began (a row's available_at defaults to its
-transaction's start, its id to the insert), of an explicit available_at in the past,
-or a row whose claim rolled back. The key of what a full claim finds enters the
-window like any other, so the fast claims that follow start from it and drain all
-such rows at once. An expired lease is reclaimed, and a poison row reaped, by the
-next full claim.
+- the due index at the lowest key any claim of this process claimed in the last
+  ``lag_seconds`` (or, when none did, at the lowest key of the newest claim before):
+  a fast claim walks only the dead entries of rows claimed since then (rate x lag);
+- the processing index at the clock of the last claim whose expired-lease scan was
+  not cut by its LIMIT, less ``lease_margin_seconds``: every lease that had expired
+  by then was reclaimed, so an expired lease is still reclaimed by the next claim.
+
+A row that becomes due below the fast start is never skipped: a "full" claim, the
+statement from the front of both indexes, comes round at least every
+``rescan_max_seconds``, more often when it is cheaper (its duration /
+``full_cost_share``, at least ``rescan_min_seconds``). Such rows are those of a writer
+transaction that committed more than ``lag_seconds`` after it began (available_at
+defaults to the transaction's start, the id is taken at the insert), of an explicit
+available_at in the past, or a row whose claim rolled back. The key of what a full
+claim finds enters the window like any other, so the fast claims that follow start
+from it and drain all such rows at once.
+
+While full claims are cheap (the least of the last three took less than
+``fast_above_seconds``) every claim is a full one: without MVCC pressure the claim is
+exactly what it always was, oldest due row first.
 """
 
 from __future__ import annotations
