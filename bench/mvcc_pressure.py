@@ -42,6 +42,9 @@ from psycopg import sql
 
 CLAIM_PREFIX = "WITH victims AS"  # the plain claim (reap + claim in one statement)
 FINALIZE_PREFIX = "WITH decided AS"
+# The CLI of the relay under test, in either package layout (--relay-root may be older).
+CLI_MAIN = ("import sys\ntry:\n    from outbox_relay.operator.cli import main\nexcept ImportError:\n"
+            "    from outbox_relay.cli import main\nsys.argv[0] = 'outbox-relay'\nmain()")
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +76,7 @@ def database(args: argparse.Namespace) -> Any:
     if args.dsn:
         yield args.dsn
         return
-    from outbox_relay.embedded import EmbeddedPostgres
+    from outbox_relay._embedded.embedded import EmbeddedPostgres
 
     tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-bench-"))
     c.say("starting embedded PostgreSQL 18 (pg_stat_statements, max_prepared_transactions=10) ...")
@@ -96,7 +99,7 @@ def broker(args: argparse.Namespace) -> Any:
     if args.bootstrap:
         yield args.bootstrap
         return
-    from outbox_relay.embedded import EmbeddedBroker
+    from outbox_relay._embedded.embedded import EmbeddedBroker
 
     tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-bench-broker-"))
     c.say("starting embedded Kafka-protocol broker (tansu) ...")
@@ -121,8 +124,7 @@ def relay_env(args: argparse.Namespace, dsn: str, table: str, bootstrap: str, to
 def relay_cli(env: dict[str, str], *cli_args: str, timeout: float = 120) -> str:
     import subprocess
 
-    cmd = [sys.executable, "-c", "import sys; from outbox_relay.cli import main; sys.argv[0] = 'outbox-relay'; main()",
-           *cli_args]
+    cmd = [sys.executable, "-c", CLI_MAIN, *cli_args]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd="/")
     if result.returncode != 0:
         raise RuntimeError(f"outbox-relay {' '.join(cli_args)} exited {result.returncode}: {result.stderr[-2000:]}")
@@ -137,8 +139,7 @@ class Relay(c.RelayProcess):
 
         self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
-        code = "import sys; from outbox_relay.cli import main; sys.argv[0] = 'outbox-relay'; main()"
-        self.proc = subprocess.Popen([sys.executable, "-c", code, "run", *args], env=env, stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "run", *args], env=env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
         self.returncode = None
 

@@ -106,9 +106,7 @@ class DatabaseSettings(_Section):
     @field_validator("autovacuum")
     @classmethod
     def _check_autovacuum(cls, value: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
-        from .autovacuum import check_overrides
-
-        return dict(check_overrides(value))
+        return dict(check_autovacuum_overrides(value))
 
     @field_validator("dsn", "listen_dsn")
     @classmethod
@@ -663,3 +661,24 @@ def _unparsable_complex_env() -> str | None:
             except ValueError:
                 return env
     return None
+
+
+_AUTOVACUUM_PARAMETER_RE = re.compile(
+    r"^(autovacuum_[a-z_]+|log_autovacuum_min_duration|vacuum_truncate|vacuum_index_cleanup)\Z")
+_AUTOVACUUM_VALUE_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}\Z")
+
+
+def check_autovacuum_overrides(overrides: Mapping[str, object]) -> dict[str, str]:
+    """Validate ``database.autovacuum``: autovacuum storage parameter names, plain values
+    (they are written into an ALTER TABLE: a name is sent as an identifier of this
+    shape, a value as a literal)."""
+    out: dict[str, str] = {}
+    for name, value in overrides.items():
+        if not _AUTOVACUUM_PARAMETER_RE.match(name):
+            raise ValueError(f"{name!r} is not an autovacuum storage parameter (autovacuum_*, "
+                             "log_autovacuum_min_duration, vacuum_truncate, vacuum_index_cleanup)")
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if not _AUTOVACUUM_VALUE_RE.match(text):
+            raise ValueError(f"{name}: {text!r} is not a plain number, boolean or 'default'")
+        out[name] = text
+    return out

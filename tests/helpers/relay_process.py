@@ -27,7 +27,7 @@ class RelayProcess:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", *args], env=env,
+            self.proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", *args], env=env,
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:

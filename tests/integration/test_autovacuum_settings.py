@@ -7,8 +7,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outbox_relay.autovacuum import QUEUE_AUTOVACUUM, check_overrides, parse_reloptions
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.autovacuum import QUEUE_AUTOVACUUM, check_overrides, parse_reloptions
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import ON_DONE
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_relay.claim_cursor import DueCursor
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.claim_cursor import DueCursor
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import DELETE_MODE, run_sql
 
 INSERT = ("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "

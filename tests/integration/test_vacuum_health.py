@@ -20,9 +20,9 @@ import pytest
 import structlog
 from psycopg import sql
 
-from outbox_relay.metrics import RelayMetrics, StatsRefresher
-from outbox_relay.store import OutboxStore
-from outbox_relay.vacuum_health import NOT_VISIBLE_HINT, HorizonWarning
+from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
+from outbox_relay.db.store import OutboxStore
+from outbox_relay.db.vacuum_health import NOT_VISIBLE_HINT, HorizonWarning
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows
 from tests.helpers.pg_cluster import TempServers, pg_missing_reason, wait_until
@@ -210,7 +210,7 @@ def test_least_privilege_role_says_what_it_cannot_see(pg_dsn: str, table: str, r
 
 
 def test_warning_is_logged_once_per_crossing() -> None:
-    from outbox_relay.vacuum_health import XminHolder, XminHorizon
+    from outbox_relay.db.vacuum_health import XminHolder, XminHorizon
 
     old = XminHorizon([XminHolder(kind="prepared", horizon_xid="1000", age_xids=5, age_seconds=400.0, gid="g1")])
     young = XminHorizon([XminHolder(kind="prepared", horizon_xid="1000", age_xids=5, age_seconds=4.0, gid="g1")])

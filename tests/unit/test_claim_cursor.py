@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from outbox_relay.claim_cursor import ClaimOutcome, DueCursor
+from outbox_relay.db.claim_cursor import ClaimOutcome, DueCursor
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
