@@ -109,6 +109,12 @@ class DatabaseSettings(_Section):
                     "no startup options, no server-side prepared statements, statement_timeout set inside "
                     "each statement's transaction, and LISTEN only on listen_dsn.",
     )
+    autovacuum: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="Autovacuum storage parameters migrate sets on the outbox, e.g. "
+                    "{autovacuum_vacuum_threshold = 5000}; \"default\" removes one. Unset ones get the queue "
+                    "defaults (scale factor 0, threshold 1000, cost delay 0) unless the table has its own value.",
+    )
     listen_dsn: SecretStr | None = Field(
         default=None,
         description="Direct (unpooled) DSN used only by the one LISTEN connection per relay process; default: "
@@ -126,6 +132,11 @@ class DatabaseSettings(_Section):
         if self.tcp_user_timeout_ms:
             params["tcp_user_timeout"] = self.tcp_user_timeout_ms
         return params
+
+    @field_validator("autovacuum")
+    @classmethod
+    def _check_autovacuum(cls, value: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
+        return dict(check_autovacuum_overrides(value))
 
     @field_validator("dsn", "listen_dsn")
     @classmethod
@@ -331,6 +342,11 @@ class MetricsSettings(_Section):
     exact_count_timeout_ms: int = Field(
         default=10_000, ge=1,
         description="Time budget of an exact count (gauge, status, dead list, console); past it: a lower bound (>= N).",
+    )
+    xmin_horizon_warn_seconds: float = Field(
+        default=300.0, ge=0,
+        description="Log one warning when the oldest xmin horizon holding back vacuum of the outbox (a long "
+                    "transaction, a prepared transaction, a replication slot) is older than this (0 = never).",
     )
 
 
@@ -675,3 +691,24 @@ def _unparsable_complex_env() -> str | None:
             except ValueError:
                 return env
     return None
+
+
+_AUTOVACUUM_PARAMETER_RE = re.compile(
+    r"^(autovacuum_[a-z_]+|log_autovacuum_min_duration|vacuum_truncate|vacuum_index_cleanup)\Z")
+_AUTOVACUUM_VALUE_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}\Z")
+
+
+def check_autovacuum_overrides(overrides: Mapping[str, object]) -> dict[str, str]:
+    """Validate ``database.autovacuum``: autovacuum storage parameter names, plain values
+    (they are written into an ALTER TABLE: a name is sent as an identifier of this
+    shape, a value as a literal)."""
+    out: dict[str, str] = {}
+    for name, value in overrides.items():
+        if not _AUTOVACUUM_PARAMETER_RE.match(name):
+            raise ValueError(f"{name!r} is not an autovacuum storage parameter (autovacuum_*, "
+                             "log_autovacuum_min_duration, vacuum_truncate, vacuum_index_cleanup)")
+        text = str(value).lower() if isinstance(value, bool) else str(value)
+        if not _AUTOVACUUM_VALUE_RE.match(text):
+            raise ValueError(f"{name}: {text!r} is not a plain number, boolean or 'default'")
+        out[name] = text
+    return out

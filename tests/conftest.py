@@ -63,6 +63,8 @@ def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         with psycopg.connect(server.dsn, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET max_connections = 300")
+            # Prepared transactions hold back vacuum like open ones (tests/integration/test_vacuum_health.py).
+            conn.execute("ALTER SYSTEM SET max_prepared_transactions = 10")
         server.stop_server()
         server.start_server()
         yield server.dsn

@@ -136,6 +136,12 @@ class TableSql:
             # Operator console / CLI: the audit trail and the one dead-row filter both use.
             "audit_table": self._qualified(_short(base, "audit")),
             "dead_filter": sql.SQL(_strip_comments(QUERIES["dead_filter"])),
+            # Where the claim's index scans start (claim_cursor.py); the store passes
+            # parameters, any other caller gets the claim from the front of both indexes.
+            "due_from_at": sql.SQL("NULL"),
+            "due_from_id": sql.SQL("NULL"),
+            "leases_from": sql.SQL("NULL"),
+            "claim_report": sql.SQL(""),
         }
 
     def index_name(self, key: str) -> str:

@@ -34,8 +34,11 @@ from ..errors import (
 )
 from ..model import Claimed as Claimed  # re-exported: callers that read claims import it from the store
 from ..model import FinalizeItem as FinalizeItem  # re-exported with Claimed
+from .autovacuum import check_overrides, parse_reloptions, plan
+from .claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 from .pooler import PoolerConnection, configure_bound, execute_with_settings
-from .schema import BASE_INDEXES, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
+from .schema import BASE_INDEXES, EXECUTABLE, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
+from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
 
 STATUSES = ("pending", "processing", "done", "dead")
 # Statuses with a partial index of their own: counting them reads only their entries.
@@ -260,6 +263,13 @@ class OutboxStore:
         self._ping_lock = threading.Lock()
         self._ping_probe: tuple[threading.Event, list[bool]] | None = None  # the last readiness probe
 
+        # Where plain claims start reading the due index (claim_cursor.py): shared by
+        # every worker of this store, so claims stay flat while vacuum is held back.
+        self.due_cursor = DueCursor()
+        self._claim_statement = self.sql.query(
+            "claim", due_from_at=sql.Placeholder("from_at"), due_from_id=sql.Placeholder("from_id"),
+            leases_from=sql.Placeholder("leases_from"), claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
         """Open the pool. ``fail_fast`` (one-shot commands): one connection attempt
@@ -363,7 +373,8 @@ class OutboxStore:
 
     # --- schema ----------------------------------------------------------------------
     def migrate(self, *, notify_trigger: bool = True, ordering: bool = False, on_done: str = "keep",
-                drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0) -> list[str]:
+                drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0,
+                autovacuum: Mapping[str, str] | None = None) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
         on an existing table indexes are built and dropped CONCURRENTLY (outside any
@@ -371,7 +382,9 @@ class OutboxStore:
         is set, so the ordering indexes must exist; without it they are left alone
         (other relays may be ordered) unless ``drop_ordering_indexes``. ``on_done``
         (relay.on_done) becomes the table's mode, which every relay's finalize reads.
-        Returns notes for the operator (one line each)."""
+        ``autovacuum`` (database.autovacuum): the operator's autovacuum parameters; the
+        queue defaults of autovacuum.py fill in the rest without overwriting a value
+        of the table's own. Returns notes for the operator (one line each)."""
         if on_done not in ("keep", "delete"):
             raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
         if self.transaction_pooler:
@@ -395,7 +408,7 @@ class OutboxStore:
                 for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
                     try:
                         notes += self._migrate_schema(conn, on_done=on_done, notify_trigger=notify_trigger,
-                                                      wanted=wanted)
+                                                      wanted=wanted, autovacuum=autovacuum or {})
                         break
                     except pg_errors.LockNotAvailable:
                         if attempt == _MIGRATE_LOCK_ATTEMPTS:
@@ -411,7 +424,7 @@ class OutboxStore:
         return notes
 
     def _migrate_schema(self, conn: psycopg.Connection[Any], *, on_done: str, notify_trigger: bool,
-                        wanted: Sequence[str]) -> list[str]:
+                        wanted: Sequence[str], autovacuum: Mapping[str, str]) -> list[str]:
         """The transactional part of migrate: table, columns, state and audit tables,
         mode, dedup keys, trigger; under a lock timeout (it is retried as a whole)."""
         notes: list[str] = []
@@ -440,6 +453,8 @@ class OutboxStore:
             conn.execute(self.sql.query("create_audit_table"))  # who retried/skipped which dead rows, and why
             if not self._state_has_mode(conn):
                 conn.execute(self.sql.query("add_on_done"))
+            conn.execute(self.sql.query("add_autovacuum_applied"))
+            notes += self._migrate_autovacuum(conn, autovacuum, created=created)
             if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
                 notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
                              "kept so far stay until purge" if on_done == "delete" else
@@ -455,6 +470,29 @@ class OutboxStore:
             else:
                 for statement in self.sql.statements("drop_notify_trigger"):
                     conn.execute(statement)
+        return notes
+
+    def _migrate_autovacuum(self, conn: psycopg.Connection[Any], overrides: Mapping[str, str], *,
+                            created: bool) -> list[str]:
+        """The table's autovacuum parameters (autovacuum.py decides, this writes)."""
+        row = conn.execute(self.sql.query("autovacuum_state"), {"table": self.sql.regclass_text}).fetchone()
+        current = parse_reloptions(row[0] if row else None)
+        applied = {str(k): str(v) for k, v in ((row[1] if row else None) or {}).items()}
+        changes, record, kept = plan(current, applied, check_overrides(overrides))
+        for change in changes:
+            parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
+            if change.value is None:
+                conn.execute(self.sql.query("reset_storage_parameter", parameter=parameter))
+            else:
+                conn.execute(self.sql.query("set_storage_parameter", parameter=parameter,
+                                            value=sql.Literal(change.value)))
+        if record != applied:
+            conn.execute(self.sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)})
+        notes = [f"kept {k}" for k in kept]
+        if changes and not created:
+            notes.append("autovacuum: " + ", ".join(
+                f"{c.parameter} = {c.value}" if c.value is not None else f"{c.parameter} reset" for c in changes)
+                + " (a queue table: see docs/explanation/mvcc-pressure.md)")
         return notes
 
     def _converge_indexes(self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool,
@@ -618,10 +656,30 @@ class OutboxStore:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (never publish what may not be ours).
         rows: list[Claimed] = []
+        plan = self.due_cursor.begin()
+        outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
+        started = time.monotonic()
+        try:
+            result = self._claim(ordering, params, rows, plan, outcomes, run_length=run_length,
+                                 ordered_after=ordered_after)
+        except BaseException:
+            self.due_cursor.failed(plan)
+            raise
+        self.due_cursor.end(plan, outcomes, time.monotonic() - started)
+        return result
+
+    def _claim(self, ordering: OrderingRule, params: dict[str, Any], rows: list[Claimed], plan: ClaimPlan,
+               lowest: list[ClaimOutcome], *, run_length: int, ordered_after: str | None) -> ClaimResult:
+        all_ordered = ordering.all_types
+        types = ordering.explicit_types
+        batch = int(params["batch"])
+        max_batch_bytes = int(params["max_batch_bytes"])
+        start_at, start_id = plan.start if plan.start is not None else (None, None)
+        params = dict(params, from_at=start_at, from_id=start_id, leases_from=plan.leases_from)
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
-                reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows)
+                reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows, lowest)
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
@@ -639,7 +697,8 @@ class OutboxStore:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
                     reaped = self._plain_claim(cur, dict(unordered, batch=max(1, batch // 2),
-                                                         max_batch_bytes=max(1, max_batch_bytes // 2)), rows)
+                                                         max_batch_bytes=max(1, max_batch_bytes // 2)), rows,
+                                               lowest)
                 head_room = batch - len(rows)
                 params = dict(params, batch=head_room)
 
@@ -676,20 +735,31 @@ class OutboxStore:
                 room = batch - len(rows)
                 if not all_ordered and room > 0 and bytes_left() > 0:
                     reaped += self._plain_claim(cur, dict(unordered, batch=room, max_batch_bytes=bytes_left()),
-                                                rows)
+                                                rows, lowest)
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 
-    def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed]) -> list[tuple[int, int, str | None]]:
-        """Run the reap + claim statement; append claimed rows, return reaped ones."""
+    def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed],
+                     outcomes: list[ClaimOutcome]) -> list[tuple[int, int, str | None]]:
+        """Run the reap + claim statement; append claimed rows (and what the statement
+        saw to ``outcomes``, for the claim cursor), return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
-        execute_with_settings(cur, self.sql.query("claim"), params, CLAIM_SETTINGS)
+        execute_with_settings(cur, self._claim_statement, params, CLAIM_SETTINGS)
+        keys: list[tuple[dt.datetime, int]] = []
+        database_now: dt.datetime | None = None
+        expired_seen = 0
         for record in cur.fetchall():
-            if record[0]:
+            if record[0] is None:  # the statement's clock and expired leases looked at
+                expired_seen, database_now = int(record[1]), record[13]
+            elif record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:
                 rows.append(Claimed(*record[1:12]))
+                if record[13] is not None:
+                    keys.append((record[13], record[1]))
+        outcomes.append(ClaimOutcome(lowest=min(keys) if keys else None, database_now=database_now,
+                                     leases_exhausted=expired_seen < int(params["candidates"])))
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------
@@ -795,6 +865,27 @@ class OutboxStore:
             attempts=attempts,
             blocked_aggregates=blocked,
         )
+
+    def xmin_horizon(self, *, limit: int = 5, timeout_ms: int | None = None) -> XminHorizon:
+        """What holds back vacuum of this table, oldest first (vacuum_health.py)."""
+        with self._mapped("xmin horizon"), self._pool.connection() as conn, conn.transaction():
+            if timeout_ms:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
+            cur = conn.execute(self.sql.query("xmin_horizon_holders"), {"limit": limit}, prepare=False)
+            names = [d.name for d in cur.description or ()]
+            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        return XminHorizon(holders_from_rows(rows))
+
+    def vacuum_figures(self, *, timeout_ms: int | None = None) -> VacuumFigures:
+        """Dead tuples, heap and index size, last vacuum of the table (statistics views only)."""
+        with self._mapped("vacuum figures"), self._pool.connection() as conn, conn.transaction():
+            if timeout_ms:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
+            row = conn.execute(self.sql.query("vacuum_figures"), {"table": self.sql.regclass_text}).fetchone()
+        assert row is not None
+        return VacuumFigures(dead_tuples=int(row[0]), live_tuples=int(row[1]), heap_bytes=int(row[2]),
+                             index_bytes=int(row[3]), since_vacuum_seconds=float(row[4]) if row[4] is not None
+                             else None, vacuums=int(row[5]))
 
     def ping(self, timeout_seconds: float = 2.0) -> bool:
         """Does the database answer ``SELECT 1`` within ``timeout_seconds``? Answers in

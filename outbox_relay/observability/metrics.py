@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..core.decision import Kind
 from ..core.service import PeriodicService
 from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
+from ..db.vacuum_health import HorizonClock, HorizonWarning
 from ..model import PublisherObserver
 
 if TYPE_CHECKING:
@@ -130,6 +131,20 @@ class RelayMetrics(PublisherObserver):
             "Claims that waited because the in-flight byte budget was full.", registry=r)
         self.worker_threads_alive = Gauge(
             "outbox_relay_worker_threads_alive", "Worker threads running.", registry=r)
+        # MVCC pressure (vacuum_health.py): what holds vacuum back, and how vacuum keeps up.
+        self.xmin_horizon_age_seconds = Gauge(
+            "outbox_relay_xmin_horizon_age_seconds",
+            "Age of the oldest xmin horizon holding back vacuum of the outbox (backend, prepared transaction or "
+            "replication slot; 0 when none, NaN when the holder cannot be seen: grant pg_read_all_stats).",
+            registry=r)
+        self.dead_tuples = Gauge(
+            "outbox_relay_dead_tuples", "Dead row versions in the outbox (pg_stat_user_tables.n_dead_tup).",
+            registry=r)
+        self.table_size_bytes = Gauge(
+            "outbox_relay_table_size_bytes", "Size of the outbox: heap, or all its indexes.", ["part"], registry=r)
+        self.last_vacuum_age_seconds = Gauge(
+            "outbox_relay_last_vacuum_age_seconds",
+            "Seconds since the outbox was last vacuumed (autovacuum or manual; NaN if never).", registry=r)
         for status in STATUSES:
             self.queue_depth.labels(status=status).set(0)
         for outcome in OUTCOMES:
@@ -251,9 +266,12 @@ class StatsRefresher(PeriodicService):
 
     def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
                  timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000,
-                 exact_count_interval_seconds: float = 60.0, exact_count_timeout_ms: int = 10_000) -> None:
+                 exact_count_interval_seconds: float = 60.0, exact_count_timeout_ms: int = 10_000,
+                 xmin_horizon_warn_seconds: float = 300.0) -> None:
         super().__init__(interval_seconds, run_first=True)
         self._store = store
+        self._horizon_clock = HorizonClock()
+        self._horizon_warning = HorizonWarning(xmin_horizon_warn_seconds, log)
         self._metrics = metrics
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
@@ -262,6 +280,35 @@ class StatsRefresher(PeriodicService):
                                       budget_ms=exact_count_timeout_ms, first_upto=count_cap)
 
     def refresh_once(self) -> bool:
+        vacuum_ok = self._refresh_vacuum()
+        return self._refresh_table() and vacuum_ok
+
+    def _refresh_vacuum(self) -> bool:
+        """The xmin horizon and vacuum gauges: statistics views only, a failure of their
+        own (it leaves the queue gauges alone)."""
+        m = self._metrics
+        try:
+            horizon = self._store.xmin_horizon(timeout_ms=self._timeout_ms)
+            figures = self._store.vacuum_figures(timeout_ms=self._timeout_ms)
+        except Exception as exc:  # not stale values: unknown
+            m.stats_refresh_errors_total.inc()
+            for gauge in (m.xmin_horizon_age_seconds, m.dead_tuples, m.last_vacuum_age_seconds):
+                gauge.set(float("nan"))
+            for part in ("heap", "indexes"):
+                m.table_size_bytes.labels(part=part).set(float("nan"))
+            log.warning("vacuum gauges refresh failed", error=str(exc))
+            return False
+        self._horizon_clock.apply(horizon.holders)
+        m.xmin_horizon_age_seconds.set(horizon.age_seconds)
+        self._horizon_warning.observe(horizon, table=self._store.table)
+        m.dead_tuples.set(figures.dead_tuples)
+        m.table_size_bytes.labels(part="heap").set(figures.heap_bytes)
+        m.table_size_bytes.labels(part="indexes").set(figures.index_bytes)
+        m.last_vacuum_age_seconds.set(float("nan") if figures.since_vacuum_seconds is None
+                                      else figures.since_vacuum_seconds)
+        return True
+
+    def _refresh_table(self) -> bool:
         m = self._metrics
         try:
             stats = self._store.stats(ordered_types=self._ordered, timeout_ms=self._timeout_ms,

@@ -138,7 +138,8 @@ def migrate(
         _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
     with _store(settings) as store:
         notes = store.migrate(notify_trigger=not no_notify_trigger, ordering=ordering,
-                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes)
+                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes,
+                              autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()})
     for note in notes:
         typer.echo(f"  {note}")
     typer.echo(f"migrated {settings.database.table}")
@@ -161,6 +162,8 @@ def status(
         # of metrics.exact_count_timeout_ms is a lower bound ("≥ N").
         depth = store.exact_depth(budget_ms=settings.metrics.exact_count_timeout_ms,
                                   first_upto=settings.metrics.exact_count_limit)
+        horizon = store.xmin_horizon()
+        vacuum = store.vacuum_figures()
     lower_bounds = [name for name, count in depth.items() if not count.exact]
     doc = {
         "table": settings.database.table,
@@ -171,6 +174,8 @@ def status(
         "expired_leases": stats.expired_leases,
         "attempts": {str(k): v for k, v in sorted(stats.attempts.items())},
         "blocked_aggregates": [{"aggregate_id": a, "dead_id": i} for a, i in stats.blocked_aggregates],
+        "xmin_horizon": horizon.as_json(),
+        "vacuum": vacuum.as_json(),
     }
     if json_out:
         typer.echo(json.dumps(doc))
@@ -191,6 +196,19 @@ def status(
         typer.echo(f"  blocked aggregates   {len(stats.blocked_aggregates)}")
         for aggregate, dead_id in stats.blocked_aggregates[:20]:
             typer.echo(f"    {aggregate} blocked by dead row {dead_id}")
+    typer.echo(f"  xmin horizon         {horizon.summary()}")
+    note = horizon.note()
+    if note:
+        typer.echo(f"    {note}")
+    for other in horizon.holders[1:]:
+        typer.echo(f"    also: {other.describe()} ({other.age_xids} transactions)")
+    since = "never" if vacuum.since_vacuum_seconds is None else f"{vacuum.since_vacuum_seconds:.0f}s ago"
+    typer.echo(f"  vacuum               {vacuum.dead_tuples} dead tuples, heap {_mb(vacuum.heap_bytes)}, "
+               f"indexes {_mb(vacuum.index_bytes)}, last vacuum {since}")
+
+
+def _mb(size_bytes: int) -> str:
+    return f"{size_bytes / 2**20:.1f} MB"
 
 
 # --- dead letters ----------------------------------------------------------------------
@@ -521,6 +539,8 @@ def grants(
     all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
     the table's owner. Nothing is executed: pipe the output to psql as the owner."""
     settings = _settings(config)
+    from psycopg import sql
+
     from ..db.schema import TableSql
 
     roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
@@ -546,6 +566,12 @@ def grants(
             raise
         lines.append(f"-- {kind} role {role}: {_GRANT_HELP[kind]}")
         lines += [" ".join(statement.as_string(None).split()) + ";" for statement in statements]
+        if kind in ("relay", "operator"):
+            lines.append(f"-- {kind} role {role}: read other sessions' transaction start, so the xmin horizon "
+                         "gauge and `status` can name what holds vacuum back (without it they say what they "
+                         "cannot see); needs a superuser, or ADMIN on pg_read_all_stats")
+            lines += [" ".join(statement.as_string(None).split()) + ";"
+                      for statement in table_sql.statements("grant_read_all_stats", {"role": sql.Identifier(role)})]
     typer.echo("\n".join(lines))
 
 

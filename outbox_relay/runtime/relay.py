@@ -224,7 +224,8 @@ class Relay:
                                              ordered_types=list(s.relay.ordered_event_types),
                                              count_cap=s.metrics.exact_count_limit,
                                              exact_count_interval_seconds=s.metrics.exact_count_interval_seconds,
-                                             exact_count_timeout_ms=s.metrics.exact_count_timeout_ms)
+                                             exact_count_timeout_ms=s.metrics.exact_count_timeout_ms,
+                                             xmin_horizon_warn_seconds=s.metrics.xmin_horizon_warn_seconds)
             self._refresher.start()
         for thread in self._threads:
             thread.start()

@@ -125,12 +125,14 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
         assert indexes[f"{name}_aggregate_active_idx"] and indexes[f"{name}_aggregate_dead_idx"]
         assert any("dropped index" in n for n in notes) and any("created index" in n for n in notes)
         assert any("fillfactor" in n for n in notes)
-        assert _sql(pg_dsn, table, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)) == [
+        assert _sql(pg_dsn, table, "SELECT array(SELECT o FROM pg_class, unnest(reloptions) AS o "
+                                   "WHERE oid = %s::regclass AND o LIKE 'fillfactor=%%')", (table,)) == [
             (["fillfactor=50"],)]
         assert s.migrate(ordering=True, on_done=ON_DONE) == []  # nothing left to do
         _sql(pg_dsn, table, "ALTER TABLE {t} SET (fillfactor = 80)")  # an operator's choice is kept
         assert s.migrate(ordering=True, on_done=ON_DONE) == []
-        assert _sql(pg_dsn, table, "SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)) == [
+        assert _sql(pg_dsn, table, "SELECT array(SELECT o FROM pg_class, unnest(reloptions) AS o "
+                                   "WHERE oid = %s::regclass AND o LIKE 'fillfactor=%%')", (table,)) == [
             (["fillfactor=80"],)]
         assert s.missing_ordering_indexes() == []
 

@@ -417,6 +417,9 @@ def test_dashboard_covers_the_relay_metrics() -> None:
         "outbox_relay_attempts",
         "outbox_relay_circuit_breaker_open",
         "outbox_relay_blocked_aggregates",
+        "outbox_relay_xmin_horizon_age_seconds",
+        "outbox_relay_dead_tuples",
+        "outbox_relay_table_size_bytes",
     ):
         assert name in used, f"dashboard has no panel on {name}"
     for hist in ("publish_latency_seconds", "end_to_end_latency_seconds"):
@@ -656,6 +659,18 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, str, list[dic
     "one replica down": (
         [_series("up", "1x2 0x10"), _series("up", "1x12", instance="b:9464")],
         [("6m", "OutboxRelayDown", [{**CRIT, **_R, "instance": "a:9464"}]), ("10m", "OutboxRelayAbsent", [])],
+    ),
+    "xmin horizon held back for 10 minutes": (
+        _both("outbox_relay_xmin_horizon_age_seconds", "0 60+60x12"),
+        [("5m", "OutboxRelayXminHorizonOld", []), ("11m", "OutboxRelayXminHorizonOld", [WARN])],
+    ),
+    "xmin horizon held for 4 minutes, then released": (
+        _both("outbox_relay_xmin_horizon_age_seconds", "0 60 120 180 240 0x10"),
+        [("4m", "OutboxRelayXminHorizonOld", []), ("12m", "OutboxRelayXminHorizonOld", [])],
+    ),
+    "xmin horizon not visible (NaN) never fires": (
+        _both("outbox_relay_xmin_horizon_age_seconds", "NaN NaN NaN NaN NaN NaN NaN NaN NaN NaN NaN NaN NaN"),
+        [("12m", "OutboxRelayXminHorizonOld", [])],
     ),
     "every replica down": (
         [_series("up", "1x2 0x10"), _series("up", "1x2 0x10", instance="b:9464")],

@@ -229,9 +229,16 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- are looked at (the worker sizes it from the rows it saw last time), because sizing
 -- a row detoasts its payload. A row above %(max_message_bytes)s (NULL: no limit) is
 -- claimed without its payload: it goes dead at once, never held in memory.
+-- Where the two index scans start (claim_cursor.py), so that neither walks the dead
+-- entries piled up at the front of its index while vacuum is held back: the processing
+-- index at {leases_from} (NULL: the front), below which no live lease was left by the
+-- last claims; the due index at {due_from_at} / {due_from_id} (NULL: the front). The
+-- store fills them with parameters, anything else gets NULL: the whole claim from the
+-- front. due_at: a claimed due row's key, where later claims start.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+      AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
     FOR UPDATE SKIP LOCKED
 ), reaped AS (
     UPDATE {table} AS o
@@ -247,6 +254,7 @@ WITH victims AS (
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+      AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY lease_until
     LIMIT %(candidates)s
@@ -256,13 +264,15 @@ WITH victims AS (
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
     WHERE status = 'pending' AND available_at <= now()
+      AND ({due_from_at}::timestamptz IS NULL
+           OR (available_at, id) >= ({due_from_at}::timestamptz, {due_from_id}::bigint))
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY available_at, id
     LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
 ), picked AS (
-    SELECT id, row_bytes FROM (
-        SELECT id, row_bytes,
+    SELECT id, row_bytes, part FROM (
+        SELECT id, row_bytes, part,
                row_number() OVER w AS n,
                sum(row_bytes) OVER w AS bytes_through
         FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS both_kinds
@@ -281,13 +291,25 @@ WITH victims AS (
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,
-              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes,
+              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at
 )
-SELECT false AS reaped, claimed.*, NULL::text AS reaped_owner FROM claimed
+SELECT false AS reaped, claimed.id, claimed.lease_version, claimed.attempts, claimed.aggregate_type,
+       claimed.aggregate_id, claimed.event_type, claimed.payload, claimed.topic, claimed.headers,
+       claimed.created_at, claimed.row_bytes, NULL::text AS reaped_owner, claimed.due_at
+FROM claimed
 UNION ALL
 SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
-       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner
+       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner, NULL::timestamptz
 FROM reaped
+{claim_report}
+
+-- name: claim_report
+-- Appended to "claim" by the store (claim_cursor.py): one more row (reaped = NULL)
+-- with how many expired leases the statement looked at and its clock.
+UNION ALL
+SELECT NULL, (SELECT count(*) FROM expired), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       now()
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first
@@ -439,6 +461,13 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
 --            (a release is not a failure); refund = 1 gives the claim's attempt back
 --   dead:    last_error = the reason
 -- The six arrays travel in binary format (the b placeholders).
+-- coalesce(o.status = 'processing', false): the same test (status is never NULL) in a
+-- form the planner cannot match to the processing index's predicate, so the rows are
+-- looked up by primary key. Matched, the planner chose, whenever its statistics said
+-- few rows were processing, to read the whole processing index and hash-join it with
+-- the batch: while vacuum is held back that index holds a dead entry for every row
+-- finalized since, and the finalize then read all of them (1.15 s per 1000-row batch
+-- after 150 000 deliveries behind a held snapshot, instead of a few ms).
 WITH decided AS (
     SELECT f.id, f.version, 'done'::text AS status, 0::float8 AS delay_seconds, NULL::text AS error, 0 AS refund
     FROM unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
@@ -464,7 +493,7 @@ WITH decided AS (
     USING unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
     WHERE (SELECT delete_done FROM mode)
       AND o.id = ANY(%(done_ids)s::bigint[])
-      AND o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+      AND o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
     RETURNING o.id
 ), updated AS (
     UPDATE {table} AS o
@@ -478,7 +507,10 @@ WITH decided AS (
         lease_until = NULL
     FROM decided AS f, mode
     WHERE NOT (mode.delete_done AND f.status = 'done')
-      AND o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+      -- every id of the batch, as an array: a primary key lookup whatever the
+      -- statistics say about the table's size (see "deleted")
+      AND o.id = ANY(%(done_ids)s::bigint[] || %(ids)b::bigint[])
+      AND o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
     RETURNING o.id
 )
 SELECT id FROM deleted
@@ -488,10 +520,11 @@ SELECT id FROM updated
 -- name: extend_lease
 -- Heartbeat: push the deadline of rows this claim still owns. {strict}: under the
 -- strict policy an expired lease is not revived (the owner could then finalize).
+-- coalesce(...): rows by primary key, never the processing index (see "finalize").
 UPDATE {table} AS o
 SET lease_until = now() + make_interval(secs => %(lease_seconds)s)
 FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
-WHERE o.id = f.id AND o.status = 'processing' AND o.lease_version = f.version {strict}
+WHERE o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
 RETURNING o.id
 
 -- name: stats_depth
@@ -997,3 +1030,99 @@ GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, topic, headers,
 GRANT SELECT (id, dedup_key) ON {table} TO {role};
 GRANT SELECT (dedup_key, outbox_id), INSERT (dedup_key), UPDATE (outbox_id) ON {dedup_keys} TO {role};
 GRANT SELECT ON {state_table} TO {role}
+
+-- MVCC pressure: what keeps vacuum from removing the outbox's dead rows, and how
+-- vacuum is keeping up (vacuum_health.py).
+
+-- name: xmin_horizon_holders
+-- Everything that holds back the xmin horizon of an ordinary table of this database,
+-- oldest first (PostgreSQL's rule, procarray.c ComputeXidHorizons): the xid or snapshot
+-- xmin of every backend connected to this database (a VACUUM itself does not count);
+-- a walsender without a slot whose standby sends hot_standby_feedback (connected to
+-- no database, it holds back every database); the xid of every prepared transaction
+-- of this database; the xmin of every replication slot (a physical slot's xmin is its
+-- standby's feedback; a slot's catalog_xmin holds back only the system catalogs, not
+-- this table). Backends in other databases and prepared transactions of other
+-- databases do not hold back this table. The session running this query is left out.
+-- visible: whether this role may read the backend's transaction start (a member of
+-- pg_read_all_stats, or of the backend's own role); a backend's xid and xmin are
+-- shown to every role. held_seconds: since the transaction (or the prepared
+-- transaction) began; NULL for a slot and a walsender (they record no time) and for a
+-- backend not visible.
+WITH holders AS (
+    SELECT 'backend'::text AS kind, a.pid, a.usename::text AS user_name, a.application_name, a.state,
+           a.backend_type, a.xact_start, NULL::timestamptz AS prepared_at, NULL::text AS gid,
+           NULL::text AS slot_name, NULL::text AS slot_type, NULL::boolean AS slot_active,
+           CASE WHEN a.backend_xid IS NULL THEN a.backend_xmin
+                WHEN a.backend_xmin IS NULL THEN a.backend_xid
+                WHEN age(a.backend_xid) >= age(a.backend_xmin) THEN a.backend_xid
+                ELSE a.backend_xmin END AS horizon,
+           (pg_has_role('pg_read_all_stats', 'USAGE')
+            OR (a.usesysid IS NOT NULL AND pg_has_role(a.usesysid, 'USAGE'))) AS visible,
+           -- a walsender's xmin is its standby's feedback: no time of its own (as a slot)
+           CASE WHEN a.backend_type <> 'walsender'
+                THEN extract(epoch FROM now() - coalesce(a.xact_start, a.backend_start))::float8 END AS held_seconds
+    FROM pg_stat_activity AS a
+    WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL)
+      AND a.pid <> pg_backend_pid()
+      AND (a.datname = current_database() OR (a.datid IS NULL AND a.backend_type = 'walsender'))
+      AND NOT (a.backend_type = 'autovacuum worker' AND a.query LIKE 'autovacuum: VACUUM%%')
+    UNION ALL
+    SELECT 'prepared', NULL, p.owner::text, NULL, NULL, NULL, NULL, p.prepared, p.gid, NULL, NULL, NULL,
+           p.transaction, true, extract(epoch FROM now() - p.prepared)::float8
+    FROM pg_prepared_xacts AS p
+    WHERE p.database = current_database()
+    UNION ALL
+    SELECT 'slot', s.active_pid, NULL, NULL, NULL, NULL, NULL, NULL, NULL, s.slot_name::text, s.slot_type,
+           s.active, s.xmin, true, NULL
+    FROM pg_replication_slots AS s
+    WHERE s.xmin IS NOT NULL
+)
+SELECT kind, pid, user_name, application_name, state, backend_type, xact_start, prepared_at, gid,
+       slot_name, slot_type, slot_active, horizon::text AS horizon_xid, age(horizon) AS age_xids, visible,
+       CASE WHEN visible THEN held_seconds END AS held_seconds
+FROM holders
+ORDER BY age(horizon) DESC, held_seconds DESC NULLS LAST
+LIMIT %(limit)s
+
+-- name: vacuum_figures
+-- The outbox's dead tuples, sizes and last vacuum, from the statistics views (no
+-- table access: cheap at any size). Seconds since the last vacuum: manual or auto,
+-- whichever is later; NULL if the table was never vacuumed.
+SELECT coalesce(s.n_dead_tup, 0) AS dead_tuples,
+       coalesce(s.n_live_tup, 0) AS live_tuples,
+       pg_relation_size(c.oid) AS heap_bytes,
+       pg_indexes_size(c.oid) AS index_bytes,
+       extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8 AS since_vacuum_seconds,
+       coalesce(s.autovacuum_count, 0) + coalesce(s.vacuum_count, 0) AS vacuums
+FROM pg_class AS c
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+WHERE c.oid = %(table)s::regclass
+
+-- name: grant_read_all_stats
+-- The relay's xmin horizon gauge and `status` name the session that holds vacuum back:
+-- PostgreSQL shows another role's transaction start only to members of
+-- pg_read_all_stats (or pg_monitor, which includes it). Granting a predefined role
+-- needs a superuser (or, from PostgreSQL 16, a role with ADMIN on it).
+GRANT pg_read_all_stats TO {role}
+
+-- name: add_autovacuum_applied
+-- What migrate last set of the table's autovacuum parameters (autovacuum.py): a value
+-- still equal to it is migrate's own and may follow a new default; any other value is
+-- an operator's and is kept.
+ALTER TABLE {state_table} ADD COLUMN IF NOT EXISTS autovacuum_applied jsonb NOT NULL DEFAULT '{{}}'::jsonb
+
+-- name: autovacuum_state
+SELECT (SELECT reloptions FROM pg_class WHERE oid = %(table)s::regclass) AS reloptions,
+       (SELECT autovacuum_applied FROM {state_table}) AS applied
+
+-- name: set_autovacuum_applied
+UPDATE {state_table} SET autovacuum_applied = %(applied)s::jsonb
+
+-- name: set_storage_parameter
+-- {parameter} is a validated autovacuum parameter name, {value} a literal (autovacuum.py). Takes a
+-- SHARE UPDATE EXCLUSIVE lock: reads, writes and relays go on.
+ALTER TABLE {table} SET ({parameter} = {value})
+
+-- name: reset_storage_parameter
+ALTER TABLE {table} RESET ({parameter})

@@ -37,6 +37,7 @@ from ...config import Settings
 from ...core.filters import FILTER_NAMES, DeadFilter, parse_filter
 from ...core.ordering import OrderingRule
 from ...db.store import STATUSES, Count, OutboxStore
+from ...db.vacuum_health import HorizonClock
 from ...errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
 from ..operations import (
     Action,
@@ -146,6 +147,8 @@ class Console:
         self.ordering = OrderingRule.of(self.ordered_types)
         # Counting never takes longer than one console statement may.
         self.count_budget_ms = min(settings.console.statement_timeout_ms, settings.metrics.exact_count_timeout_ms)
+        # A slot records no time: the console counts from when it first saw one (a lower bound).
+        self.horizon_clock = HorizonClock()
         self.env = Environment(loader=FileSystemLoader(str(HERE / "templates")), autoescape=True,
                                undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         self.env.filters["utc"] = _utc
@@ -353,7 +356,11 @@ class Console:
         # Done rows have no index: the rate reads the table, so it gets a short timeout
         # (and the page says so when that runs out) rather than slowing every overview.
         buckets = self.store.published_per_bucket(timeout_ms=min(1000, self.count_budget_ms))
-        return {"depth": depth, "stats": stats, "buckets": buckets,
+        horizon = self.store.xmin_horizon(timeout_ms=s.console.statement_timeout_ms)
+        self.horizon_clock.apply(horizon.holders)
+        vacuum = self.store.vacuum_figures(timeout_ms=s.console.statement_timeout_ms)
+        return {"depth": depth, "stats": stats, "buckets": buckets, "horizon": horizon, "vacuum": vacuum,
+                "horizon_warn_seconds": s.metrics.xmin_horizon_warn_seconds,
                 "published_last_hour": sum(buckets) if buckets is not None else None,
                 "ordered": bool(self.ordered_types), "statuses": STATUSES}
 
@@ -568,6 +575,8 @@ class Console:
             "blocked_aggregates": [{"aggregate_id": a, "dead_id": i} for a, i in stats.blocked_aggregates],
             "published_last_hour": data["published_last_hour"],
             "published_per_5min": data["buckets"],
+            "xmin_horizon": data["horizon"].as_json(),
+            "vacuum": data["vacuum"].as_json(),
         })
 
     async def api_dead(self, request: Request, who: Principal) -> Response:

@@ -1,0 +1,467 @@
+"""MVCC pressure: a steady writer while something holds the xmin horizon back.
+
+One run per (on_done mode, holder): a fresh table migrated by the relay under test,
+``outbox-relay run`` as a subprocess, a writer inserting ``--rate`` events/s (``--per-txn``
+rows per transaction), first ``--baseline-seconds`` with nothing held (the baseline),
+then a holder opened and kept for ``--minutes``, then released and ``--recovery-seconds``
+more. Holders: ``snapshot`` (a REPEATABLE READ transaction that took its snapshot),
+``prepared`` (a prepared transaction with an xid, left open), ``none``.
+
+Sampled every ``--sample-seconds``: rows written and delivered (the relay's
+``outbox_relay_published_total{outcome="done"}``), the backlog (written - delivered),
+the relay's oldest-pending gauge, the mean time of the claim and of the finalize
+statements over the window (pg_stat_statements, preloaded in the embedded PostgreSQL),
+heap and index size and dead tuples of the outbox, and the relay's
+``outbox_relay_xmin_horizon_age_seconds`` gauge when it has one. How long after the
+holder opened the relay's ``status --json`` named it is measured too (a relay
+without that key reports "n/a").
+
+``--relay-root DIR``: run the relay (migrate and run) from another checkout, e.g. the
+code before a change: ``git worktree add --detach /tmp/mvcc-before main``, then
+``--relay-root /tmp/mvcc-before``. The bench itself always comes from this checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import psycopg
+from psycopg import sql
+
+CLAIM_PREFIX = "WITH victims AS"  # the plain claim (reap + claim in one statement)
+FINALIZE_PREFIX = "WITH decided AS"
+# The CLI of the relay under test, in either package layout (--relay-root may be older).
+CLI_MAIN = ("import sys\ntry:\n    from outbox_relay.operator.cli import main\nexcept ImportError:\n"
+            "    from outbox_relay.operator.cli import main\nsys.argv[0] = 'outbox-relay'\nmain()")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_server_args(p)
+    p.add_argument("--rate", type=int, default=3000, help="events written per second")
+    p.add_argument("--per-txn", type=int, default=50, help="rows per writer transaction")
+    p.add_argument("--minutes", type=float, default=10.0, help="how long the holder stays open")
+    p.add_argument("--baseline-seconds", type=float, default=60.0, help="writer + relay before the holder opens")
+    p.add_argument("--recovery-seconds", type=float, default=60.0, help="after the holder is released")
+    p.add_argument("--sample-seconds", type=float, default=10.0)
+    p.add_argument("--on-done", default="keep,delete", help="comma-separated modes to run")
+    p.add_argument("--holders", default="snapshot", help="comma-separated: snapshot, prepared, none")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--payload-bytes", type=int, default=200)
+    p.add_argument("--relay-root", help="checkout whose relay (migrate + run) is measured; default: this one")
+    p.add_argument("--label", default="", help="name of this relay in the report (e.g. before/after)")
+    p.add_argument("--autovacuum", choices=("migrate", "default"), default="migrate",
+                   help="default: RESET the table's autovacuum storage parameters after migrate "
+                        "(PostgreSQL's defaults), to measure what the settings migrate chooses change")
+    return p.parse_args()
+
+
+# --- servers -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def database(args: argparse.Namespace) -> Any:
+    """The embedded PostgreSQL with pg_stat_statements preloaded and prepared
+    transactions enabled (a restart), or the given --dsn as it is."""
+    if args.dsn:
+        yield args.dsn
+        return
+    from outbox_relay._embedded.embedded import EmbeddedPostgres
+
+    tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-bench-"))
+    c.say("starting embedded PostgreSQL 18 (pg_stat_statements, max_prepared_transactions=10) ...")
+    pg = EmbeddedPostgres(base_dir=tmp).start()
+    try:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+            conn.execute("ALTER SYSTEM SET max_prepared_transactions = 10")
+            conn.execute("ALTER SYSTEM SET max_connections = 200")
+        pg.stop_server()
+        pg.start_server()
+        yield pg.dsn
+    finally:
+        pg.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def broker(args: argparse.Namespace) -> Any:
+    if args.bootstrap:
+        yield args.bootstrap
+        return
+    from outbox_relay._embedded.embedded import EmbeddedBroker
+
+    tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-bench-broker-"))
+    c.say("starting embedded Kafka-protocol broker (tansu) ...")
+    b = EmbeddedBroker(log_file=tmp / "broker.log").start()
+    try:
+        yield b.bootstrap_servers
+    finally:
+        b.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --- the relay under test -----------------------------------------------------------------
+def relay_env(args: argparse.Namespace, dsn: str, table: str, bootstrap: str, topic: str,
+              on_done: str) -> dict[str, str]:
+    env = c.relay_env(dsn, table, bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=on_done,
+                      OUTBOX_RELAY_METRICS__HOST="127.0.0.1")
+    root = Path(args.relay_root).resolve() if args.relay_root else c.ROOT
+    env["PYTHONPATH"] = str(root)
+    return env
+
+
+def relay_cli(env: dict[str, str], *cli_args: str, timeout: float = 120) -> str:
+    import subprocess
+
+    cmd = [sys.executable, "-c", CLI_MAIN, *cli_args]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd="/")
+    if result.returncode != 0:
+        raise RuntimeError(f"outbox-relay {' '.join(cli_args)} exited {result.returncode}: {result.stderr[-2000:]}")
+    return result.stdout
+
+
+class Relay(c.RelayProcess):
+    """The relay subprocess, run from --relay-root (PYTHONPATH first, cwd /)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        import subprocess
+
+        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+        self.proc = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "run", *args], env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
+        self.returncode = None
+
+    def metrics_port(self) -> int:
+        for line in self.log_text().splitlines():
+            if '"relay started"' in line:
+                return int(json.loads(line)["metrics_port"])
+        raise RuntimeError("no 'relay started' line with metrics_port")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """name{labels} -> value of the relay's /metrics (only the series this bench reads)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else "")
+            out[key] = s.value
+    return out
+
+
+# --- load --------------------------------------------------------------------------------
+class Writer(threading.Thread):
+    """``rate`` events/s in transactions of ``per_txn`` rows, on an absolute schedule."""
+
+    def __init__(self, dsn: str, table: str, rate: int, per_txn: int, payload_bytes: int) -> None:
+        super().__init__(name="writer", daemon=True)
+        self.dsn, self.table, self.rate, self.per_txn = dsn, table, rate, per_txn
+        self.pad = max(0, payload_bytes - 40)
+        self.written = 0
+        self.history: list[tuple[int, float]] = []  # (rows written so far, when): the delivery lag
+        self.behind_max_seconds = 0.0
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        stmt = sql.SQL(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', "
+            "jsonb_build_object('seq', g, 'note', repeat('x', %(pad)s)) "
+            "FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g").format(c.ident(self.table))
+        interval = self.per_txn / self.rate
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, application_name="bench-writer") as conn:
+                conn.execute("SET synchronous_commit = off")
+                start = time.monotonic()
+                n = 0
+                while not self.stop_event.is_set():
+                    due = start + n * interval
+                    now = time.monotonic()
+                    if due > now:
+                        time.sleep(due - now)
+                    else:
+                        self.behind_max_seconds = max(self.behind_max_seconds, now - due)
+                    conn.execute(stmt, {"pad": self.pad, "first": self.written + 1,
+                                        "last": self.written + self.per_txn})
+                    self.written += self.per_txn
+                    self.history.append((self.written, time.monotonic()))
+                    n += 1
+        except BaseException as exc:  # reported by the run
+            self.error = exc
+
+
+    def lag_seconds(self, delivered: int, now: float) -> float:
+        """How long ago the first undelivered row was written (rows delivered in about
+        write order): the age of the oldest pending row, measured without the database."""
+        import bisect
+
+        index = bisect.bisect_right(self.history, (delivered, float("inf")))
+        if index >= len(self.history):
+            return 0.0
+        return now - self.history[index][1]
+
+
+class Holder:
+    """What holds the horizon: a REPEATABLE READ snapshot, or a prepared transaction."""
+
+    def __init__(self, dsn: str, kind: str) -> None:
+        self.kind = kind
+        self.dsn = dsn
+        self.conn: psycopg.Connection[Any] | None = None
+        self.pid: int | None = None
+        self.gid = f"bench-mvcc-{c.RUN_ID}"
+
+    def open(self) -> None:
+        if self.kind == "none":
+            return
+        conn = psycopg.connect(self.dsn, application_name=f"bench-holder-{self.kind}")
+        self.pid = int(conn.execute("SELECT pg_backend_pid()").fetchone()[0])  # type: ignore[index]
+        conn.rollback()
+        if self.kind == "snapshot":
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            conn.execute("SELECT count(*) FROM pg_class").fetchone()  # takes the snapshot
+            self.conn = conn
+        else:
+            conn.execute("SELECT pg_current_xact_id()").fetchone()  # an xid: what a prepared write holds
+            conn.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(self.gid)))
+            conn.close()
+
+    def release(self) -> None:
+        if self.kind == "snapshot" and self.conn is not None:
+            self.conn.rollback()
+            self.conn.close()
+            self.conn = None
+        elif self.kind == "prepared":
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
+                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(self.gid)))
+
+    def named_by(self, doc: dict[str, Any]) -> bool:
+        horizon = doc.get("xmin_horizon") or {}
+        holder = horizon.get("holder") or {}
+        if self.kind == "snapshot":
+            return holder.get("pid") == self.pid
+        return holder.get("gid") == self.gid
+
+
+# --- sampling ----------------------------------------------------------------------------
+def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
+    """(calls, total ms) of the claim and finalize statements since the last reset."""
+    out = {}
+    for name, prefix in (("claim", CLAIM_PREFIX), ("finalize", FINALIZE_PREFIX)):
+        row = conn.execute("SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0) "
+                           "FROM pg_stat_statements WHERE query LIKE %s", (prefix + "%",)).fetchone()
+        out[name] = (int(row[0]), float(row[1])) if row else (0, 0.0)
+    return out
+
+
+def table_figures(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
+    row = conn.execute(
+        "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid), s.n_dead_tup, s.autovacuum_count, s.vacuum_count "
+        "FROM pg_class AS c LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid WHERE c.oid = %s::regclass",
+        (table,)).fetchone()
+    assert row is not None
+    return {"heap_mb": round(row[0] / 2**20, 1), "index_mb": round(row[1] / 2**20, 1),
+            "dead_tuples": int(row[2] or 0), "autovacuums": int(row[3] or 0) + int(row[4] or 0)}
+
+
+def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, holder_kind: str) -> dict[str, Any]:
+    table = c.new_table(f"mvcc_{on_done}_{holder_kind}")
+    topic = f"bench-mvcc-{c.RUN_ID}-{on_done}-{holder_kind}"
+    c.create_topic(bootstrap, topic)
+    env = relay_env(args, dsn, table, bootstrap, topic, on_done)
+    relay_cli(env, "migrate")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        reloptions = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)).fetchone()
+        if args.autovacuum == "default":
+            for option in (reloptions[0] if reloptions and reloptions[0] else []):
+                name = option.split("=", 1)[0]
+                if name.startswith("autovacuum_"):
+                    conn.execute(sql.SQL("ALTER TABLE {} RESET ({})").format(c.ident(table), sql.SQL(name)))
+            reloptions = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)).fetchone()
+    c.say(f"[{args.label or 'relay'} {on_done} {holder_kind}] table {table}, "
+          f"reloptions {reloptions[0] if reloptions else None}")
+    relay = Relay(["--workers", str(args.workers)], env)
+    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
+    holder = Holder(dsn, holder_kind)
+    samples: list[dict[str, Any]] = []
+    named_after: float | None = None
+    gauge_after: float | None = None
+    try:
+        relay.wait_started()
+        port = relay.metrics_port()
+        mon = psycopg.connect(dsn, autocommit=True, application_name="bench-monitor")
+        mon.execute("SELECT pg_stat_statements_reset()")
+        writer.start()
+        t0 = time.monotonic()
+        hold_at = t0 + args.baseline_seconds
+        release_at = hold_at + args.minutes * 60
+        end_at = release_at + args.recovery_seconds
+        held = released = False
+        last_totals = statement_totals(mon)
+        next_sample = t0 + args.sample_seconds
+        while time.monotonic() < end_at:
+            now = time.monotonic()
+            if not held and now >= hold_at:
+                holder.open()
+                held = True
+                opened = time.monotonic()
+                if holder_kind != "none":
+                    named_after, gauge_after = wait_named(env, port, holder, opened, timeout=60)
+                    c.say(f"  holder named by status after {named_after} s, gauge >= 1 s after {gauge_after} s")
+            if held and not released and now >= release_at:
+                holder.release()
+                released = True
+            if now < next_sample:
+                time.sleep(min(0.5, next_sample - now))
+                continue
+            next_sample = max(next_sample + args.sample_seconds, time.monotonic())
+            now = time.monotonic()
+            if writer.error is not None:
+                raise RuntimeError(f"writer failed: {writer.error}")
+            metrics = scrape(port)
+            totals = statement_totals(mon)
+            window = {k: (totals[k][0] - last_totals[k][0], totals[k][1] - last_totals[k][1]) for k in totals}
+            last_totals = totals
+            delivered = int(metrics.get('outbox_relay_published_total{outcome=done}', 0))
+            phase = "baseline" if not held else ("held" if not released else "released")
+            sample = {
+                "t": round(now - t0), "phase": phase, "written": writer.written, "delivered": delivered,
+                "backlog": writer.written - delivered,
+                "oldest_pending_s": metrics.get("outbox_relay_oldest_pending_age_seconds"),
+                "lag_s": round(writer.lag_seconds(delivered, now), 2),
+                "claim_ms": round(window["claim"][1] / window["claim"][0], 2) if window["claim"][0] else None,
+                "claims": window["claim"][0],
+                "finalize_ms": (round(window["finalize"][1] / window["finalize"][0], 2)
+                                if window["finalize"][0] else None),
+                "xmin_gauge_s": metrics.get("outbox_relay_xmin_horizon_age_seconds"),
+                **table_figures(mon, table),
+            }
+            samples.append(sample)
+            c.say("  " + " ".join(f"{k}={v}" for k, v in sample.items()))
+        writer.stop_event.set()
+        writer.join(timeout=30)
+        mon.close()
+    finally:
+        writer.stop_event.set()
+        if holder.conn is not None or (holder_kind == "prepared" and holder.pid is not None):
+            with contextlib.suppress(Exception):
+                holder.release()
+        code = relay.stop()
+        warnings = relay.warnings(limit=20)
+        relay.cleanup()
+    return summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
+
+
+def wait_named(env: dict[str, str], port: int, holder: Holder, opened: float,
+               timeout: float) -> tuple[float | None, float | None]:
+    """Seconds until `status --json` names the holder, and until the relay's gauge shows
+    an age of at least 1 s (short transactions of the writer and the relay itself keep
+    it a few milliseconds above 0 all the time)."""
+    named = gauge = None
+    deadline = opened + timeout
+    supported = True
+    while time.monotonic() < deadline and (named is None or gauge is None):
+        if gauge is None:
+            value = scrape(port).get("outbox_relay_xmin_horizon_age_seconds")
+            if value is None:
+                gauge = float("nan")  # this relay has no such gauge
+            elif value >= 1.0:
+                gauge = round(time.monotonic() - opened, 1)
+        if named is None and supported:
+            asked = time.monotonic()
+            doc = json.loads(relay_cli(env, "status", "--json"))
+            c.say(f"  status --json took {time.monotonic() - asked:.1f} s (a new process, counts included)")
+            if "xmin_horizon" not in doc:
+                supported = False
+                named = float("nan")
+            elif holder.named_by(doc):
+                named = round(time.monotonic() - opened, 1)
+        time.sleep(0.5)
+    return named, gauge
+
+
+def summarize(args: argparse.Namespace, on_done: str, holder: str, samples: list[dict[str, Any]],
+              named_after: float | None, gauge_after: float | None, writer: Writer, code: int,
+              warnings: list[str]) -> dict[str, Any]:
+    def mean(values: list[float]) -> float | None:
+        return round(sum(values) / len(values), 2) if values else None
+
+    base = [s for s in samples if s["phase"] == "baseline"]
+    held = [s for s in samples if s["phase"] == "held"]
+    last_minute = [s for s in held if s["t"] >= held[-1]["t"] - 60] if held else []
+    claim_base = mean([s["claim_ms"] for s in base if s["claim_ms"] is not None])
+    claim_last = mean([s["claim_ms"] for s in last_minute if s["claim_ms"] is not None])
+    oldest = [s["oldest_pending_s"] for s in held
+              if s["oldest_pending_s"] is not None and s["oldest_pending_s"] == s["oldest_pending_s"]]
+    lags = [s["lag_s"] for s in held]
+    final = held[-1] if held else (samples[-1] if samples else {})
+    return {
+        "label": args.label, "on_done": on_done, "holder": holder, "minutes_held": args.minutes,
+        "rate": args.rate, "written": writer.written, "writer_behind_max_s": round(writer.behind_max_seconds, 2),
+        "claim_ms_baseline": claim_base, "claim_ms_last_minute_held": claim_last,
+        "claim_ratio": round(claim_last / claim_base, 2) if claim_base and claim_last else None,
+        "oldest_pending_max_s": round(max(oldest), 1) if oldest else None,
+        "oldest_pending_gauge_samples": f"{len(oldest)}/{len(held)}",
+        "lag_max_s": round(max(lags), 1) if lags else None,
+        "lag_last_minute_max_s": max((s["lag_s"] for s in last_minute), default=None),
+        "backlog_max": max((s["backlog"] for s in held), default=None),
+        "backlog_end_of_hold": final.get("backlog"),
+        "heap_mb_end_of_hold": final.get("heap_mb"), "index_mb_end_of_hold": final.get("index_mb"),
+        "dead_tuples_end_of_hold": final.get("dead_tuples"),
+        "after_release": samples[-1] if samples else None,
+        "status_named_holder_after_s": named_after, "gauge_at_least_1s_after_s": gauge_after,
+        "relay_exit": code, "relay_warnings": warnings, "samples": samples,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    results = []
+    with database(args) as dsn, broker(args) as bootstrap:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        version = c.server_version(dsn)
+        for on_done in [m.strip() for m in args.on_done.split(",") if m.strip()]:
+            for holder in [h.strip() for h in args.holders.split(",") if h.strip()]:
+                table = c.new_table(f"mvcc_{on_done}_{holder}")
+                try:
+                    results.append(run_one(args, dsn, bootstrap, on_done, holder))
+                finally:
+                    if not args.keep:
+                        c.drop_schema(dsn, table)
+    report = {"bench": "mvcc_pressure", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "postgresql": version, "relay_root": args.relay_root or str(c.ROOT), "label": args.label,
+              "cpus": os.cpu_count(), "runs": results}
+    lines = [f"mvcc_pressure {report['date']} PostgreSQL {version}, relay {args.label or report['relay_root']}",
+             f"{'on_done':<8}{'holder':<10}{'claim ms base':>14}{'claim ms held':>14}{'ratio':>7}"
+             f"{'oldest max s':>13}{'lag max s':>10}{'backlog max':>12}{'heap MB':>9}{'index MB':>9}"
+             f"{'dead tup':>10}{'named s':>8}"]
+    for r in results:
+        lines.append(f"{r['on_done']:<8}{r['holder']:<10}{r['claim_ms_baseline']!s:>14}"
+                     f"{r['claim_ms_last_minute_held']!s:>14}"
+                     f"{r['claim_ratio']!s:>7}{r['oldest_pending_max_s']!s:>13}{r['lag_max_s']!s:>10}"
+                     f"{r['backlog_max']!s:>12}"
+                     f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
+                     f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}")
+    c.emit(report, lines, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Where the plain claim starts reading its indexes, so that its cost stays flat while
+vacuum is held back.
+
+The claim reads the partial index of pending rows in (available_at, id) order, and
+the partial index of processing rows by lease expiry for expired leases, and stops
+after LIMIT rows. Every delivered row leaves a dead entry at the front of both (its
+pending version; its processing version, whose lease_until has passed), which only
+vacuum removes. While something holds the xmin horizon back (a long transaction, a
+prepared transaction, a standby's slot) nothing is removed, nor even marked dead in
+the index, so a claim from the front walks every row delivered since the horizon was
+taken (one heap visit each): its cost grows with time, and the relay falls behind.
+
+"Fast" claims start past those entries:
+
+- the due index at the lowest key any claim of this process claimed in the last
+  ``lag_seconds`` (or, when none did, at the lowest key of the newest claim before):
+  a fast claim walks only the dead entries of rows claimed since then (rate x lag);
+- the processing index at the clock of the last claim whose expired-lease scan was
+  not cut by its LIMIT, less ``lease_margin_seconds``: every lease that had expired
+  by then was reclaimed, so an expired lease is still reclaimed by the next claim.
+
+A row that becomes due below the fast start is never skipped: a "full" claim, the
+statement from the front of both indexes, comes round at least every
+``rescan_max_seconds``, more often when it is cheaper (its duration /
+``full_cost_share``, at least ``rescan_min_seconds``). Such rows are those of a writer
+transaction that committed more than ``lag_seconds`` after it began (available_at
+defaults to the transaction's start, the id is taken at the insert), of an explicit
+available_at in the past, or a row whose claim rolled back. The key of what a full
+claim finds enters the window like any other, so the fast claims that follow start
+from it and drain all such rows at once.
+
+While full claims are cheap (the least of the last three took less than
+``fast_above_seconds``) every claim is a full one: without MVCC pressure the claim is
+exactly what it always was, oldest due row first.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Key = tuple[dt.datetime, int]  # (available_at, id): the order of the due index
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimPlan:
+    full: bool
+    start: Key | None  # None: from the front of the due index (a full claim)
+    leases_from: dt.datetime | None = None  # None: from the front of the processing index
+    measured: bool = True  # a full claim whose duration feeds the average (one at a time)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimOutcome:
+    """What one claim statement saw, for the next claims' start."""
+
+    lowest: Key | None = None  # the lowest due key it claimed
+    database_now: dt.datetime | None = None  # the statement's now()
+    leases_exhausted: bool = False  # its expired-lease scan did not stop at its LIMIT
+
+
+class DueCursor:
+    """Shared by the workers of one process (thread-safe)."""
+
+    def __init__(self, *, lag_seconds: float = 2.0, rescan_min_seconds: float = 0.0,
+                 rescan_max_seconds: float = 30.0, full_cost_share: float = 0.1, lease_margin_seconds: float = 1.0,
+                 fast_above_seconds: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+        self._fast_above = fast_above_seconds
+        self._full_costs: deque[float] = deque(maxlen=3)  # the last full claims' durations
+        self._full_cost = 0.0  # the least of them (0 until there are three)
+        self._lag = lag_seconds
+        self._lease_margin = lease_margin_seconds
+        self._rescan_min = rescan_min_seconds
+        self._rescan_max = rescan_max_seconds
+        self._cost_share = full_cost_share
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._window: deque[tuple[float, Key]] = deque()  # (when, lowest key claimed), oldest first
+        self._anchor: Key | None = None  # lowest key of the newest claim older than the window
+        self._last_full_at = float("-inf")
+        self._full_running = False
+        self._leases_from: dt.datetime | None = None
+        self.full_claims = 0
+        self.fast_claims = 0
+
+    def begin(self) -> ClaimPlan:
+        """The next claim: full while full claims are cheap, or when one is due (and no
+        other worker runs one); else fast."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            start = self._start()
+            cheap = self._full_cost < self._fast_above  # nothing to save: every claim is full
+            interval = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
+            if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
+                if not self._full_running:
+                    self._full_running = True  # this one's duration feeds the average
+                    self._last_full_at = now
+                    self.full_claims += 1
+                    return ClaimPlan(full=True, start=None)
+                return ClaimPlan(full=True, start=None, measured=False)
+            self.fast_claims += 1
+            return ClaimPlan(full=False, start=start, leases_from=self._leases_from)
+
+    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
+        """Record what a claim's statements saw and, for a full claim, its cost."""
+        now = self._clock()
+        with self._lock:
+            if plan.full and plan.measured and self._full_running:
+                self._full_running = False
+                # The least of the last three: a slow claim or two on a busy machine (or
+                # a new connection's first) do not switch the relay to fast claims, a
+                # horizon held back long enough to slow every full claim does.
+                self._full_costs.append(elapsed_seconds)
+                self._full_cost = min(self._full_costs) if len(self._full_costs) == self._full_costs.maxlen else 0.0
+            keys = [o.lowest for o in outcomes if o.lowest is not None]
+            if keys:
+                self._window.append((now, min(keys)))
+            for outcome in outcomes:
+                # Every lease that expired before this statement's clock was reclaimed
+                # (or is being changed by another transaction right now): later claims
+                # may start the processing index there, less a margin for the
+                # transactions still in flight.
+                if outcome.leases_exhausted and outcome.database_now is not None:
+                    floor = outcome.database_now - dt.timedelta(seconds=self._lease_margin)
+                    if self._leases_from is None or floor > self._leases_from:
+                        self._leases_from = floor
+            self._expire(now)
+
+    def failed(self, plan: ClaimPlan) -> None:
+        """A claim that raised: a full one is tried again by the next claim."""
+        with self._lock:
+            if plan.full and plan.measured and self._full_running:
+                self._full_running = False
+                self._last_full_at = float("-inf")
+
+    def start_key(self) -> Key | None:
+        """Where a fast claim would start now (None: from the front)."""
+        with self._lock:
+            self._expire(self._clock())
+            return self._start()
+
+    def _expire(self, now: float) -> None:
+        while self._window and now - self._window[0][0] > self._lag:
+            self._anchor = self._window.popleft()[1]
+
+    def _start(self) -> Key | None:
+        keys = [key for _, key in self._window]
+        if self._anchor is not None:
+            keys.append(self._anchor)
+        return min(keys) if keys else None

@@ -1,0 +1,174 @@
+"""Claims that start past the dead entries of the due index never skip a row.
+
+Fast claims start at a recent key of the due index (claim_cursor.py); a row that
+becomes due below it (its writer's transaction began before rows that were claimed
+already, and committed after) must still be delivered, by the next full claim.
+Real PostgreSQL, concurrent writers whose transactions commit out of id order.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outbox_relay.db.claim_cursor import DueCursor
+from outbox_relay.db.store import OutboxStore
+from tests.helpers.db import DELETE_MODE, run_sql
+
+INSERT = ("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+          "VALUES ('order', %s, 'OrderCreated', '{{}}'::jsonb) RETURNING id")
+
+
+def _claim_all(store: OutboxStore, seen: dict[int, int], *, batch: int = 50) -> int:
+    result = store.claim(owner="t", batch=batch, lease_seconds=30, max_attempts=5)
+    for row in result.rows:
+        seen[row.id] = seen.get(row.id, 0) + 1
+    if result.rows:
+        assert store.mark_done([(r.id, r.lease_version) for r in result.rows]) == {r.id for r in result.rows}
+    return len(result.rows)
+
+
+def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
+    row = conn.execute(sql.SQL(INSERT).format(sql.Identifier(*table.split("."))), (aggregate,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str,
+                                                                  store: OutboxStore) -> None:
+    store.due_cursor = DueCursor(lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0)
+    seen: dict[int, int] = {}
+    # A writer transaction that begins (available_at = its start), inserts, and stays open.
+    late = psycopg.connect(pg_dsn)
+    late.execute("SELECT now()")
+    late_id = _insert(late, table, "late")
+    time.sleep(0.05)
+    # Meanwhile other rows are written (higher available_at, higher ids) and claimed.
+    with psycopg.connect(pg_dsn, autocommit=True) as writer:
+        for _ in range(3):
+            ids = [_insert(writer, table, "quick") for _ in range(5)]
+            assert ids and min(ids) > late_id
+            _claim_all(store, seen)
+            time.sleep(0.3)  # the fast claims' start moves past the late row's key
+    late.commit()  # now due, with a key below where fast claims start
+    late.close()
+    [(late_key_at,)] = run_sql(pg_dsn, table, "SELECT available_at FROM {t} WHERE id = %s", (late_id,))
+    start = store.due_cursor.start_key()
+    assert start is not None and start > (late_key_at, late_id), "the test must exercise a late row"
+    fulls_before = store.due_cursor.full_claims
+    deadline = time.monotonic() + 15
+    while late_id not in seen and time.monotonic() < deadline:
+        _claim_all(store, seen)
+        time.sleep(0.05)
+    assert seen.get(late_id) == 1, "the late row was skipped"
+    assert store.due_cursor.full_claims > fulls_before  # found by a full claim
+    assert store.due_cursor.fast_claims > 0
+
+
+def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(pg_dsn: str, table: str,
+                                                                             store: OutboxStore) -> None:
+    store.due_cursor = DueCursor(lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5, fast_above_seconds=0.0)
+    inserted: set[int] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            with psycopg.connect(pg_dsn) as conn:
+                while not stop.is_set():
+                    ids = [_insert(conn, table, f"w{seed}") for _ in range(rng.randint(1, 5))]
+                    # Some transactions stay open well past the cursor's lag: their rows
+                    # commit after rows with higher ids (and later available_at) were claimed.
+                    time.sleep(rng.choice((0.0, 0.0, 0.01, 0.05, 0.4, 1.2)))
+                    conn.commit()
+                    with lock:
+                        inserted.update(ids)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    seen: dict[int, int] = {}
+    seen_lock = threading.Lock()
+
+    def claimer() -> None:
+        local: dict[int, int] = {}
+        try:
+            while not stop.is_set():
+                if _claim_all(store, local, batch=20) == 0:
+                    time.sleep(0.01)
+        except BaseException as exc:
+            errors.append(exc)
+        with seen_lock:
+            for row_id, n in local.items():
+                seen[row_id] = seen.get(row_id, 0) + n
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=claimer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(6)
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors, errors
+    # Drain what is left (the full claims come round within their interval).
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if _claim_all(store, seen) == 0 and set(seen) >= inserted:
+            break
+        time.sleep(0.05)
+    assert inserted and set(seen) >= inserted, f"skipped: {sorted(inserted - set(seen))[:20]}"
+    assert all(n == 1 for n in seen.values())  # each claimed once: finalized at once
+    assert store.due_cursor.fast_claims > 0 and store.due_cursor.full_claims > 0
+    left = run_sql(pg_dsn, table, "SELECT count(*) FROM {t} WHERE status IN ('pending', 'processing')")
+    assert left == [(0,)]
+    if DELETE_MODE:
+        assert run_sql(pg_dsn, table, "SELECT count(*) FROM {t} WHERE status = 'done'") == [(0,)]
+
+
+def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, table: str,
+                                                                  store: OutboxStore) -> None:
+    """Under a held snapshot the full claim's due scan visits every delivered row's dead
+    entry; the fast claim's scan starts past them (buffers read, not time)."""
+    holder = psycopg.connect(pg_dsn)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1").fetchone()
+    try:
+        store.due_cursor = DueCursor(lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0)
+        seen: dict[int, int] = {}
+        with psycopg.connect(pg_dsn, autocommit=True) as writer:
+            for _ in range(20):
+                for _ in range(100):
+                    _insert(writer, table, "a")
+                while _claim_all(store, seen, batch=100):
+                    pass
+            _insert(writer, table, "a")
+        start = store.due_cursor.start_key()
+        assert start is not None
+
+        def due_scan_buffers(start: Any) -> int:
+            start_at, start_id = start if start is not None else (None, None)
+            query = sql.SQL(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT id FROM {} WHERE status = 'pending' "
+                "AND available_at <= now() AND (%(from_at)s::timestamptz IS NULL "
+                "OR (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint)) "
+                "ORDER BY available_at, id LIMIT 100").format(sql.Identifier(*table.split(".")))
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                conn.execute("SET enable_bitmapscan = off")
+                conn.execute("SET plan_cache_mode = force_custom_plan")
+                (doc,) = conn.execute(query, {"from_at": start_at, "from_id": start_id}).fetchone()  # type: ignore[misc]
+            plan_node = doc[0]["Plan"]
+            return int(plan_node["Shared Hit Blocks"]) + int(plan_node["Shared Read Blocks"])
+
+        full_buffers = due_scan_buffers(None)
+        fast_buffers = due_scan_buffers(start)
+        assert fast_buffers * 10 < full_buffers, (fast_buffers, full_buffers)
+    finally:
+        holder.rollback()
+        holder.close()

@@ -1,0 +1,100 @@
+"""DueCursor: where fast claims start, and when a full claim comes round (fake clock)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from outbox_relay.db.claim_cursor import ClaimOutcome, DueCursor
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def key(seconds: float, row_id: int) -> tuple[dt.datetime, int]:
+    return (T0 + dt.timedelta(seconds=seconds), row_id)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_first_claim_is_full_then_fast_claims_start_at_the_lowest_key_of_the_window() -> None:
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=2.0, rescan_min_seconds=1.0, rescan_max_seconds=30.0, fast_above_seconds=0.0, clock=clock)
+    plan = cursor.begin()
+    assert plan.full and plan.start is None
+    cursor.end(plan, [ClaimOutcome(lowest=key(0, 10))], 0.005)
+    clock.now += 0.1
+    fast = cursor.begin()
+    assert not fast.full and fast.start == key(0, 10)
+    cursor.end(fast, [ClaimOutcome(lowest=key(1, 20))], 0.001)
+    clock.now += 0.5
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(2, 30))], 0.001)
+    assert cursor.start_key() == key(0, 10)  # still in the window
+    clock.now += 1.8  # the first entry leaves the window: it is the anchor no more
+    assert cursor.start_key() == key(1, 20)
+    clock.now += 10  # idle: the newest entry older than the window stays the start
+    assert cursor.start_key() == key(2, 30)
+
+
+def test_a_late_key_found_by_a_full_claim_pulls_the_start_back_at_once() -> None:
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=2.0, rescan_min_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(10, 100))], 0.005)
+    clock.now += 5
+    plan = cursor.begin()
+    assert plan.full  # more than the rescan interval since the last full claim
+    cursor.end(plan, [ClaimOutcome(lowest=key(3, 50))], 0.005)  # a row committed late, below the start
+    assert cursor.start_key() == key(3, 50)
+
+
+def test_full_claims_come_round_less_often_when_they_are_expensive() -> None:
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=2.0, rescan_min_seconds=1.0, rescan_max_seconds=30.0, full_cost_share=0.1,
+                       clock=clock)
+    for _ in range(3):  # cheap full claims: every claim is a full one
+        plan = cursor.begin()
+        assert plan.full
+        cursor.end(plan, [ClaimOutcome(lowest=key(0, 1))], 0.004)
+    plan = cursor.begin()
+    assert plan.full
+    cursor.end(plan, [], 0.004)
+    for _ in range(3):  # three in a row take 0.8 s: the next full one after 8 s
+        clock.now += 100
+        plan = cursor.begin()
+        assert plan.full
+        cursor.end(plan, [ClaimOutcome(lowest=key(0, 1))], 0.8)
+    clock.now += 5
+    assert not cursor.begin().full
+    clock.now += 3.5
+    assert cursor.begin().full
+    # Only one full claim at a time: the other workers go on with fast claims.
+    assert not cursor.begin().full
+
+
+def test_a_failed_full_claim_is_retried_by_the_next_claim() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 0.001)
+    clock.now += 100
+    plan = cursor.begin()
+    assert plan.full
+    cursor.failed(plan)
+    assert cursor.begin().full
+
+
+def test_fast_claims_start_the_processing_index_where_no_live_lease_was_left() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=1.0, lease_margin_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    plan = cursor.begin()
+    assert plan.full and plan.leases_from is None
+    cursor.end(plan, [ClaimOutcome(lowest=key(0, 1), database_now=T0 + dt.timedelta(seconds=50),
+                                   leases_exhausted=True)], 0.001)
+    fast = cursor.begin()
+    assert not fast.full and fast.leases_from == T0 + dt.timedelta(seconds=49)
+    # A scan cut by its LIMIT leaves expired leases behind: the start stays.
+    cursor.end(fast, [ClaimOutcome(database_now=T0 + dt.timedelta(seconds=60), leases_exhausted=False)], 0.001)
+    assert cursor.begin().leases_from == T0 + dt.timedelta(seconds=49)
