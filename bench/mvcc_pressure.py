@@ -44,7 +44,7 @@ CLAIM_PREFIX = "WITH victims AS"  # the plain claim (reap + claim in one stateme
 FINALIZE_PREFIX = "WITH decided AS"
 # The CLI of the relay under test, in either package layout (--relay-root may be older).
 CLI_MAIN = ("import sys\ntry:\n    from outbox_relay.operator.cli import main\nexcept ImportError:\n"
-            "    from outbox_relay.operator.cli import main\nsys.argv[0] = 'outbox-relay'\nmain()")
+            "    from outbox_relay.cli import main\nsys.argv[0] = 'outbox-relay'\nmain()")
 
 
 def parse_args() -> argparse.Namespace:
