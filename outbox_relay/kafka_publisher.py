@@ -29,6 +29,7 @@ from .kafka_isolation import RejectionIsolator  # issue 14
 from .logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
 from .ordering import RELEASED_AFTER_FAILURE, RunGuard
 from .publisher import (
+    Defer,
     Message,
     NotDelivered,
     Outcome,
@@ -58,7 +59,7 @@ TRANSPORT_CODES = frozenset({
 # The message itself can never be accepted.
 PERMANENT_CODES = frozenset({
     E.MSG_SIZE_TOO_LARGE, E._MSG_SIZE_TOO_LARGE if hasattr(E, "_MSG_SIZE_TOO_LARGE") else E.MSG_SIZE_TOO_LARGE,
-    E.INVALID_RECORD, E.TOPIC_EXCEPTION, E.TOPIC_AUTHORIZATION_FAILED,
+    E.INVALID_RECORD, E.TOPIC_EXCEPTION,
     E.RECORD_LIST_TOO_LARGE, E._INVALID_ARG, E.INVALID_REQUIRED_ACKS, E.POLICY_VIOLATION, E._BAD_MSG,
     E._KEY_SERIALIZATION, E._VALUE_SERIALIZATION,
 } | ({E.CORRUPT_MESSAGE} if hasattr(E, "CORRUPT_MESSAGE") else set()))
@@ -116,10 +117,21 @@ class _ProducerLog:
             self._logger.log(level, msg, *args)
 
 
+#: How long rows wait after the broker refused their topic to this client's principal
+#: (TOPIC_AUTHORIZATION_FAILED). That is an ACL mistake an operator fixes, not a
+#: property of the rows: they must not go dead, nor burn attempts while it lasts.
+AUTHORIZATION_RETRY_SECONDS = 15.0
+#: How long /readyz keeps naming a refused topic after its last refusal.
+REFUSED_TOPIC_MEMORY_SECONDS = 3 * AUTHORIZATION_RETRY_SECONDS
+
+
 def classify(err: KafkaError) -> Outcome:
     """Map a librdkafka error to an outcome."""
     code = err.code()
     text = f"kafka: {err.name()}: {err.str()}"
+    if code == E.TOPIC_AUTHORIZATION_FAILED:
+        return Defer(AUTHORIZATION_RETRY_SECONDS,
+                     f"{text} (the principal may not write to this topic: fix its ACL; the rows wait)")
     if code in PERMANENT_CODES:
         return PermanentError(text)
     # Unknown codes stay retryable: the attempt budget sends them dead eventually,
@@ -225,6 +237,8 @@ class _BatchWaiter:
         if owner.delivery_log is not None and self._ids is not None:
             owner.delivery_log.record(self._source, self._ids[index], err, msg)
         if err is None:
+            if owner.refused_topics:
+                owner.topic_accepted(msg.topic())
             if owner.duplicate_sequence_ack(self._generation, msg):
                 self.settle(index, RetryableError(UNPROVEN_ACK))
                 return
@@ -232,6 +246,8 @@ class _BatchWaiter:
             return
         if err.code() in REPLACE_CODES:
             self._owner.request_replacement(f"delivery error {err.name()}")
+        elif err.code() == E.TOPIC_AUTHORIZATION_FAILED:
+            owner.topic_refused(msg.topic(), err)
         self.errors[index] = err
         self.settle(index, classify(err))
 
@@ -264,6 +280,9 @@ class KafkaPublisher(Publisher):
         self._tls_failure: str | None = None  # the last connection failure, if it was in the TLS handshake
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
+        # Topics the broker refused to this principal (TOPIC_AUTHORIZATION_FAILED):
+        # topic -> (monotonic time of the last refusal, the broker's error text).
+        self.refused_topics: dict[str, tuple[float, str]] = {}
         # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
         self.delivery_log = DeliveryLog.from_environment()
         # issue 14: the messages of a refused record batch are judged one by one.
@@ -389,6 +408,32 @@ class KafkaPublisher(Publisher):
             allowed, suppressed = self._error_lines.allow(err.name())
             if allowed:
                 log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
+
+    def topic_refused(self, topic: str, err: KafkaError) -> None:
+        """The broker refused a write to ``topic`` (its ACL): remember it for /readyz,
+        count it, and log it once per topic and 10 s."""
+        first = topic not in self.refused_topics
+        self.refused_topics[topic] = (time.monotonic(), f"{err.name()}: {err.str()}")
+        self.observer.topic_authorization_failed(topic)
+        allowed, suppressed = self._error_lines.allow(f"acl:{topic}")
+        if first or allowed:
+            log.error("kafka refuses writes to a topic: its rows wait until the ACL is fixed", topic=topic,
+                      code=err.name(), retry_seconds=AUTHORIZATION_RETRY_SECONDS, suppressed=suppressed)
+
+    def topic_accepted(self, topic: str) -> None:
+        if self.refused_topics.pop(topic, None) is not None:
+            log.info("kafka accepts writes to the topic again", topic=topic)
+
+    def held_back(self) -> str | None:
+        now = time.monotonic()
+        for topic, (when, _) in list(self.refused_topics.items()):
+            if now - when > REFUSED_TOPIC_MEMORY_SECONDS:
+                self.refused_topics.pop(topic, None)
+        if not self.refused_topics:
+            return None
+        topics = sorted(self.refused_topics)
+        named = ", ".join(topics[:5]) + (f" and {len(topics) - 5} more" if len(topics) > 5 else "")
+        return f"kafka refuses writes (TOPIC_AUTHORIZATION_FAILED) to {named}: their rows wait"
 
     def connection_failed(self, text: str) -> None:
         """librdkafka's text for a failed broker connection (no credentials in it)."""

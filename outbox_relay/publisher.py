@@ -201,6 +201,9 @@ class PublisherObserver:
     def messages_isolated(self, count: int) -> None:
         """``count`` messages rejected together were re-sent one by one to find the bad ones."""
 
+    def topic_authorization_failed(self, topic: str) -> None:
+        """The target refused a message for ``topic`` to this client's identity (an ACL)."""
+
 
 class Publisher(abc.ABC):
     """Every hook the relay uses, with defaults. Only ``publish_batch`` is required
@@ -253,6 +256,11 @@ class Publisher(abc.ABC):
 
     def check_alive(self) -> str | None:
         """None while the publisher's own background threads run, else why not (``/healthz``)."""
+        return None
+
+    def held_back(self) -> str | None:
+        """Why some messages wait although the target answers (Kafka: topics whose ACL
+        refuses this principal), for ``/readyz``; None when nothing is held back."""
         return None
 
     def abort(self) -> None:

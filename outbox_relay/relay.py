@@ -270,6 +270,9 @@ class Relay:
             return False, "not ready: broker circuit breaker open"
         if not self.publisher.healthy():
             return False, "not ready: broker unreachable"
+        held_back = self.publisher.held_back()
+        if held_back is not None:
+            return False, f"not ready: {held_back}"
         return True, "ready"
 
     # --- stop ------------------------------------------------------------------------
