@@ -300,6 +300,17 @@ class TopicWatcher:
             time.sleep(0.01)
         return time.time()
 
+    def wait_any(self, ids: set[int], timeout: float) -> float:
+        """Block until the first of ``ids`` arrived; returns time.time() when seen."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not ids.isdisjoint(self.seen.keys()):
+                    return time.time()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"none of {len(ids)} events in Kafka within {timeout:.0f}s")
+            time.sleep(0.005)
+
     def times(self, ids: set[int]) -> dict[int, tuple[float, float]]:
         with self._lock:
             return {i: self.seen[i] for i in ids if i in self.seen}
@@ -570,31 +581,6 @@ class DebeziumReader(Reader):
 
 
 # --- one system, every phase ----------------------------------------------------------------------
-class Sampler:
-    """(time.time(), process CPU, PostgreSQL CPU) every 50 ms while a reader runs, so a
-    window that starts and ends at delivery times can be cut out afterwards."""
-
-    def __init__(self, reader: Reader, pg_cpu: PostgresCpu) -> None:
-        self.samples: list[tuple[float, float, float]] = []
-        self._stop = threading.Event()
-        self._reader, self._pg = reader, pg_cpu
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.time(), self._reader.cpu(), self._pg.seconds()))
-            self._stop.wait(0.05)
-
-    def at(self, when: float) -> tuple[float, float]:
-        best = min(self.samples, key=lambda s: abs(s[0] - when))
-        return best[1], best[2]
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-
 def wait_ready(reader: Reader, writer: Writer, watcher: TopicWatcher, timeout: float) -> tuple[float, float]:
     """Probe events every 0.2 s until one reaches Kafka. Returns (process start, first
     delivery). Probes written before a fresh slot exists are never captured
@@ -633,12 +619,14 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         started, first = wait_ready(reader, writer, watcher, args.timeout)
         report["ready_seconds"] = round(first - started, 2)
         checked_from = time.time()
-        time.sleep(1.0)
 
-        # 2. latency at a fixed rate
-        c.say(f"[{kind}] latency: {args.rate:g} events/s for {args.latency_seconds:g}s")
-        lsn0, cpu0, pg0, t0 = wal_lsn(conn), reader.cpu(), pg_cpu.seconds(), time.time()
+        # 2. latency at a fixed rate, after --warm-seconds at that rate (a JVM just
+        # started compiles its hot paths during the first seconds of load)
+        c.say(f"[{kind}] latency: {args.rate:g} events/s, {args.warm_seconds:g}s warm-up, "
+              f"{args.latency_seconds:g}s measured")
         writer.start_paced(args.rate)
+        time.sleep(args.warm_seconds)
+        lsn0, cpu0, pg0, t0 = wal_lsn(conn), reader.cpu(), pg_cpu.seconds(), time.time()
         time.sleep(args.latency_seconds)
         t1 = time.time()
         lsn1, cpu1, pg1 = wal_lsn(conn), reader.cpu(), pg_cpu.seconds()
@@ -668,9 +656,7 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         waiting = writer.ids_between(checked_from, restart_at)
         behind = len(waiting) - len(watcher.times(waiting))
         reader.start()
-        sampler = Sampler(reader, pg_cpu)
         caught_up = watcher.wait_for(waiting, args.timeout)
-        sampler.close()
         writer.stop_paced()
         report["outage"] = {
             "stopped_seconds": args.stop_seconds, "events_written_meanwhile": None,
@@ -691,20 +677,22 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         time.sleep(0.5)
         start_at = time.time()
         reader.start()
-        sampler = Sampler(reader, pg_cpu)
         drain_lsn0 = wal_lsn(conn)
+        # CPU over the drain only (not the start-up): read when the first and the last
+        # backlog event have arrived (polled every 5 ms by this thread)
+        watcher.wait_any(backlog, args.timeout)
+        cpu_a, pg_a = reader.cpu(), pg_cpu.seconds()
         last = watcher.wait_for(backlog, args.timeout)
+        cpu_b, pg_b = reader.cpu(), pg_cpu.seconds()
         drain_lsn1 = wal_lsn(conn)
-        sampler.close()
-        firsts = [appended for appended, _ in watcher.times(backlog).values()]
-        first_at = min(firsts)
-        last_at = max(firsts)
-        cpu_a, pg_a = sampler.at(first_at)
-        cpu_b, pg_b = sampler.at(last_at)
+        arrivals = sorted(appended for appended, _ in watcher.times(backlog).values())
+        first_at, last_at = arrivals[0], arrivals[-1]
+        half_at = arrivals[len(arrivals) // 2]
         report["flat_out"] = {
             "events": len(backlog),
             "events_per_s": round(len(backlog) / max(last_at - first_at, 1e-3)),
             "events_per_s_from_start": round(len(backlog) / max(last - start_at, 1e-3)),
+            "events_per_s_second_half": round((len(arrivals) - len(arrivals) // 2) / max(last_at - half_at, 1e-3)),
             "seconds_to_first": round(first_at - start_at, 2),
             "process_cpu_s_per_1000": round((cpu_b - cpu_a) / len(backlog) * 1000, 3),
             "postgres_cpu_s_per_1000": round((pg_b - pg_a) / len(backlog) * 1000, 3),
@@ -726,6 +714,7 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
                            "duplicates": total - len(watcher.seen)}
         return report
     except Exception:
+        report["failed"] = True
         with contextlib.suppress(OSError):
             tail = reader.log_path.read_text(errors="replace").splitlines()[-40:]
             c.say(f"--- last lines of {reader.log_path}:\n" + "\n".join(tail))
@@ -734,6 +723,10 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         writer.stop_paced()
         with contextlib.suppress(Exception):
             reader.stop()
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                shutil.copy(reader.log_path, Path(args.logs) / f"{kind}.log")
         watcher.close()
         reader.cleanup(conn)
         if not args.keep:
@@ -763,7 +756,10 @@ def main() -> int:
     c.add_server_args(parser)
     parser.add_argument("--systems", default="relay,debezium", help="which to run, in this order")
     parser.add_argument("--rate", type=float, default=200.0, help="events/s of the paced writer")
+    parser.add_argument("--warm-seconds", type=float, default=10.0,
+                        help="seconds at --rate before the latency window opens")
     parser.add_argument("--latency-seconds", type=float, default=20.0)
+    parser.add_argument("--logs", metavar="DIR", help="copy the relay's and the Connect worker's logs here")
     parser.add_argument("--stop-seconds", type=float, default=15.0,
                         help="how long the relay / the connector is stopped while the writer goes on")
     parser.add_argument("--events", type=int, default=20000, help="backlog of the flat-out drain")
@@ -807,8 +803,8 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     report = {"benchmark": "debezium", "postgresql": version, "broker": c.broker_label(args),
-              "settings": {k: getattr(args, k) for k in ("rate", "latency_seconds", "stop_seconds", "events",
-                                                         "writer_threads", "workers", "payload_bytes",
+              "settings": {k: getattr(args, k) for k in ("rate", "warm_seconds", "latency_seconds", "stop_seconds",
+                                                         "events", "writer_threads", "workers", "payload_bytes",
                                                          "partitions", "debezium_table", "connect_heap_mb")},
               "systems": results}
     c.emit(report, text_report(report), args.json)
@@ -821,6 +817,8 @@ def text_report(report: dict[str, Any]) -> list[str]:
     rows: list[tuple[str, ...]] = [
         ("events/s flat out (first -> last in Kafka)", *(str(r["flat_out"]["events_per_s"])
                                                          for r in report["systems"])),
+        ("events/s flat out, second half of the drain", *(str(r["flat_out"]["events_per_s_second_half"])
+                                                          for r in report["systems"])),
         ("events/s flat out, from process start", *(str(r["flat_out"]["events_per_s_from_start"])
                                                    for r in report["systems"])),
         (f"insert->Kafka p50 at {s['rate']:g}/s (ms)", *(str(r["latency"]["p50_ms"]) for r in report["systems"])),
