@@ -688,6 +688,7 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         stop_lsn = wal_lsn(conn)
         time.sleep(args.stop_seconds)
         held = reader.backlog(conn)
+        wal_meanwhile = wal_bytes(conn, stop_lsn, wal_lsn(conn))
         restart_at = time.time()
         waiting = writer.ids_between(checked_from, restart_at)
         behind = len(waiting) - len(watcher.times(waiting))
@@ -697,7 +698,7 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         report["outage"] = {
             "stopped_seconds": args.stop_seconds, "events_written_meanwhile": None,
             "events_behind_at_restart": behind,
-            "wal_written_meanwhile_bytes": wal_bytes(conn, stop_lsn, wal_lsn(conn)),
+            "wal_written_while_stopped_bytes": wal_meanwhile,
             **held, "catch_up_seconds": round(caught_up - restart_at, 2), "exit_code_at_stop": exit_stop,
         }
         report["outage"]["events_written_meanwhile"] = len(writer.ids_between(restart_at - args.stop_seconds,
