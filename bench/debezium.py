@@ -11,7 +11,8 @@ Per system, in this order, against a fresh table, topic and (Debezium) replicati
 
 1. start the process; write a probe event every 0.2 s until one reaches Kafka
    (``ready``: start-up until the first delivery);
-2. **latency**: the writer commits ``--rate`` events/s for ``--latency-seconds``;
+2. **latency**: the writer commits ``--rate`` events/s, ``--warm-seconds`` first, then
+   for ``--latency-seconds``;
    insert->Kafka per event = the broker's LogAppendTime - the moment the writer's
    COMMIT returned (one clock, this machine's); over that window also the process's
    CPU, PostgreSQL's CPU (every backend, the writer's included) and the WAL written
@@ -21,11 +22,12 @@ Per system, in this order, against a fresh table, topic and (Debezium) replicati
    replication slot (current LSN - the slot's ``restart_lsn``) and rows waiting in
    the relay's outbox; after the restart: the time until every event committed before
    it is in Kafka (catch-up, start-up included), then the writer stops;
-4. **flat out**: the process is stopped, ``--events`` events are committed one per
-   transaction (``--writer-threads`` writers), the process is started and the backlog
-   drained: events/s from the first to the last backlog event in Kafka (and from the
-   process start), CPU of the process and of PostgreSQL over the drain, WAL written
-   by the reader during the drain;
+4. **flat out**: the connector is paused through Connect's REST API (its JVM stays
+   warm) or the relay stopped (``--cold-drain``: both restarted), ``--events`` events
+   are committed one per transaction (``--writer-threads`` writers), then the reader
+   resumes and the backlog is drained: events/s from the first to the last backlog
+   event in Kafka (and over its second half, and from the resume), CPU of the process
+   and of PostgreSQL over the drain, WAL written by the reader during the drain;
 5. every event written after ``ready`` must be in the topic (unique ``id`` headers);
    duplicates are counted. Exit status 1 if one is missing.
 
