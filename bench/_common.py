@@ -64,7 +64,11 @@ def median(values: Sequence[float]) -> float:
 # --- servers -----------------------------------------------------------------------------
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help="use this PostgreSQL instead of starting an embedded PostgreSQL 18")
-    parser.add_argument("--bootstrap", help="use this Kafka cluster instead of starting the embedded tansu broker")
+    parser.add_argument("--bootstrap", help="use this Kafka cluster instead of starting a broker")
+    parser.add_argument("--broker", choices=("kafka", "tansu"), default=default_broker(),
+                        help="the broker started when --bootstrap is not given: a real Apache Kafka node "
+                             "(outbox_relay._embedded.kafka; the default when Java and the Kafka jars or Maven "
+                             "are there) or the embedded tansu broker (Python only); default: %(default)s")
     parser.add_argument("--keep", action="store_true", help="keep the bench schemas (with --dsn) for inspection")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
     parser.add_argument("--database-cpus", metavar="LIST",
@@ -98,8 +102,15 @@ def servers(args: argparse.Namespace, *, need_broker: bool = True) -> Iterator[t
                 f"this process, the broker and the relay to CPU {sorted(os.sched_getaffinity(0))}")
         bootstrap = getattr(args, "bootstrap", None)
         if need_broker and not bootstrap:
-            say("starting embedded Kafka-protocol broker (tansu) ...")
-            broker = EmbeddedBroker(log_file=tmp / "broker.log").start()
+            if getattr(args, "broker", "tansu") == "kafka":
+                from outbox_relay._embedded.kafka import KafkaBroker
+
+                say("starting Apache Kafka (one KRaft node) ...")
+                (tmp / "kafka").mkdir()
+                broker = KafkaBroker(data_dir=tmp / "kafka", log_file=tmp / "broker.log").start()
+            else:
+                say("starting embedded Kafka-protocol broker (tansu) ...")
+                broker = EmbeddedBroker(log_file=tmp / "broker.log").start()
             bootstrap = broker.bootstrap_servers
         yield dsn, bootstrap
     finally:
@@ -108,6 +119,27 @@ def servers(args: argparse.Namespace, *, need_broker: bool = True) -> Iterator[t
         if pg is not None:
             pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def default_broker() -> str:
+    """``kafka`` when an Apache Kafka node can be started here (Java, and the jars or
+    Maven to fetch them), else ``tansu``."""
+    try:
+        from outbox_relay._embedded.kafka import kafka_available
+    except ImportError:
+        return "tansu"
+    return "kafka" if kafka_available() else "tansu"
+
+
+def broker_label(args: argparse.Namespace) -> str:
+    """What the figures were measured on, for every report."""
+    if getattr(args, "bootstrap", None):
+        return f"external ({args.bootstrap})"
+    if getattr(args, "broker", "tansu") == "kafka":
+        from outbox_relay._embedded.kafka import KAFKA_VERSION
+
+        return f"Apache Kafka {KAFKA_VERSION} (one KRaft node)"
+    return "embedded tansu"
 
 
 def parse_cpus(text: str | None) -> set[int]:

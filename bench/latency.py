@@ -491,7 +491,8 @@ def main() -> int:
 
     report: dict[str, Any] = {"benchmark": "latency", "rate": args.rate, "seconds": args.seconds,
                               "relay_workers": args.workers,
-                              "poll_interval_seconds": DEFAULTS.relay.poll_interval_seconds}
+                              "poll_interval_seconds": DEFAULTS.relay.poll_interval_seconds,
+                              "broker": c.broker_label(args)}
     with c.servers(args) as (dsn, bootstrap):
         report["postgresql"] = c.server_version(dsn)
         if not args.skip_latency:
@@ -504,7 +505,8 @@ def main() -> int:
 
     targets = {}
     lines = [f"latency: insert -> broker, {args.rate:g} events/s single-row enqueue() transactions for "
-             f"{args.seconds:g}s, relay --workers {args.workers}, PostgreSQL {report['postgresql']}"]
+             f"{args.seconds:g}s, relay --workers {args.workers}, PostgreSQL {report['postgresql']}, "
+             f"broker {report['broker']}"]
     ok = True
     if not args.skip_latency:
         lines.append(f"  {'':<17}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}   (ms after the row's created_at)")

@@ -166,8 +166,8 @@ def main() -> int:
                 c.say(f"== scenario {name}, relay code {root}")
                 results.append(run_scenario(name.strip(), root, index, dsn, bootstrap, args))
     report = {"relay_roots": [str(r) for r in roots], "workers": args.workers, "runs": results,
-              "target_peak_rss_mb": args.target_rss_mb}
-    lines = [f"defaults, --workers {args.workers}",
+              "target_peak_rss_mb": args.target_rss_mb, "broker": c.broker_label(args)}
+    lines = [f"defaults, --workers {args.workers}, broker {c.broker_label(args)}",
              f"{'relay code':<28}{'scenario':<32}{'table MB':>10}{'events/s':>10}{'peak RSS MB':>13}  verified"]
     for r in results:
         lines.append(f"{Path(r['relay_root']).name[:27]:<28}{r['label']:<32}{r['table_mb']:>10}"

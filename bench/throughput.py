@@ -589,14 +589,14 @@ def main() -> int:
                                            "met": mb <= args.target_rss_mb}
     all_ok = all(r["ok"] for r in results.values())
     report = {
-        "benchmark": "throughput", "postgresql": version, "bootstrap": bootstrap if args.bootstrap else "embedded tansu",
+        "benchmark": "throughput", "postgresql": version, "broker": c.broker_label(args),
         "events": args.events, "aggregates": args.aggregates, "payload_bytes": args.payload_bytes,
         "workers": args.workers, "seed_batch": args.seed_batch, "batch_size": args.batch_size,
         "results": results, "ratios": ratios, "targets": targets, "correct": all_ok,
     }
     lines = [
         f"throughput: {args.events} events (~{args.payload_bytes} B payload, {args.aggregates} aggregates), "
-        f"{args.workers} workers, PostgreSQL {version}",
+        f"{args.workers} workers, PostgreSQL {version}, broker {c.broker_label(args)}",
         f"  {'variant':<20}{'events/s':>11}{'seconds':>10}  check",
     ]
     for name, r in results.items():

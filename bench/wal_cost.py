@@ -366,7 +366,8 @@ def main() -> int:
         with contextlib.suppress(psycopg.Error), psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP EXTENSION IF EXISTS pg_walinspect")
 
-    report = {"benchmark": "wal_cost", "postgresql": version, "server": server, "events": args.events,
+    report = {"benchmark": "wal_cost", "postgresql": version, "server": server, "broker": c.broker_label(args),
+              "events": args.events,
               "after_migrate": args.after_migrate,
               "tx_rows": args.tx_rows, "rate": args.rate, "aggregates": args.aggregates, "workers": args.workers,
               "configs": {n: CONFIGS[n].description for n in names}, "results": results, "app_alone": alone,
@@ -374,7 +375,7 @@ def main() -> int:
     lines = [
         f"wal_cost: PostgreSQL {version} ({', '.join(f'{k}={v}' for k, v in server.items())}); "
         f"{args.events} events per run, {args.tx_rows}-row transactions at {args.rate:g} events/s, "
-        f"`outbox-relay run --workers {args.workers}` draining; WAL bytes per event",
+        f"`outbox-relay run --workers {args.workers}` draining, broker {c.broker_label(args)}; WAL bytes per event",
         f"  {'config':<14}{'payload':>8}{'app':>8}{'relay':>8}{'purge':>8}{'relay+ret':>11}{'x app':>7}"
         f"{'vacuum':>8}   dead tuples after run / purge",
     ]
