@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""RSS of the relay's Kafka publisher across broker restarts (README "Soak", finding 2).
+"""RSS of the relay's Kafka publisher across broker restarts (the soak section of docs/benchmarks/tansu-2core.md).
 
 In this process: the relay's ``KafkaPublisher`` (settings as the relay builds them)
 against the embedded broker on S3 storage. Each round submits 4 batches of 1 000

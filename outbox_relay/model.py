@@ -155,4 +155,10 @@ class PublisherObserver:
     def messages_isolated(self, count: int) -> None:
         """``count`` messages rejected together were re-sent one by one to find the bad ones."""
 
+    def topic_authorization_failed(self, topic: str) -> None:
+        """The target refused a message for ``topic`` to this client's identity (an ACL)."""
+
+    def topic_missing(self, topic: str) -> None:
+        """Messages for ``topic`` wait because the target has no such topic and does not create it."""
+
 

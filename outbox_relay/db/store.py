@@ -11,8 +11,9 @@ import contextlib
 import datetime as dt
 import json
 import re
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,12 @@ CLAIM_SETTINGS = {"enable_bitmapscan": "off"}
 FINALIZE_SETTINGS = {"enable_bitmapscan": "off"}  # also the heartbeat's extend_lease (the same join)
 
 
+def _unset_in(dsn: str, params: Mapping[str, int]) -> dict[str, int]:
+    """The connection parameters ``dsn`` does not set itself."""
+    given = psycopg.conninfo.conninfo_to_dict(dsn)
+    return {k: v for k, v in params.items() if k not in given}
+
+
 class OutboxStore:
     """Statements on one outbox table over a connection pool (autocommit connections)."""
 
@@ -199,8 +206,14 @@ class OutboxStore:
         application_name: str = "outbox-relay",
         transaction_pooler: bool = False,
         listen_dsn: str | None = None,
+        tcp_params: Mapping[str, int] | None = None,
     ) -> None:
         self._dsn = dsn
+        # TCP keepalives and tcp_user_timeout bound how long a statement waits on a
+        # connection whose packets vanish (a partition, a half-open connection) by the
+        # relay's settings rather than the kernel's retransmission limit. What the DSN
+        # says itself is kept.
+        self._tcp_params = dict(tcp_params or {})
         self.sql = TableSql(table)
         self.table = table
         self._connect_timeout = connect_timeout_seconds
@@ -219,6 +232,7 @@ class OutboxStore:
             "connect_timeout": max(1, round(connect_timeout_seconds)),
             "application_name": application_name,
             "options": f"-c statement_timeout={int(statement_timeout_ms)} -c plan_cache_mode=force_custom_plan",
+            **_unset_in(dsn, self._tcp_params),
         }
         pool_class: type[psycopg.Connection[Any]] = psycopg.Connection
         configure: Callable[[psycopg.Connection[Any]], None] | None = None
@@ -244,6 +258,8 @@ class OutboxStore:
             timeout=max(connect_timeout_seconds, 5.0),
         )
         self._opened = False
+        self._ping_lock = threading.Lock()
+        self._ping_probe: tuple[threading.Event, list[bool]] | None = None  # the last readiness probe
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
@@ -739,12 +755,28 @@ class OutboxStore:
         )
 
     def ping(self, timeout_seconds: float = 2.0) -> bool:
-        try:
-            with self._pool.connection(timeout=timeout_seconds) as conn:
-                conn.execute("SELECT 1")
-            return True
-        except (psycopg.Error, psycopg_pool.PoolTimeout):
-            return False
+        """Does the database answer ``SELECT 1`` within ``timeout_seconds``? Answers in
+        time even when the statement hangs (a half-open connection holds it until the
+        TCP user timeout): the probe runs on a thread of its own, and while one still
+        hangs no other is started (a probe every second must not pile up threads)."""
+        with self._ping_lock:
+            if self._ping_probe is None or self._ping_probe[0].is_set():
+                done, answered = threading.Event(), [False]
+
+                def probe() -> None:
+                    try:
+                        with self._pool.connection(timeout=timeout_seconds) as conn:
+                            conn.execute("SELECT 1")
+                        answered[0] = True
+                    except (psycopg.Error, psycopg_pool.PoolTimeout):
+                        pass
+                    finally:
+                        done.set()
+
+                self._ping_probe = (done, answered)
+                threading.Thread(target=probe, name="database-ping", daemon=True).start()
+            done, answered = self._ping_probe
+        return done.wait(timeout_seconds) and answered[0]
 
     # --- dead-letter operations ------------------------------------------------------
     def statuses(self, ids: Sequence[int]) -> dict[int, str]:
@@ -991,7 +1023,9 @@ class OutboxStore:
             raise DatabaseError("listen: database.transaction_pooler is set and database.listen_dsn is not: "
                                 "LISTEN through a transaction pooler never hears a notification")
         with self._mapped("listen"):
-            conn = psycopg.connect(self._listen_dsn, **self._direct_kwargs)
+            kwargs = {k: v for k, v in self._direct_kwargs.items() if k not in self._tcp_params}
+            kwargs.update(_unset_in(self._listen_dsn, self._tcp_params))
+            conn = psycopg.connect(self._listen_dsn, **kwargs)
             try:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
             except BaseException:

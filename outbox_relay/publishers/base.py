@@ -165,6 +165,11 @@ class Publisher(abc.ABC):
         """None while the publisher's own background threads run, else why not (``/healthz``)."""
         return None
 
+    def held_back(self) -> str | None:
+        """Why some messages wait although the target answers (Kafka: topics whose ACL
+        refuses this principal, or missing topics), for ``/readyz``; None when nothing is held back."""
+        return None
+
     def abort(self) -> None:
         """The shutdown deadline passed: stop waiting now and report every message
         without an outcome as ``NotDelivered`` (its row is released to another relay)."""

@@ -26,7 +26,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
 from ..errors import BrokerRefused
-from ..model import Message, NotDelivered, Outcome, PermanentError, RetryableError, SpanAttributes
+from ..model import Defer, Message, NotDelivered, Outcome, PermanentError, RetryableError, SpanAttributes
 from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
 from .base import PendingBatch, Publisher
 from .kafka_isolation import RejectionIsolator  # one bad record must not condemn its whole record batch
@@ -50,7 +50,7 @@ TRANSPORT_CODES = frozenset({
 # The message itself can never be accepted.
 PERMANENT_CODES = frozenset({
     E.MSG_SIZE_TOO_LARGE, E._MSG_SIZE_TOO_LARGE if hasattr(E, "_MSG_SIZE_TOO_LARGE") else E.MSG_SIZE_TOO_LARGE,
-    E.INVALID_RECORD, E.TOPIC_EXCEPTION, E.TOPIC_AUTHORIZATION_FAILED,
+    E.INVALID_RECORD, E.TOPIC_EXCEPTION,
     E.RECORD_LIST_TOO_LARGE, E._INVALID_ARG, E.INVALID_REQUIRED_ACKS, E.POLICY_VIOLATION, E._BAD_MSG,
     E._KEY_SERIALIZATION, E._VALUE_SERIALIZATION,
 } | ({E.CORRUPT_MESSAGE} if hasattr(E, "CORRUPT_MESSAGE") else set()))
@@ -108,10 +108,27 @@ class _ProducerLog:
             self._logger.log(level, msg, *args)
 
 
+#: How long rows wait after the broker refused their topic to this client's principal
+#: (TOPIC_AUTHORIZATION_FAILED). That is an ACL mistake an operator fixes, not a
+#: property of the rows: they must not go dead, nor burn attempts while it lasts.
+AUTHORIZATION_RETRY_SECONDS = 15.0
+#: How long /readyz keeps naming a refused topic after its last refusal.
+REFUSED_TOPIC_MEMORY_SECONDS = 3 * AUTHORIZATION_RETRY_SECONDS
+
+
+#: At most this many distinct topics of one batch are looked up after delivery
+#: timeouts (each lookup waits up to MISSING_TOPIC_LOOKUP_SECONDS).
+MISSING_TOPIC_LOOKUPS = 4
+MISSING_TOPIC_LOOKUP_SECONDS = 2.0
+
+
 def classify(err: KafkaError) -> Outcome:
     """Map a librdkafka error to an outcome."""
     code = err.code()
     text = f"kafka: {err.name()}: {err.str()}"
+    if code == E.TOPIC_AUTHORIZATION_FAILED:
+        return Defer(AUTHORIZATION_RETRY_SECONDS,
+                     f"{text} (the principal may not write to this topic: fix its ACL; the rows wait)")
     if code in PERMANENT_CODES:
         return PermanentError(text)
     # Unknown codes stay retryable: the attempt budget sends them dead eventually,
@@ -217,6 +234,8 @@ class _BatchWaiter:
         if owner.delivery_log is not None and self._ids is not None:
             owner.delivery_log.record(self._source, self._ids[index], err, msg)
         if err is None:
+            if owner.refused_topics:
+                owner.topic_accepted(msg.topic())
             if owner.duplicate_sequence_ack(self._generation, msg):
                 self.settle(index, RetryableError(UNPROVEN_ACK))
                 return
@@ -224,6 +243,8 @@ class _BatchWaiter:
             return
         if err.code() in REPLACE_CODES:
             self._owner.request_replacement(f"delivery error {err.name()}")
+        elif err.code() == E.TOPIC_AUTHORIZATION_FAILED:
+            owner.topic_refused(msg.topic(), err)
         self.errors[index] = err
         self.settle(index, classify(err))
 
@@ -256,6 +277,9 @@ class KafkaPublisher(Publisher):
         self._tls_failure: str | None = None  # the last connection failure, if it was in the TLS handshake
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
+        # Topics the broker refused writes to (TOPIC_AUTHORIZATION_FAILED, or
+        # UNKNOWN_TOPIC_OR_PART: not created): topic -> (monotonic time, error name).
+        self.refused_topics: dict[str, tuple[float, str]] = {}
         # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
         self.delivery_log = DeliveryLog.from_environment()
         # The messages of a refused record batch are judged one by one: one bad record must not condemn the rest.
@@ -381,6 +405,72 @@ class KafkaPublisher(Publisher):
             allowed, suppressed = self._error_lines.allow(err.name())
             if allowed:
                 log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
+
+    def defer_missing_topics(self, messages: Sequence[Message], outcomes: list[Outcome],
+                             errors: Sequence[KafkaError | None]) -> list[Outcome]:
+        """Messages that timed out waiting for a topic the cluster does not have (its
+        automatic creation is off): a topic an operator has yet to create, not a fault
+        of the rows, so they wait (Defer, attempt refunded) like those of a topic the
+        ACL refuses. librdkafka reports them only as timed out; the topic's metadata
+        says why. Looked up only after a timeout, a few topics per batch."""
+        timed_out = [i for i, err in enumerate(errors)
+                     if err is not None and err.code() == E._MSG_TIMED_OUT and isinstance(outcomes[i], RetryableError)]
+        if not timed_out:
+            return outcomes
+        producer = self._producer
+        missing: set[str] = set()
+        for topic in list(dict.fromkeys(messages[i].topic for i in timed_out))[:MISSING_TOPIC_LOOKUPS]:
+            if producer is None:
+                break
+            try:
+                meta = producer.list_topics(topic, timeout=MISSING_TOPIC_LOOKUP_SECONDS).topics.get(topic)
+            except KafkaException:
+                break  # the cluster does not answer: an outage, not a missing topic
+            if meta is not None and meta.error is not None and meta.error.code() == E.UNKNOWN_TOPIC_OR_PART:
+                missing.add(topic)
+        if not missing:
+            return outcomes
+        result = list(outcomes)
+        for i in timed_out:
+            topic = messages[i].topic
+            if topic in missing:
+                result[i] = Defer(AUTHORIZATION_RETRY_SECONDS,
+                                  f"kafka: UNKNOWN_TOPIC_OR_PART: topic {topic!r} does not exist and the cluster "
+                                  "does not create it: the rows wait until it is created")
+        for topic in missing:
+            self.topic_refused(topic, KafkaError(E.UNKNOWN_TOPIC_OR_PART, "topic does not exist"))
+        return result
+
+    def topic_refused(self, topic: str, err: KafkaError) -> None:
+        """The broker refused writes to ``topic`` (its ACL, or it does not exist):
+        remember it for /readyz, count it, and log it once per topic and 10 s."""
+        first = topic not in self.refused_topics
+        self.refused_topics[topic] = (time.monotonic(), err.name())
+        if err.code() == E.TOPIC_AUTHORIZATION_FAILED:
+            self.observer.topic_authorization_failed(topic)
+        else:
+            self.observer.topic_missing(topic)
+        allowed, suppressed = self._error_lines.allow(f"acl:{topic}")
+        if first or allowed:
+            log.error("kafka refuses writes to a topic: its rows wait", topic=topic, code=err.name(),
+                      detail=err.str(), retry_seconds=AUTHORIZATION_RETRY_SECONDS, suppressed=suppressed)
+
+    def topic_accepted(self, topic: str) -> None:
+        if self.refused_topics.pop(topic, None) is not None:
+            log.info("kafka accepts writes to the topic again", topic=topic)
+
+    def held_back(self) -> str | None:
+        now = time.monotonic()
+        for topic, (when, _) in list(self.refused_topics.items()):
+            if now - when > REFUSED_TOPIC_MEMORY_SECONDS:
+                self.refused_topics.pop(topic, None)
+        if not self.refused_topics:
+            return None
+        topics = sorted(self.refused_topics.items())
+        named = ", ".join(f"{topic} ({code})" for topic, (_, code) in topics[:5])
+        if len(topics) > 5:
+            named += f" and {len(topics) - 5} more"
+        return f"kafka refuses writes to {named}: their rows wait"
 
     def connection_failed(self, text: str) -> None:
         """librdkafka's text for a failed broker connection (no credentials in it)."""
@@ -577,6 +667,7 @@ class InFlightBatch(PendingBatch):
         if self._messages and not publisher.aborting.is_set() and not (cancel is not None and cancel.is_set()):
             outcomes = publisher.isolation.resolve(self._messages, outcomes, waiter.errors, deadline=self._deadline,
                                                    cancel=cancel, abort=publisher.aborting)
+            outcomes = publisher.defer_missing_topics(self._messages, outcomes, waiter.errors)
         # --- end of the re-sends ---
         return outcomes
 

@@ -182,7 +182,7 @@ class _Verdict:
 class RejectionIsolator:
     """Re-produces the messages of rejected record batches one per record batch.
 
-    Narrow interface for :class:`~outbox_relay.kafka_publisher.KafkaPublisher`:
+    Narrow interface for :class:`~outbox_relay.publishers.kafka.KafkaPublisher`:
     ``resolve(messages, outcomes, errors, ...)`` returns the outcomes to report;
     ``close()``. Safe to call from several worker threads at once (one shared
     producer, created on first need; each caller polls until its own reports are in).

@@ -46,6 +46,7 @@ def make_store(settings: Settings, *, pool_size: int | None = None,
         application_name=application_name,
         transaction_pooler=settings.database.transaction_pooler,
         listen_dsn=settings.database.listen_dsn.get_secret_value() if settings.database.listen_dsn else None,
+        tcp_params=settings.database.tcp_params(),
     )
 
 
@@ -271,6 +272,9 @@ class Relay:
             return False, "not ready: broker circuit breaker open"
         if not self.publisher.healthy():
             return False, "not ready: broker unreachable"
+        held_back = self.publisher.held_back()
+        if held_back is not None:
+            return False, f"not ready: {held_back}"
         return True, "ready"
 
     # --- stop ------------------------------------------------------------------------

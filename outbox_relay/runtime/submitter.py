@@ -7,7 +7,7 @@ behind the other workers) it has no statement running: with the database on core
 its own, PostgreSQL was idle ~20 % of a drain for that reason alone. Handing the build
 and submit to this thread lets the worker go straight on to its next statement (the
 finalize of the batch before, then the next claim), so the database always has work
-(README, Benchmarks: the relay's throughput with PostgreSQL on its own core rose ~14 %).
+(docs/benchmarks/tansu-2core.md: the relay's throughput with PostgreSQL on its own core rose ~14 %).
 
 One thread, first in first out: the GIL runs one Python thread at a time anyway, and
 a single queue keeps the produce calls in the order the batches were handed over.

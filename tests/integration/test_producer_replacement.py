@@ -1,5 +1,5 @@
 """A replaced Kafka producer is released: its librdkafka instance (threads, buffers)
-goes with it (README "Soak": relay A's RSS at broker restarts)."""
+goes with it (docs/benchmarks/tansu-2core.md, "Soak": relay RSS at broker restarts)."""
 
 from __future__ import annotations
 

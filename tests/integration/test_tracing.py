@@ -134,7 +134,7 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
         s = sends[int(m["headers"]["message_id"])]
         assert m["headers"]["traceparent"] == context_header(s.context)
     assert writer_spans.get_finished_spans()[0].context.span_id == request.span_id
-    # A consumer continues the trace from the header (README "Tracing"): writer -> relay -> consumer.
+    # A consumer continues the trace from the header (docs/how-to/tracing.md): writer -> relay -> consumer.
     [message] = [m for m in messages if m["headers"]["message_id"] == str(traced)]
     consumer_provider, consumer_spans = sdk("consumer")
     parent = TraceContextTextMapPropagator().extract(message["headers"])
@@ -148,7 +148,7 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
 def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_settings, store, pg_dsn, table):
     tracestate = "shop=abc,vendor=x1"
     writer_trace, writer_span = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
-    # An SQL writer sets the header itself (README "Tracing").
+    # An SQL writer sets the header itself (docs/how-to/tracing.md).
     stored = {"traceparent": traceparent(writer_trace, writer_span), "tracestate": tracestate}
     ok = write(pg_dsn, table, "ok", headers=stored)
     flaky = write(pg_dsn, table, "flaky", headers=stored)

@@ -44,7 +44,7 @@ FROM pg_class AS c WHERE c.oid = %(table)s::regclass
 -- Inserts then leave half of every page free, so that a claim and a finalize can put
 -- the row's new version on the same page: PostgreSQL then logs only the bytes that
 -- changed (the lease columns) instead of the whole row with its payload, and needs no
--- extra lock record for moving the row (see the README's WAL figures). Affects new
+-- extra lock record for moving the row (docs/explanation/cost-on-the-primary.md). Affects new
 -- pages only; takes a lock that does not block reads or writes.
 ALTER TABLE {table} SET (fillfactor = {fillfactor})
 

@@ -12,10 +12,19 @@ from outbox_relay.publisher import (
 from outbox_relay.publishers.kafka import classify
 
 
+def test_a_topic_the_acl_refuses_defers_its_rows_without_burning_attempts():
+    """An ACL mistake is the operator's to fix: the rows wait (Defer refunds the attempt)."""
+    from outbox_relay.publisher import Defer
+    from outbox_relay.publishers.kafka import AUTHORIZATION_RETRY_SECONDS
+
+    outcome = classify(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+    assert isinstance(outcome, Defer) and outcome.delay == AUTHORIZATION_RETRY_SECONDS
+    assert "TOPIC_AUTHORIZATION_FAILED" in outcome.reason and "ACL" in outcome.reason
+
+
 @pytest.mark.parametrize("code, kind, transport", [
     (KafkaError.MSG_SIZE_TOO_LARGE, PermanentError, False),
     (KafkaError.INVALID_RECORD, PermanentError, False),
-    (KafkaError.TOPIC_AUTHORIZATION_FAILED, PermanentError, False),
     (KafkaError._MSG_TIMED_OUT, RetryableError, True),
     (KafkaError._TRANSPORT, RetryableError, True),
     (KafkaError.NOT_LEADER_FOR_PARTITION, RetryableError, False),
