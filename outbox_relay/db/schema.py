@@ -22,14 +22,21 @@ ROLE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
 GRANT_KINDS = ("relay", "operator", "writer")
 
 
+# The files of sql/ whose sections are loaded; a section name is unique across them.
+SQL_FILES: tuple[str, ...] = ("queries.sql", "migrations.sql")
+
+
 def _load_sections() -> dict[str, str]:
-    text = resources.files(__package__).joinpath("sql", "queries.sql").read_text(encoding="utf-8")
     sections: dict[str, str] = {}
-    matches = list(_SECTION_RE.finditer(text))
-    for match, following in zip(matches, [*matches[1:], None], strict=True):
-        end = following.start() if following else len(text)
-        body = text[match.end():end].strip()
-        sections[match.group(1)] = body
+    for file_name in SQL_FILES:
+        text = resources.files(__package__).joinpath("sql", file_name).read_text(encoding="utf-8")
+        matches = list(_SECTION_RE.finditer(text))
+        for match, following in zip(matches, [*matches[1:], None], strict=True):
+            end = following.start() if following else len(text)
+            name = match.group(1)
+            if name in sections:
+                raise RuntimeError(f"SQL section {name!r} is defined twice (sql/{file_name})")
+            sections[name] = text[match.end():end].strip()
     return sections
 
 
@@ -128,6 +135,7 @@ class TableSql:
             "schema": sql.Identifier(self.schema_name or "public"),
             "state_table": self._qualified(_short(base, "relay_state")),
             "dedup_keys": self._qualified(_short(base, "dedup_keys")),
+            "migrations_table": self._qualified(_short(base, "migrations")),
             "fn_notify": self._qualified(_short(base, "notify_fn")),
             "trg_notify": sql.Identifier(self.notify_trigger_name),
             "channel_literal": sql.Literal(self.channel),

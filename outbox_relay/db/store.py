@@ -34,10 +34,10 @@ from ..errors import (
 )
 from ..model import Claimed as Claimed  # re-exported: callers that read claims import it from the store
 from ..model import FinalizeItem as FinalizeItem  # re-exported with Claimed
-from .autovacuum import check_overrides, parse_reloptions, plan
+from . import migrations
 from .claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 from .pooler import PoolerConnection, configure_bound, execute_with_settings
-from .schema import BASE_INDEXES, EXECUTABLE, FILLFACTOR, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
+from .schema import BASE_INDEXES, EXECUTABLE, OBSOLETE_INDEXES, ORDERING_INDEXES, TableSql
 from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
 
 STATUSES = ("pending", "processing", "done", "dead")
@@ -384,7 +384,10 @@ class OutboxStore:
         (relay.on_done) becomes the table's mode, which every relay's finalize reads.
         ``autovacuum`` (database.autovacuum): the operator's autovacuum parameters; the
         queue defaults of autovacuum.py fill in the rest without overwriting a value
-        of the table's own. Returns notes for the operator (one line each)."""
+        of the table's own.
+        Layout changes are numbered steps applied once per table and recorded with it;
+        what depends on this run's options runs every time (db/migrations.py states the
+        rule). Returns notes for the operator (one line each)."""
         if on_done not in ("keep", "delete"):
             raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
         if self.transaction_pooler:
@@ -425,75 +428,16 @@ class OutboxStore:
 
     def _migrate_schema(self, conn: psycopg.Connection[Any], *, on_done: str, notify_trigger: bool,
                         wanted: Sequence[str], autovacuum: Mapping[str, str]) -> list[str]:
-        """The transactional part of migrate: table, columns, state and audit tables,
-        mode, dedup keys, trigger; under a lock timeout (it is retried as a whole)."""
-        notes: list[str] = []
+        """The transactional part of migrate (db/migrations.py: the numbered steps not yet
+        recorded for this table, then the every-run steps), under a lock timeout; it is
+        retried as a whole."""
         with conn.transaction():
             conn.execute(self.sql.query("migrate_lock_timeout"))
-            created = not self._exists(conn)
-            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the
-            # schema exists: an owner that owns only its schema must still migrate.
-            if self.sql.schema_name:
-                schema = conn.execute(self.sql.query("schema_exists"),
-                                      {"schema": '"' + self.sql.schema_name + '"'}).fetchone()
-                if not (schema and schema[0]):
-                    conn.execute(self.sql.query("create_schema"))
-            conn.execute(self.sql.query("create_table"))
-            if not self._column_exists(conn, "dedup_key"):
-                conn.execute(self.sql.query("add_dedup_key"))  # takes a short exclusive lock
-            if not created and self._fillfactor(conn) is None:  # an operator's own value is kept
-                conn.execute(self.sql.query("set_fillfactor"))
-                notes.append(f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and "
-                             "finalize on the same page)")
-            if created:  # an empty table: plain CREATE INDEX, in this transaction
-                for key in wanted:
-                    conn.execute(self.sql.index_ddl(key, concurrently=False))
-            for statement in self.sql.statements("create_state_table"):
-                conn.execute(statement)
-            conn.execute(self.sql.query("create_audit_table"))  # who retried/skipped which dead rows, and why
-            if not self._state_has_mode(conn):
-                conn.execute(self.sql.query("add_on_done"))
-            conn.execute(self.sql.query("add_autovacuum_applied"))
-            notes += self._migrate_autovacuum(conn, autovacuum, created=created)
-            if conn.execute(self.sql.query("set_on_done"), {"on_done": on_done}).fetchone():
-                notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
-                             "kept so far stay until purge" if on_done == "delete" else
-                             "finalize now keeps delivered rows as done (relay.on_done = keep)")
-            conn.execute(self.sql.query("create_dedup_keys"))
-            conn.execute(self.sql.query("backfill_dedup_keys"))
-            if notify_trigger:
-                conn.execute(self.sql.query("create_notify_function"))
-                exists = conn.execute(self.sql.query("notify_trigger_exists"), {
-                    "table": self.sql.regclass_text, "trigger": self.sql.notify_trigger_name}).fetchone()
-                if not (exists and exists[0]):
-                    conn.execute(self.sql.query("create_notify_trigger"))
-            else:
-                for statement in self.sql.statements("drop_notify_trigger"):
-                    conn.execute(statement)
-        return notes
+            run = migrations.MigrationRun(conn, self.sql, on_done=on_done, notify_trigger=notify_trigger,
+                                          wanted_indexes=wanted, autovacuum=autovacuum)
+            migrations.apply(run)
+        return run.notes
 
-    def _migrate_autovacuum(self, conn: psycopg.Connection[Any], overrides: Mapping[str, str], *,
-                            created: bool) -> list[str]:
-        """The table's autovacuum parameters (autovacuum.py decides, this writes)."""
-        row = conn.execute(self.sql.query("autovacuum_state"), {"table": self.sql.regclass_text}).fetchone()
-        current = parse_reloptions(row[0] if row else None)
-        applied = {str(k): str(v) for k, v in ((row[1] if row else None) or {}).items()}
-        changes, record, kept = plan(current, applied, check_overrides(overrides))
-        for change in changes:
-            parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
-            if change.value is None:
-                conn.execute(self.sql.query("reset_storage_parameter", parameter=parameter))
-            else:
-                conn.execute(self.sql.query("set_storage_parameter", parameter=parameter,
-                                            value=sql.Literal(change.value)))
-        if record != applied:
-            conn.execute(self.sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)})
-        notes = [f"kept {k}" for k in kept]
-        if changes and not created:
-            notes.append("autovacuum: " + ", ".join(
-                f"{c.parameter} = {c.value}" if c.value is not None else f"{c.parameter} reset" for c in changes)
-                + " (a queue table: see docs/explanation/mvcc-pressure.md)")
-        return notes
 
     def _converge_indexes(self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool,
                           drop_ordering_indexes: bool) -> list[str]:
@@ -540,18 +484,8 @@ class OutboxStore:
         return bool(row and row[0])
 
     def _state_has_mode(self, conn: psycopg.Connection[Any]) -> bool:
-        row = conn.execute("SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(%s) "
-                           "AND attname = 'on_done' AND NOT attisdropped)",
-                           (self.sql.regclass_of("relay_state"),)).fetchone()
-        return bool(row and row[0])
-
-    def _fillfactor(self, conn: psycopg.Connection[Any]) -> int | None:
-        row = conn.execute(self.sql.query("table_fillfactor"), {"table": self.sql.regclass_text}).fetchone()
-        return int(row[0]) if row and row[0] is not None else None
-
-    def _column_exists(self, conn: psycopg.Connection[Any], column: str) -> bool:
-        row = conn.execute(self.sql.query("column_exists"),
-                           {"table": self.sql.regclass_text, "column": column}).fetchone()
+        row = conn.execute(self.sql.query("state_has_on_done"),
+                           {"state_table": self.sql.regclass_of("relay_state")}).fetchone()
         return bool(row and row[0])
 
     def _index_validity(self, conn: psycopg.Connection[Any]) -> dict[str, bool]:

@@ -21,7 +21,18 @@ from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
 from ..core.ordering import OrderingRule
 from ..db.store import DeadSummary
 from ..errors import ConfigError, OutboxRelayError
-from .operations import Action, change_dead, diagnose_aggregate, jsonable, os_user, preview_dead, row_states
+from .operations import (
+    CLI_WORDING,
+    Action,
+    OperatorRuleError,
+    change_dead,
+    check_dead_change,
+    diagnose_aggregate,
+    jsonable,
+    os_user,
+    preview_dead,
+    row_states,
+)
 
 app = typer.Typer(
     name="outbox-relay",
@@ -310,9 +321,11 @@ def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: i
     """Shared body of `dead retry` and `dead skip`: ids, --all or a filter; dry run or
     chunked change with an audit entry."""
     given_filters = {k: v for k, v in filters.items() if v is not None}
-    if sum([bool(ids), all_rows, bool(given_filters)]) != 1:
-        _fail("give dead row ids, --all, or filters (--event-type, --aggregate-type, --aggregate-id, "
-              "--error-contains, --since, --until): exactly one of them", 2)
+    try:
+        reason = check_dead_change(action, ids=bool(ids), all_rows=all_rows, filtered=bool(given_filters),
+                                   reason=reason, dry_run=dry_run, wording=CLI_WORDING)
+    except OperatorRuleError as exc:
+        _fail(str(exc), 2)
     if limit is not None and ids:
         _fail("--limit applies to --all or a filter, not to ids", 2)
     past = {"retry": "retried", "skip": "skipped"}[action]
@@ -390,7 +403,7 @@ def dead_skip(
     limit: LimitChangeOpt = None,
     dry_run: DryRunOpt = False,
     reason: Annotated[str | None, typer.Option(
-        "--reason", help="Why (recorded in last_error and in the audit trail).")] = None,
+        "--reason", help="Why (required unless --dry-run; recorded in last_error and in the audit trail).")] = None,
     chunk_size: ChunkOpt = 1000,
     config: ConfigOpt = None,
 ) -> None:

@@ -93,6 +93,54 @@ def skip_reason_text(actor: str, reason: str | None) -> str:
     return f"skipped by {actor}: {reason}" if reason else f"skipped by {actor} (no reason given)"
 
 
+MAX_REASON_CHARS = 1000
+
+
+class OperatorRuleError(ValueError):
+    """A retry/skip request that breaks one of the operator rules (``check_dead_change``);
+    its message is one line, worded with the names the asking surface uses."""
+
+
+@dataclass(frozen=True, slots=True)
+class Wording:
+    """How a surface names the inputs of a retry/skip, for the rule's error messages."""
+
+    ids: str
+    all_rows: str
+    filters: str
+    reason: str
+
+
+CLI_WORDING = Wording(ids="dead row ids", all_rows="--all",
+                      filters="filters (--event-type, --aggregate-type, --aggregate-id, --error-contains, "
+                              "--since, --until)", reason="--reason")
+API_WORDING = Wording(ids='"ids": [...]', all_rows='"all": true', filters='"filter": {...}', reason='"reason"')
+FORM_WORDING = Wording(ids="scope=ids", all_rows="scope=all", filters="scope=filter", reason="the reason field")
+
+
+def check_dead_change(action: Action, *, ids: bool, all_rows: bool, filtered: bool, reason: str | None,
+                      dry_run: bool, wording: Wording) -> str | None:
+    """The rules of every retry/skip, whichever surface asks (CLI, console form, API):
+
+    - exactly one selection: row ids, all dead rows, or a filter (never two: "ids and a
+      filter" has no single meaning, and never none: an empty request must not mean all);
+    - a skip that changes rows needs a reason (it marks rows done that were never
+      published: the audit trail and each row's last_error say why); a dry run needs none;
+    - a reason is at most ``MAX_REASON_CHARS`` characters.
+
+    Returns the reason as recorded (stripped; None when none was given), or raises
+    ``OperatorRuleError``."""
+    if sum((ids, all_rows, filtered)) != 1:
+        raise OperatorRuleError(f"give exactly one of {wording.ids}, {wording.all_rows} or {wording.filters}")
+    cleaned = reason.strip() if reason else None
+    if cleaned and len(cleaned) > MAX_REASON_CHARS:
+        raise OperatorRuleError(f"{wording.reason} must be at most {MAX_REASON_CHARS} characters")
+    if action == "skip" and not dry_run and not cleaned:
+        raise OperatorRuleError(f"say why these rows are skipped ({wording.reason}): the reason is recorded "
+                                "in the audit trail and in each row's last_error")
+    return cleaned or None
+
+
 def change_dead(
     store: OutboxStore,
     action: Action,

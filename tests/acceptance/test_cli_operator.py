@@ -130,14 +130,17 @@ def test_skip_by_filter_with_limit_and_reason_and_legacy_forms(bad_deploy, pg_ds
                              (b["other_type"][0],)).fetchone()[0]
     assert error == f"skipped by {os_user()}: replayed by hand"
 
-    # Today's forms keep working and are audited too: ids (reason optional) and --all.
-    run_ok("dead", "skip", str(b["other_type"][3]), env=env)
+    # Ids and --all are audited too; a skip needs a reason on every surface.
+    line = one_line_error("dead", "skip", str(b["other_type"][3]), env=env, code=2)
+    assert "say why" in line and "--reason" in line
+    run_ok("dead", "skip", str(b["other_type"][3]), "--reason", "  duplicate of another row ", env=env)
     out = run_ok("dead", "retry", "--all", env=env)
     assert "retried 13 dead rows" in out
     entries = audit(env)
     assert [(e["action"], e["rows_changed"]) for e in entries] == [("retry", 13), ("skip", 1), ("skip", 3)]
     assert entries[0]["selector"] == {"all": True}
-    assert entries[1]["selector"] == {"ids": [b["other_type"][3]]} and entries[1]["reason"] is None
+    assert entries[1]["selector"] == {"ids": [b["other_type"][3]]}
+    assert entries[1]["reason"] == "duplicate of another row"
     assert entries[2]["selector"] == {"filter": {"event_type": "OrderCreated", "limit": 3}}
     assert entries[2]["reason"] == "replayed by hand"
 

@@ -7,24 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psycopg
 
 from outbox_relay import enqueue
 from outbox_relay._embedded.embedded import read_messages
 from tests.helpers.cli import cli, cli_env
-from tests.helpers.db import rows
-
-
-def _wait_all_done(dsn: str, table: str, n: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        statuses = [r[1] for r in rows(dsn, table)]
-        if statuses.count("done") == n:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"not all done: { {s: statuses.count(s) for s in set(statuses)} }")
+from tests.helpers.db import statuses, wait_for
 
 
 def test_migrate_run_drain_and_sigterm(pg_dsn, table, broker, topic_prefix, tmp_path):
@@ -51,7 +40,8 @@ def test_migrate_run_drain_and_sigterm(pg_dsn, table, broker, topic_prefix, tmp_
                             env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_all_done(pg_dsn, table, n)
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == n, timeout=120, interval=0.2,
+                 message=f"all {n} rows done")
     finally:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)

@@ -42,6 +42,7 @@ from outbox_relay.db.store import OutboxStore
 from tests.helpers.audit import check_audit, install_audit
 from tests.helpers.cli import ROOT, cli_env
 from tests.helpers.db import insert_rows
+from tests.helpers.wait import wait_for
 
 pytestmark = pytest.mark.chaos
 
@@ -93,15 +94,6 @@ class RelayProcess:
 
     def started(self) -> bool:
         return any(e.get("event") == "relay started" for e in self.events())
-
-
-def _wait(predicate, timeout: float, what: str, interval: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def status_counts(conn: psycopg.Connection[Any], table: str) -> dict[str, int]:
@@ -200,7 +192,8 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     last_fault_end = t0
     last_fault_start = time.time()
     try:
-        _wait(lambda: all(r.started() or r.proc.poll() is not None for r in active), 60, "relays to start")
+        wait_for(lambda: all(r.started() or r.proc.poll() is not None for r in active), 60, interval=0.2,
+                 message="relays to start")
         assert all(r.proc.poll() is None for r in active), [r.log_path.read_text()[-2000:] for r in active]
 
         # --- fault phase: write a batch, strike while it is in flight, let it breathe ---

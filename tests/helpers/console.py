@@ -14,6 +14,7 @@ from typing import Any
 import psycopg
 
 from outbox_relay.config import Settings, load_settings
+from tests.helpers.db import row_states as row_states  # re-exported: the console tests read row states here
 
 
 def quoted(table: str) -> str:
@@ -39,13 +40,6 @@ def seed_dead(dsn: str, table: str, n: int, *, event_type: str = "PaymentCapture
              "payload": json.dumps(payload or {"amount": 100}), "status": status, "attempts": attempts,
              "err": last_error if status == "dead" else None, "age": age_seconds, "n": n}).fetchall()]
     return sorted(ids)
-
-
-def row_states(dsn: str, table: str, ids: list[int]) -> dict[int, tuple[str, int]]:
-    """id -> (status, attempts)."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        return {r[0]: (r[1], r[2]) for r in conn.execute(
-            f"SELECT id, status, attempts FROM {quoted(table)} WHERE id = ANY(%s)", (ids,)).fetchall()}
 
 
 def console_settings(dsn: str, table: str, *, token: str | None = None, **console: Any) -> Settings:

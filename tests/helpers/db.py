@@ -6,7 +6,9 @@
 - ``insert_rows``: n fresh rows through the real ``enqueue()``.
 - ``run_sql``: the one way to run a statement against the test table (``{t}`` is the
   quoted table name).
-- ``rows``/``statuses``: read back; ``wait_for``: a bounded correctness wait.
+- ``rows``/``statuses``: read back; ``row_states``/``row_state``: the one way to read
+  given rows' state (id -> chosen columns); ``wait_for`` (from ``tests.helpers.wait``,
+  re-exported here): the one bounded correctness wait.
 - ``ON_DONE``: the ``relay.on_done`` mode the suite runs in (``OUTBOX_RELAY_TEST_ON_DONE``,
   default keep; ``./dev test`` has a pass in delete mode). The ``store`` and
   ``make_settings`` fixtures and ``cli_env`` use it, so the table's mode and the
@@ -18,12 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
+
+from tests.helpers.wait import wait_for as wait_for  # re-exported: tests import it with the db helpers
 
 ON_DONE = os.environ.get("OUTBOX_RELAY_TEST_ON_DONE", "keep")
 if ON_DONE not in ("keep", "delete"):
@@ -102,16 +105,22 @@ def statuses(dsn: str, table: str) -> dict[str, int]:
     return {status: int(n) for status, n in run_sql(dsn, table, "SELECT status, count(*) FROM {t} GROUP BY status")}
 
 
-def wait_for(predicate: Callable[[], Any], timeout: float = 90, interval: float = 0.1,
-             message: str = "condition") -> Any:
-    """Poll until ``predicate()`` is truthy (bounded); a correctness wait, not a timing assertion."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {message}")
+ROW_STATE_COLUMNS = ("status", "attempts", "lease_version", "lease_owner", "lease_until", "last_error", "done_at")
+
+
+def row_states(dsn: str, table: str, ids: Sequence[int],
+               columns: Sequence[str] = ("status", "attempts")) -> dict[int, tuple[Any, ...]]:
+    """The one way to read rows' state: id -> the values of ``columns`` (row ids that
+    do not exist are absent)."""
+    query = sql.SQL("SELECT id, {} FROM {} WHERE id = ANY(%s)").format(
+        sql.SQL(", ").join(sql.Identifier(c) for c in columns), sql.Identifier(*table.split(".")))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return {r[0]: tuple(r[1:]) for r in conn.execute(query, (list(ids),)).fetchall()}
+
+
+def row_state(dsn: str, table: str, row_id: int, columns: Sequence[str] = ROW_STATE_COLUMNS) -> dict[str, Any]:
+    """One row's state by column name (``row_states`` for one id); KeyError if it is gone."""
+    return dict(zip(columns, row_states(dsn, table, [row_id], columns)[row_id], strict=True))
 
 
 def delivered(dsn: str, table: str, ids: Sequence[int]) -> set[int]:

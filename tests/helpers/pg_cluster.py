@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -256,16 +255,3 @@ class TempServers:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def wait_until(predicate: Any, timeout_seconds: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout_seconds
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except psycopg.Error:
-            value = None
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout_seconds:.0f}s waiting for {what}")

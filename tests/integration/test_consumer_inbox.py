@@ -17,7 +17,7 @@ from outbox_relay.consumer import DeliveryId, Inbox, delivery_id
 from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import build_message, load_publisher
 from outbox_relay.runtime.worker import Worker, WorkerConfig
-from tests.helpers.db import insert_rows, statuses
+from tests.helpers.db import insert_rows, run_sql, statuses, wait_for
 
 ROWS = 12
 
@@ -54,11 +54,12 @@ def test_redelivered_messages_are_applied_once(fmt, make_settings, store, pg_dsn
         # Worker 1 claims (with a short lease), publishes, then "dies": no finalize.
         cfg = WorkerConfig.from_settings(settings, publisher, owner="crashing", lease_seconds=0.5)
         crashed = Worker(0, store, publisher, cfg, RelayMetrics())
-        claimed_at = time.monotonic()
         claimed = crashed.claim()
         messages = [build_message(row, cfg.wire_format or cfg.topic_template) for row in claimed]
         assert publisher.publish_batch(messages, timeout_seconds=10) == [None] * ROWS
-        time.sleep(max(0.0, claimed_at + 0.6 - time.monotonic()))  # its lease expires
+        wait_for(lambda: run_sql(pg_dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
+                                 ([c.id for c in claimed],))[0][0],
+                 timeout=10, interval=0.05, message="the crashed worker's leases to expire")
         # Worker 2 takes the expired leases over and publishes everything again.
         survivor = Worker(1, store, publisher, WorkerConfig.from_settings(settings, publisher, owner="survivor"),
                           RelayMetrics())

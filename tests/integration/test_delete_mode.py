@@ -4,8 +4,6 @@ and `run` refuses a relay whose setting differs from the table's."""
 
 from __future__ import annotations
 
-import time
-
 import psycopg
 import pytest
 
@@ -41,7 +39,8 @@ def test_finalize_deletes_done_rows_under_the_fence_and_keeps_the_rest(delete_st
 
     a, b, c, d = insert_rows(pg_dsn, table, 4)
     claimed = {r.id: r for r in _claim(delete_store, lease=0.2)}
-    time.sleep(0.3)  # the lease of A's claim expires; B takes d over
+    wait_for(lambda: run_sql(pg_dsn, table, "SELECT bool_and(lease_until < now()) FROM {t}")[0][0],
+             timeout=10, message="the lease of A's claim to expire")  # then B takes them over
     again = _claim(delete_store, owner="B")
     assert [r.id for r in again] == [a, b, c, d]
     stale = delete_store.finalize([FinalizeItem(d, claimed[d].lease_version, "done")])

@@ -120,7 +120,7 @@ def test_printed_grants_are_exactly_enough(pg_dsn: str, table: str, store: Any, 
             .format(ident), (backlog[:3],)).fetchall()]
     operator_env = cli_env(as_role(pg_dsn, roles["operator"]), table)
     for args in (["status", "--json"], ["dead", "list", "--json"], ["dead", "retry", str(dead[0])],
-                 ["dead", "skip", str(dead[1])], ["dead", "retry", "--all"], ["purge", "--older-than", "0s"]):
+                 ["dead", "skip", str(dead[1]), "--reason", "test"], ["dead", "retry", "--all"], ["purge", "--older-than", "0s"]):
         result = cli(*args, env=operator_env)
         assert result.returncode == 0, f"{args}: {result.stderr}"
     with psycopg.connect(pg_dsn, autocommit=True) as owner:

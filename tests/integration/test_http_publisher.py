@@ -24,7 +24,7 @@ from outbox_relay.publishers.http import HttpPublisher
 from outbox_relay.runtime.relay import Relay
 from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import ROOT, cli, cli_env
-from tests.helpers.db import insert_rows, wait_for
+from tests.helpers.db import insert_rows, run_sql, wait_for
 from tests.helpers.http_target import HttpTarget, Step
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
@@ -292,7 +292,8 @@ def test_same_idempotency_key_across_a_lease_takeover(make_settings, store, pg_d
         thread = threading.Thread(target=lambda: result_a.update(r=a.process([claimed_a])))
         thread.start()
         wait_for(lambda: target.requests_for(row), message="A's request")
-        time.sleep(0.8)  # A's lease (0.6 s) has expired; its request is still in flight
+        wait_for(lambda: run_sql(pg_dsn, table, "SELECT lease_until < now() FROM {t} WHERE id = %s", (row,))[0][0],
+                 timeout=10, interval=0.05, message="A's lease to expire")  # its request is still in flight
         [claimed_b] = b.claim()
         assert claimed_b.id == row and claimed_b.lease_version == claimed_a.lease_version + 1
         result_b = b.process([claimed_b])

@@ -221,7 +221,7 @@ def test_every_command_works_through_pgbouncer(pgbouncer, pg_dsn, table):
         "status": cli("status", "--json", env=env),
         "dead list": cli("dead", "list", "--json", env=env),
         "dead retry": cli("dead", "retry", str(dead[0]), env=env),
-        "dead skip": cli("dead", "skip", str(dead[1]), env=env),
+        "dead skip": cli("dead", "skip", str(dead[1]), "--reason", "test", env=env),
         "dead retry --all": cli("dead", "retry", "--all", env=env),
         "purge": cli("purge", "--older-than", "1h", env=env),
     }

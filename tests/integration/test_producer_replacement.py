@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import time
 import uuid
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from confluent_kafka import Producer
 
 from outbox_relay.publisher import Message
 from outbox_relay.publishers.kafka import from_settings
+from tests.helpers.wait import wait_for
 
 # Exercises the broker rather than PostgreSQL's SQL: ./dev runs it on the first pass only.
 pytestmark = pytest.mark.first_pass_only
@@ -32,15 +32,6 @@ def _librdkafka_instances() -> int:
     return count
 
 
-def _wait_for(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 def test_replaced_producers_are_released_with_their_threads(make_settings, broker):
     topic = "replace-" + uuid.uuid4().hex[:8]
     messages = [Message(id=i, topic=topic, key=f"k{i}", value=json.dumps({"n": i}), headers=[],
@@ -55,7 +46,8 @@ def test_replaced_producers_are_released_with_their_threads(make_settings, broke
             replaced_ids.append(id(publisher._producer))
             generation = publisher.generation
             publisher.request_replacement("test")
-            assert _wait_for(lambda generation=generation: publisher.generation > generation)
+            wait_for(lambda generation=generation: publisher.generation > generation, timeout=10, interval=0.05,
+                     message="the producer to be replaced")
             assert publisher.publish_batch(messages, timeout_seconds=20) == [None] * 50
         gc.collect()
         current = publisher._producer
@@ -65,7 +57,9 @@ def test_replaced_producers_are_released_with_their_threads(make_settings, broke
         del current, live
         # One librdkafka instance for the current producer (none made for isolation here).
         assert publisher.isolation._producer is None
-        assert _wait_for(lambda: _librdkafka_instances() == before + 1), (before, _librdkafka_instances())
+        wait_for(lambda: _librdkafka_instances() == before + 1, timeout=10, interval=0.05,
+                 message=f"one librdkafka instance more than {before}")
     finally:
         publisher.close()
-    assert _wait_for(lambda: _librdkafka_instances() == before)
+    wait_for(lambda: _librdkafka_instances() == before, timeout=10, interval=0.05,
+             message=f"the librdkafka instances back to {before}")

@@ -35,7 +35,7 @@ from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import Defer, Message, PermanentError, RetryableError, SimplePublisher
 from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import ROOT
-from tests.helpers.db import DELETE_MODE, assert_delivered, insert_rows, rows, run_sql
+from tests.helpers.db import DELETE_MODE, assert_delivered, insert_rows, row_state, rows, run_sql, wait_for
 
 CHILD = Path(__file__).resolve().parent.parent / "helpers" / "claim_child.py"
 
@@ -82,23 +82,10 @@ def worker_config(**overrides: object) -> WorkerConfig:
     return WorkerConfig(**values)  # type: ignore[arg-type]
 
 
-def row_state(dsn: str, table: str, row_id: int) -> dict[str, object]:
-    [r] = run_sql(dsn, table, "SELECT status, attempts, lease_version, lease_owner, lease_until, last_error, "
-                              "done_at FROM {t} WHERE id = %s", (row_id,))
-    keys = ("status", "attempts", "lease_version", "lease_owner", "lease_until", "last_error", "done_at")
-    return dict(zip(keys, r))
-
-
 def wait_leases_expired(dsn: str, table: str, ids: Sequence[int], timeout: float = 10.0) -> None:
-    """Sleep until the database's own clock says every lease of ``ids`` has expired."""
-    deadline = time.monotonic() + timeout
-    while True:
-        [(expired,)] = run_sql(dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
-                               (list(ids),))
-        if expired:
-            return
-        assert time.monotonic() < deadline, f"leases of {ids} never expired"
-        time.sleep(0.05)
+    """Until the database's own clock says every lease of ``ids`` has expired."""
+    wait_for(lambda: run_sql(dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
+                             (list(ids),))[0][0], timeout=timeout, interval=0.05, message=f"leases of {ids} to expire")
 
 
 def make_due(dsn: str, table: str) -> None:

@@ -31,8 +31,9 @@ from outbox_relay import enqueue
 from outbox_relay._embedded.embedded import read_messages
 from outbox_relay.db.store import OutboxStore
 from tests.helpers.audit import check_audit, install_audit
-from tests.helpers.pg_cluster import TempServers, pg_missing_reason, wait_until
+from tests.helpers.pg_cluster import TempServers, pg_missing_reason
 from tests.helpers.relay_process import RelayProcess, relay_env
+from tests.helpers.wait import wait_for
 
 TABLE = "public.outbox"
 BACKLOG_ROWS = 20_000
@@ -109,9 +110,9 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
         # commit would hang). A failover manager (e.g. Patroni) does the same at promotion.
         standby.configure({"synchronous_standby_names": "", "wal_retrieve_retry_interval": "500ms"})
         standby.start()
-        wait_until(lambda: primary.execute(
+        wait_for(lambda: primary.execute(
             "SELECT 1 FROM pg_stat_replication WHERE application_name = 'standby1' AND sync_state = 'sync'"),
-            30, "the standby to be synchronous")
+            30, message="the standby to be synchronous", ignoring=(psycopg.Error,))
 
         with OutboxStore(primary.dsn(), TABLE, pool_size=1) as setup:
             setup.migrate()
@@ -141,8 +142,8 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
             for relay in relays:
                 relay.wait_started()
             writer.start()
-            wait_until(lambda: _done_count(primary.dsn()) >= BACKLOG_ROWS * KILL_AFTER_DONE_FRACTION, 60,
-                       "the relays to be mid-drain", interval=0.02)
+            wait_for(lambda: _done_count(primary.dsn()) >= BACKLOG_ROWS * KILL_AFTER_DONE_FRACTION, 60,
+                     message="the relays to be mid-drain", interval=0.02, ignoring=(psycopg.Error,))
 
             done_at_kill = _done_count(primary.dsn())
             killed_at = time.monotonic()
@@ -150,9 +151,10 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
             standby.promote()
             promoted_seconds = time.monotonic() - killed_at
             done_at_promotion = _done_count(standby.dsn())
-            resumed_seconds = wait_until(
+            resumed_seconds = wait_for(
                 lambda: _done_count(standby.dsn()) > done_at_promotion and time.monotonic() - killed_at,
-                DRAIN_TIMEOUT_SECONDS, "deliveries to resume on the new primary", interval=0.05)
+                DRAIN_TIMEOUT_SECONDS, message="deliveries to resume on the new primary", interval=0.05,
+                ignoring=(psycopg.Error,))
             # Let the writer commit on the new primary for a moment, then stop it.
             time.sleep(1.0)
             writer.stop.set()
@@ -164,8 +166,8 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
                                         "WHERE status IN ('pending', 'processing'))").fetchone()[0]
                 return None if busy else time.monotonic() - killed_at
 
-            drained_seconds = wait_until(drained, DRAIN_TIMEOUT_SECONDS, "the backlog to drain after the failover",
-                                         interval=0.1)
+            drained_seconds = wait_for(drained, DRAIN_TIMEOUT_SECONDS, interval=0.1, ignoring=(psycopg.Error,),
+                                       message="the backlog to drain after the failover")
             exited = {r.name: r.proc.returncode for r in relays if not r.alive()}
             assert not exited, f"relays exited during the failover: {exited}\n" + \
                 "\n".join(r.output()[-2000:] for r in relays)

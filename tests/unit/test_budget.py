@@ -4,9 +4,9 @@ exception for a single large row, waiting and stopping."""
 from __future__ import annotations
 
 import threading
-import time
 
 from outbox_relay.core.budget import InFlightBudget
+from tests.helpers.wait import wait_for
 
 
 class Gauge:
@@ -43,8 +43,8 @@ def test_reserve_waits_for_a_release_and_stops_on_request():
     got: list[bool] = []
     waiter = threading.Thread(target=lambda: got.append(budget.reserve(50, threading.Event())))
     waiter.start()
-    time.sleep(0.1)
-    assert got == [] and budget.waits == 1  # still waiting
+    wait_for(lambda: budget.waits == 1, timeout=10, message="the reserve to block")
+    assert got == []  # still waiting
     budget.release(90)
     waiter.join(5)
     assert got == [True] and budget.used_bytes == 50

@@ -40,9 +40,13 @@ from ...db.store import STATUSES, Count, OutboxStore
 from ...db.vacuum_health import HorizonClock
 from ...errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
 from ..operations import (
+    API_WORDING,
+    FORM_WORDING,
     Action,
+    OperatorRuleError,
     blocking_head,
     change_dead,
+    check_dead_change,
     diagnose_aggregate,
     jsonable,
     preview_dead,
@@ -65,7 +69,7 @@ log = structlog.get_logger("outbox_relay.console")
 HERE = Path(__file__).resolve().parent
 MAX_BODY_BYTES = 1_000_000
 MAX_IDS = 100_000
-MAX_REASON_CHARS = 1000
+API_SELECTIONS = ("ids", "filter", "all")  # the fields of a retry/skip body that select rows
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 SECURITY_HEADERS = [
     # No script may run at all: the console needs none, and a payload that slipped
@@ -450,11 +454,12 @@ class Console:
                        "reload the page and try again")
         if refusal is not None:
             return self.render(request, who, "error.html", {"title": "Refused", "message": refusal}, 403)
-        reason = (values.get("reason") or [""])[0].strip()[:MAX_REASON_CHARS] or None
-        if action == "skip" and not reason:
-            return await self._render_preview(request, who, action, values,
-                                              error="say why these rows are skipped: the reason is recorded",
-                                              status_code=400)
+        scope = (values.get("scope") or [""])[0]
+        try:
+            reason = check_dead_change(action, ids=scope == "ids", all_rows=scope == "all", filtered=scope == "filter",
+                                       reason=(values.get("reason") or [""])[0], dry_run=False, wording=FORM_WORDING)
+        except OperatorRuleError as exc:
+            return await self._render_preview(request, who, action, values, error=str(exc), status_code=400)
 
         def apply() -> int | None:
             _scope, selector = self._selection(values)
@@ -645,11 +650,14 @@ class Console:
             if not csrf_ok(who, request.headers.get("x-csrf-token")):
                 return self._json_error(403, "missing or wrong X-CSRF-Token for this session")
         reason = doc.get("reason")
-        if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
-            raise BadRequest(f"reason must be text of at most {MAX_REASON_CHARS} characters")
-        reason = reason.strip() if reason else None
-        if action == "skip" and not dry_run and not reason:
-            raise BadRequest('skip needs a "reason" (it is recorded in the audit trail and in last_error)')
+        if reason is not None and not isinstance(reason, str):
+            raise BadRequest("reason must be text")
+        given = {k for k in API_SELECTIONS if doc.get(k) not in (None, False)}
+        try:
+            reason = check_dead_change(action, ids="ids" in given, all_rows="all" in given, filtered="filter" in given,
+                                       reason=reason, dry_run=dry_run, wording=API_WORDING)
+        except OperatorRuleError as exc:
+            raise BadRequest(str(exc)) from None
         selector = self._api_selector(doc)
         budget_ms = self.count_budget_ms
 
@@ -667,10 +675,9 @@ class Console:
 
     @staticmethod
     def _api_selector(doc: dict[str, Any]) -> DeadFilter | dict[str, Any]:
-        """{"ids": [...]}, {"filter": {...}} or {"all": true}: exactly one."""
-        given = [k for k in ("ids", "filter", "all") if doc.get(k) not in (None, False)]
-        if len(given) != 1:
-            raise BadRequest('give exactly one of "ids": [...], "filter": {...} or "all": true')
+        """{"ids": [...]}, {"filter": {...}} or {"all": true}: exactly one (check_dead_change
+        has refused any other request)."""
+        given = [k for k in API_SELECTIONS if doc.get(k) not in (None, False)]
         if given[0] == "ids":
             ids = doc["ids"]
             if (not isinstance(ids, list) or not ids or len(ids) > MAX_IDS

@@ -1,0 +1,210 @@
+"""The transactional part of ``migrate``: numbered steps, each applied once per table.
+
+Two kinds of change, and the rule that says which is which:
+
+- A **numbered step** (``STEPS``) changes the table's layout the same way whatever the
+  options of the run. It is applied once per outbox table and recorded in the table's
+  companion ``<table>_migrations`` (step number, name, time), in the same transaction
+  as its change: either both commit or neither. A new layout change is a new step at
+  the end of ``STEPS``; a step already released is never edited or renumbered.
+- An **every-run step** (``EVERY_RUN``) depends on the options of this run or on
+  state that can drift: the table's ``on_done`` mode, the notify trigger on or off,
+  per-table storage parameters (fillfactor), keys written by older writers. It runs on
+  every migrate and must be idempotent (change nothing when there is nothing to do).
+  Indexes are of this kind too, but built outside the transaction (``CONCURRENTLY``)
+  by the store.
+
+Steps 1 to ``BASELINE`` describe the layouts migrate made before steps were
+recorded. Each checks what exists (or uses ``IF NOT EXISTS``), so on an installation
+of such a layout it recognises what is there, changes only what is missing, and is
+recorded: after that first run, the record alone decides. A step after ``BASELINE``
+runs only on tables recorded up to the step before it and needs no such check.
+
+Concurrency: the store runs ``apply`` under the table's migrate advisory lock (taken
+by polling) and inside one transaction with a lock timeout; two migrates of the same
+table therefore run one after the other, and the second finds every step recorded.
+The record's primary key (the step number) turns a step applied twice into an error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from .autovacuum import check_overrides, parse_reloptions, plan
+from .schema import FILLFACTOR, TableSql
+
+
+@dataclass
+class MigrationRun:
+    """What one migrate run knows while it applies steps: its connection (inside the
+    transaction), the table's statements, the run's options, and the operator notes."""
+
+    conn: psycopg.Connection[Any]
+    sql: TableSql
+    on_done: str
+    notify_trigger: bool
+    wanted_indexes: Sequence[str]
+    autovacuum: Mapping[str, str] = field(default_factory=dict)  # database.autovacuum: the operator's values
+    created: bool = False  # the outbox table did not exist when this run started
+    notes: list[str] = field(default_factory=list)
+
+    def one(self, name: str, params: dict[str, Any] | None = None) -> Any:
+        """The first column of the first row of a section, or None."""
+        row = self.conn.execute(self.sql.query(name), params).fetchone()
+        return row[0] if row else None
+
+    def run(self, name: str) -> None:
+        """A section of one or more statements (split on ';' at line ends)."""
+        for statement in self.sql.statements(name):
+            self.conn.execute(statement)
+
+
+@dataclass(frozen=True)
+class Step:
+    number: int
+    name: str
+    apply: Callable[[MigrationRun], None]
+
+
+# --- numbered steps (never edit one that was released: add a new one) ----------------
+
+def _create_table(run: MigrationRun) -> None:
+    """The outbox table with its fillfactor; on a table created now, the indexes of the
+    layout in this transaction (plain CREATE INDEX on an empty table)."""
+    run.conn.execute(run.sql.query("create_table"))
+    if run.created:
+        for key in run.wanted_indexes:
+            run.conn.execute(run.sql.index_ddl(key, concurrently=False))
+
+
+def _add_dedup_key(run: MigrationRun) -> None:
+    # ADD COLUMN IF NOT EXISTS takes an exclusive lock even when the column exists.
+    if not run.one("column_exists", {"table": run.sql.regclass_text, "column": "dedup_key"}):
+        run.conn.execute(run.sql.query("add_dedup_key"))
+
+
+def _create_state_table(run: MigrationRun) -> None:
+    run.run("create_state_table")
+    if not run.one("state_has_on_done", {"state_table": run.sql.regclass_of("relay_state")}):
+        run.conn.execute(run.sql.query("add_on_done"))
+
+
+def _create_audit_table(run: MigrationRun) -> None:
+    run.conn.execute(run.sql.query("create_audit_table"))  # who retried/skipped which dead rows, and why
+
+
+def _create_dedup_keys(run: MigrationRun) -> None:
+    run.conn.execute(run.sql.query("create_dedup_keys"))
+
+
+def _add_autovacuum_applied(run: MigrationRun) -> None:
+    """The state table records which autovacuum parameters migrate set, so that an
+    operator's own value (or RESET) is told apart from ours and never overwritten."""
+    run.conn.execute(run.sql.query("add_autovacuum_applied"))
+
+
+STEPS: tuple[Step, ...] = (
+    Step(1, "create_table", _create_table),
+    Step(2, "add_dedup_key", _add_dedup_key),
+    Step(3, "create_state_table", _create_state_table),
+    Step(4, "create_audit_table", _create_audit_table),
+    Step(5, "create_dedup_keys", _create_dedup_keys),
+    Step(6, "add_autovacuum_applied", _add_autovacuum_applied),
+)
+#: The last step of the layouts made before steps were recorded (see the module docstring).
+BASELINE = 5
+
+
+# --- every-run steps (idempotent, depend on the run's options) -----------------------
+
+def _fillfactor(run: MigrationRun) -> None:
+    """A table without a fillfactor of its own gets the layout's (an operator's own
+    value is kept); a table created now has it from its DDL."""
+    if run.one("table_fillfactor", {"table": run.sql.regclass_text}) is None:
+        run.conn.execute(run.sql.query("set_fillfactor"))
+        run.notes.append(f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and "
+                         "finalize on the same page)")
+
+
+def _autovacuum(run: MigrationRun) -> None:
+    """The queue table's autovacuum parameters (autovacuum.py decides, this writes):
+    the operator's database.autovacuum values, the queue defaults for the rest, and
+    never over a value the table got from someone else."""
+    row = run.conn.execute(run.sql.query("autovacuum_state"), {"table": run.sql.regclass_text}).fetchone()
+    current = parse_reloptions(row[0] if row else None)
+    applied = {str(k): str(v) for k, v in ((row[1] if row else None) or {}).items()}
+    changes, record, kept = plan(current, applied, check_overrides(run.autovacuum))
+    for change in changes:
+        parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
+        if change.value is None:
+            run.conn.execute(run.sql.query("reset_storage_parameter", parameter=parameter))
+        else:
+            run.conn.execute(run.sql.query("set_storage_parameter", parameter=parameter,
+                                           value=sql.Literal(change.value)))
+    if record != applied:
+        run.conn.execute(run.sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)})
+    run.notes += [f"kept {k}" for k in kept]
+    if changes and not run.created:
+        run.notes.append("autovacuum: " + ", ".join(
+            f"{c.parameter} = {c.value}" if c.value is not None else f"{c.parameter} reset" for c in changes)
+            + " (a queue table: see the MVCC pressure page of the documentation)")
+
+
+def _on_done_mode(run: MigrationRun) -> None:
+    if run.one("set_on_done", {"on_done": run.on_done}):
+        run.notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
+                         "kept so far stay until purge" if run.on_done == "delete" else
+                         "finalize now keeps delivered rows as done (relay.on_done = keep)")
+
+
+def _backfill_dedup_keys(run: MigrationRun) -> None:
+    """Keys of rows written by an enqueue() older than the key table."""
+    run.conn.execute(run.sql.query("backfill_dedup_keys"))
+
+
+def _notify_trigger(run: MigrationRun) -> None:
+    if run.notify_trigger:
+        run.conn.execute(run.sql.query("create_notify_function"))
+        exists = run.one("notify_trigger_exists", {"table": run.sql.regclass_text,
+                                                   "trigger": run.sql.notify_trigger_name})
+        if not exists:  # creating a trigger locks the table against writers: only when missing
+            run.conn.execute(run.sql.query("create_notify_trigger"))
+    else:
+        run.run("drop_notify_trigger")
+
+
+EVERY_RUN: tuple[Callable[[MigrationRun], None], ...] = (
+    _fillfactor, _autovacuum, _on_done_mode, _backfill_dedup_keys, _notify_trigger)
+
+
+def apply(run: MigrationRun) -> list[int]:
+    """Bring the table up to the last step, then run the every-run steps; returns the
+    numbers of the steps applied now. The caller holds the advisory lock and the
+    transaction (with its lock timeout)."""
+    conn, table_sql, steps = run.conn, run.sql, STEPS
+    # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
+    # exists: an owner that owns only its schema must still migrate.
+    if table_sql.schema_name and not run.one("schema_exists", {"schema": '"' + table_sql.schema_name + '"'}):
+        conn.execute(table_sql.query("create_schema"))
+    run.created = not run.one("table_exists", {"table": table_sql.regclass_text})
+    conn.execute(table_sql.query("create_migrations_table"))
+    done = {int(row[0]) for row in conn.execute(table_sql.query("migrations_applied")).fetchall()}
+    applied: list[int] = []
+    for step in steps:
+        if step.number in done:
+            continue
+        step.apply(run)
+        conn.execute(table_sql.query("record_migration"), {"step": step.number, "name": step.name})
+        applied.append(step.number)
+    if applied and not run.created and done:
+        run.notes.append("applied migration steps " + ", ".join(
+            f"{s.number:04d} {s.name}" for s in steps if s.number in applied))
+    for every_run in EVERY_RUN:
+        every_run(run)
+    return applied
