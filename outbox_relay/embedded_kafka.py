@@ -81,8 +81,12 @@ def free_port() -> int:
 
 def new_cluster_id() -> str:
     """A cluster id as ``kafka-storage.sh random-uuid`` prints it (URL-safe base64 of
-    16 random bytes, no padding)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    16 random bytes, no padding), never starting with "-" (Kafka's ``Uuid.randomUuid``
+    skips those too: a command line would read it as an option)."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
 
 
 # -- finding Java and the jars ------------------------------------------------------

@@ -68,8 +68,10 @@ def _drain_through(cluster: KafkaCluster, make_settings: Callable[..., Any], pg_
         relay.stop()
     assert statuses(pg_dsn, table) == {"done": ROWS}
     assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
+    heal(cluster, topic)  # read with every replica back in sync
     seen = _read_back(cluster, topic, ids)
-    assert set(ids) - set(seen) == set(), "rows acknowledged by the cluster are missing"
+    missing = sorted(set(ids) - set(seen))
+    assert missing == [], f"{len(missing)} rows acknowledged by the cluster are missing, e.g. {missing[:20]}"
     duplicates = sum(count - 1 for count in seen.values())
     record_property("duplicates", duplicates)
     record_property("seconds_from_fault_to_all_delivered", round(recovery_seconds, 1))
