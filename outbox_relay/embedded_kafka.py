@@ -64,6 +64,9 @@ SMALL_MACHINE_PROPERTIES: dict[str, str] = {
     "offsets.topic.num.partitions": "4",
     "transaction.state.log.num.partitions": "4",
     "group.initial.rebalance.delay.ms": "0",
+    # Three JVMs starting together on two busy cores can take minutes to form their
+    # quorum: a node gives up (and exits) after this long without registering.
+    "initial.broker.registration.timeout.ms": "300000",
     "auto.create.topics.enable": "true",
     "num.partitions": "1",
 }
