@@ -53,7 +53,8 @@ def test_killed_broker_restarted_on_its_data_serves_every_acknowledged_message(o
         relay.stop()
     assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
     wanted = set(ids)
-    messages = read_messages(own_broker.bootstrap_servers, [topic], expected=ROWS, timeout=120, partitions=3,
+    # ``expected`` counts messages, duplicates included: stop on the ids instead.
+    messages = read_messages(own_broker.bootstrap_servers, [topic], expected=10 * ROWS, timeout=120, partitions=3,
                              stop_when=lambda out: wanted <= {int(m["headers"]["message_id"]) for m in out})
     seen = collections.Counter(int(m["headers"]["message_id"]) for m in messages)
     assert wanted - set(seen) == set(), "acknowledged messages missing after the restart"
