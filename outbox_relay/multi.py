@@ -58,20 +58,16 @@ PER_SOURCE_FAMILIES = frozenset({
 })
 
 
-def has_due_rows(store: OutboxStore, timeout_ms: int) -> bool:
-    """Is a row claimable now (a due pending row or an expired lease)? Two index probes:
-    the front of the pending index and the front of the processing index."""
+def has_due_rows(store: OutboxStore) -> bool:
+    """Is a row claimable now (a due pending row or an expired lease)? One statement, two
+    index probes: the front of the pending index and the front of the processing index
+    (bounded by the connection's statement_timeout, database.statement_timeout_ms)."""
     query = sql.SQL(
         "SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND available_at <= now()) "
         "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing' AND lease_until < now())").format(
         t=store.sql.ident)
     with store.connection() as conn:
-        if timeout_ms:
-            with conn.transaction():
-                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
-                row = conn.execute(query).fetchone()
-        else:
-            row = conn.execute(query).fetchone()
+        row = conn.execute(query).fetchone()
     return bool(row and row[0])
 
 
@@ -283,7 +279,7 @@ class MultiRelay:
                     if problem is not None:
                         self._probe_failed(name, runtime, problem, state)
                         return
-                has_work = has_due_rows(runtime.store, self.settings.metrics.query_timeout_ms)
+                has_work = has_due_rows(runtime.store)
             except DatabaseError as exc:
                 self._probe_failed(name, runtime, str(exc), state)
                 return
@@ -436,13 +432,16 @@ class MultiRelay:
                     self.scheduler.done(name)
                     raise
                 batch.held_bytes = held
-            self._finish(in_flight)
-            in_flight = None
-            if self.publisher.pipelines:
-                in_flight = (runtime, worker, batch)
-            else:
+            if len(rows) < runtime.cfg.batch_size or not self.publisher.pipelines:
+                # A short batch (a quiet source's few rows) is finished at once, before
+                # the previous batch: its latency is its own acknowledgements and a small
+                # finalize, never another source's 1000-row finalize or next claim.
                 self._finish((runtime, worker, batch))
+                self._finish(in_flight)
                 in_flight = None
+            else:
+                self._finish(in_flight)
+                in_flight = (runtime, worker, batch)
         self._finish(in_flight)
 
     def _finish(self, in_flight: tuple[SourceRuntime, Worker, Any] | None) -> None:

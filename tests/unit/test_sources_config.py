@@ -67,7 +67,7 @@ def test_several_sources_need_a_name_on_the_command_line():
 
 def test_unknown_source_setting_in_the_environment_is_refused(monkeypatch):
     monkeypatch.setenv("OUTBOX_RELAY_SOURCES__A__DNS", "postgresql://h/a")
-    with pytest.raises(ConfigError, match="OUTBOX_RELAY_SOURCES__A__DNS.*did you mean OUTBOX_RELAY_SOURCES__A__DSN"):
+    with pytest.raises(ConfigError, match=r"OUTBOX_RELAY_SOURCES__A__DNS.*did you mean OUTBOX_RELAY_SOURCES__A__DSN"):
         load_settings()
 
 
@@ -140,11 +140,11 @@ def test_a_short_claim_makes_a_source_idle_unless_it_was_marked_due_again():
     s.add("a")
     s.probes_due()
     s.probed("a", has_work=True)
-    name, epoch = s.next_due(0)
+    _name, epoch = s.next_due(0)
     s.mark_due(["a"])  # a newer signal arrives while the claim runs
     s.claimed("a", epoch, rows=3, batch_size=100)
     assert s.due_count() == 1
-    name, epoch = s.next_due(0)
+    _name, epoch = s.next_due(0)
     s.claimed("a", epoch, rows=3, batch_size=100)
     assert s.due_count() == 0 and s.next_due(0) is None
     # Idle: probed again after probe_min, then backing off to probe_max.
@@ -168,9 +168,9 @@ def test_a_failing_source_leaves_the_ring_and_backs_off_alone():
     s.probes_due()
     s.probed("up", has_work=True)
     s.probed("down", has_work=True)
-    name, epoch = s.next_due(0)
+    name, _epoch = s.next_due(0)
     assert name == "up"
-    name, epoch = s.next_due(0)
+    name, _epoch = s.next_due(0)
     assert name == "down"
     delay = s.failed("down", "connection refused")
     assert 0.1 <= delay <= 30.1
@@ -189,7 +189,7 @@ def test_a_retired_source_is_never_handed_out_and_its_batches_are_awaited():
     s.add("gone")
     s.probes_due()
     s.probed("gone", has_work=True)
-    name, _ = s.next_due(0)
+    _name, _ = s.next_due(0)
     state = s.retire("gone")
     assert state is not None and s.next_due(0) is None
     assert not s.wait_inactive("gone", state, timeout=0)
