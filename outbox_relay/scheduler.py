@@ -67,6 +67,8 @@ class SourceScheduler:
         self._cond = threading.Condition()
         self._states: dict[str, SourceState] = {}
         self._ring: collections.deque[str] = collections.deque()
+        # Retired sources whose batches are still in flight (done() counts them down).
+        self._retiring: dict[str, SourceState] = {}
         self._probe_min = probe_min_seconds
         self._probe_max = max(probe_min_seconds, probe_max_seconds)
         self._error_cap = error_cap_seconds
@@ -88,6 +90,7 @@ class SourceScheduler:
         with self._cond:
             state = self._states.pop(name, None)
             if state is not None:
+                self._retiring[name] = state
                 state.retired = True
                 state.due = False
                 self._drop_from_ring(name)
@@ -100,8 +103,11 @@ class SourceScheduler:
             while state.active > 0:
                 left = deadline - self._clock()
                 if left <= 0:
+                    self._retiring.pop(name, None)  # given up: the leases of what is left expire
                     return False
                 self._cond.wait(min(left, 0.5))
+            if self._retiring.get(name) is state:
+                del self._retiring[name]
             return True
 
     def names(self) -> list[str]:
@@ -175,7 +181,7 @@ class SourceScheduler:
     def done(self, name: str, state: SourceState | None = None) -> None:
         """A worker finished (finalized or gave up) a batch of ``name``."""
         with self._cond:
-            target = state or self._states.get(name)
+            target = state or self._states.get(name) or self._retiring.get(name)
             if target is not None and target.active > 0:
                 target.active -= 1
             self._cond.notify_all()
