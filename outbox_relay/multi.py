@@ -86,6 +86,9 @@ class SourceRuntime:
     opened: bool = False
     workers: dict[int, Worker] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Held by the probe and the gauge refresh: an idle source's two readers take turns
+    #: on the pool's one connection instead of opening a second one.
+    reading: threading.Lock = field(default_factory=threading.Lock)
 
     def worker(self, index: int, relay: MultiRelay) -> Worker:
         with self.lock:
@@ -180,7 +183,7 @@ class MultiRelay:
         self.breaker: CircuitBreaker | None = None
         self.budget = InFlightBudget(settings.relay.max_in_flight_bytes, self.metrics.in_flight_bytes)
         self._threads: list[threading.Thread] = []
-        self._probe_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="source-probe")
+        self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="source-probe")
         self._server: MetricsServer | None = None
         self._started = False
         self._waiting_for: str | None = None
@@ -279,7 +282,8 @@ class MultiRelay:
                     if problem is not None:
                         self._probe_failed(name, runtime, problem, state)
                         return
-                has_work = has_due_rows(runtime.store)
+                with runtime.reading:
+                    has_work = has_due_rows(runtime.store)
             except DatabaseError as exc:
                 self._probe_failed(name, runtime, str(exc), state)
                 return
@@ -582,8 +586,13 @@ class _GaugeRefresher(PeriodicService):
                 return
             state = relay.scheduler.state(runtime.name)
             if runtime.refresher is not None and runtime.opened and state is not None and state.ready:
-                with structlog.contextvars.bound_contextvars(source=runtime.name):
-                    runtime.refresher.refresh_once()
+                if not runtime.reading.acquire(blocking=False):
+                    continue  # its probe is running: this source's gauges wait for the next round
+                try:
+                    with structlog.contextvars.bound_contextvars(source=runtime.name):
+                        runtime.refresher.refresh_once()
+                finally:
+                    runtime.reading.release()
             else:
                 m = runtime.metrics
                 m.oldest_pending_age_seconds.set(math.nan)
