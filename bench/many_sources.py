@@ -251,8 +251,14 @@ def release_and_drain(dsn: str, names: list[str], relay: RelayProcess, rows_held
 
 def published_done(port: int) -> float:
     """Rows finalized as done so far, over every source (the relay's own counter)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+    for attempt in range(5):  # a relay busy with 200 sources on a loaded machine can be slow to answer
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+                text = resp.read().decode()
+            break
+        except OSError:
+            if attempt == 4:
+                raise
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("outbox_relay_published_total{") and 'outcome="done"' in line)
 
