@@ -43,7 +43,7 @@ LABEL org.opencontainers.image.title="outbox-relay" \
       org.opencontainers.image.licenses="MIT"
 
 # MALLOC_ARENA_MAX=2: fewer glibc malloc arenas for the relay's many threads (each
-# librdkafka producer runs its own). Measured (README "Soak"): 12 broker restarts, each
+# librdkafka producer runs its own). Measured (bench/restart_rss.py): 12 broker restarts, each
 # with 4 000 messages in flight and the producer replaced, raised RSS by 18.0 MB with the
 # default and by 14.8 MB with 2 arenas, both levelling off after 3-5 restarts; replaced
 # producers and their threads are freed either way. A small effect, not a fix.

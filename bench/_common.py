@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 
-from outbox_relay.store import OutboxStore  # noqa: E402
+from outbox_relay.db.store import OutboxStore  # noqa: E402
 
 RUN_ID = uuid.uuid4().hex[:6]
 
@@ -76,7 +76,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, *, need_broker: bool = True) -> Iterator[tuple[str, str | None]]:
     """(dsn, bootstrap): the given ones, or embedded servers started (and stopped) here."""
-    from outbox_relay.embedded import EmbeddedBroker, EmbeddedPostgres
+    from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedPostgres
 
     tmp = Path(tempfile.mkdtemp(prefix="outbox-relay-bench-"))
     pg = broker = None
@@ -211,7 +211,7 @@ FROM generate_series(1, %(n)s) AS g
 def add_dead_aggregates(dsn: str, table: str, n: int, *, payload_bytes: int = 200, analyze: bool = True) -> None:
     """``n`` aggregates holding nothing but one old dead row each (ids below any later row;
     aggregate ids 'agg-<n>-dead' sort among the live 'agg-<n>' ones),
-    the operator's backlog of issue 16; then VACUUM, with ANALYZE unless the caller's
+    an operator's dead backlog; then VACUUM, with ANALYZE unless the caller's
     backlog is still to come (statistics of a table holding only dead rows would tell
     the planner that no row is ever pending)."""
     if n <= 0:
@@ -266,7 +266,7 @@ def create_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
 
 def unique_message_ids(bootstrap: str, topic: str, expected: int, timeout: float = 180.0) -> tuple[int, int]:
     """(unique message ids, total messages) read back from ``topic``."""
-    from outbox_relay.embedded import read_messages
+    from outbox_relay._embedded.embedded import read_messages
 
     messages = read_messages(bootstrap, [topic], expected=expected, timeout=timeout)
     ids = {m["headers"].get("message_id") for m in messages}  # type: ignore[union-attr]
@@ -279,7 +279,7 @@ def relay_command() -> list[str]:
     script = Path(sys.executable).with_name("outbox-relay")
     if script.exists():
         return [str(script)]
-    return [sys.executable, "-m", "outbox_relay.cli"]
+    return [sys.executable, "-m", "outbox_relay.operator.cli"]
 
 
 def relay_env(dsn: str, table: str, bootstrap: str, topic: str, **more: str) -> dict[str, str]:

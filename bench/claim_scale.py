@@ -17,7 +17,7 @@ CHECK wants lease_until set iff processing), then VACUUM (ANALYZE). On each:
 and prints EXPLAIN (ANALYZE, BUFFERS) of each statement on the large table (run in a
 transaction that is rolled back), and the large/small ratio. Target: claim within 2x.
 
-Dead-only aggregates (--parts dead; issue 16): one table per count in
+Dead-only aggregates (--parts dead; a dead backlog must not slow the claim): one table per count in
 --dead-aggregates (default 0, 20 000, 100 000) of aggregates holding nothing but one
 old dead row each, plus --dead-pending pending rows (20 000) over --dead-live
 aggregates (2 000), VACUUM (ANALYZE). On each: the ordered claim (as above), the
@@ -42,9 +42,9 @@ import _common as c
 import psycopg
 from psycopg import ClientCursor, sql
 
-from outbox_relay import store as store_module
+from outbox_relay.db import store as store_module
 from outbox_relay.config import load_settings
-from outbox_relay.store import OutboxStore, Reschedule
+from outbox_relay.db.store import OutboxStore, Reschedule
 
 DEFAULTS = load_settings(None)
 STATS = ("stats_backlog", "stats_expired", "stats_depth")

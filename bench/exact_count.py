@@ -4,7 +4,7 @@
 Inserts --dead rows straight as `dead` (a bad deploy) into a table that already has
 --done finished rows (ANALYZEd before the failure, as autovacuum would have), then:
 
-  capped + planner   what `status` reported before issue 18: exact up to
+  capped + planner   what `status` reported before exact counts: exact up to
                      metrics.exact_count_limit, above it max(limit, planner estimate)
   exact, cold        OutboxStore.exact_depth right after the insert (visibility map
                      not yet set: the index-only scan still visits the heap)
@@ -29,8 +29,8 @@ import psycopg
 from psycopg import sql
 
 from outbox_relay.config import load_settings
-from outbox_relay.filters import DeadFilter
-from outbox_relay.store import OutboxStore
+from outbox_relay.core.filters import DeadFilter
+from outbox_relay.db.store import OutboxStore
 
 DEFAULTS = load_settings(None)
 

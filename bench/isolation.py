@@ -45,7 +45,7 @@ from _common import (
 )
 from psycopg import sql
 
-from outbox_relay.embedded import EmbeddedBroker, free_port
+from outbox_relay._embedded.embedded import EmbeddedBroker, free_port
 
 # The topic's schema: the value must be an object with an integer "amount".
 VALUE_SCHEMA = {

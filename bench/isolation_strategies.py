@@ -31,7 +31,7 @@ from typing import Any
 from _common import emit, say
 from confluent_kafka import KafkaError, Producer
 
-from outbox_relay.embedded import EmbeddedBroker
+from outbox_relay._embedded.embedded import EmbeddedBroker
 
 SCHEMA = {"type": "object", "properties": {"value": {"type": "object", "properties": {
     "amount": {"type": "integer"}}, "required": ["amount"]}}}

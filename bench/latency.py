@@ -218,7 +218,7 @@ def measure_mode(dsn: str, bootstrap: str, args: argparse.Namespace, *, wakeups:
     table = c.new_table(f"lat_{label}")
     topic = f"bench.{c.RUN_ID}.latency-{label}"
     probe_topic = f"bench.{c.RUN_ID}.latency-{label}-probe"
-    from outbox_relay.embedded import free_port
+    from outbox_relay._embedded.embedded import free_port
 
     metrics_port = free_port()
     extra = {"OUTBOX_RELAY_METRICS__PORT": str(metrics_port), "OUTBOX_RELAY_METRICS__HOST": "127.0.0.1"}
@@ -346,7 +346,7 @@ class RelayFlagEmulator:
     once and goes idle again."""
 
     def __init__(self, dsn: str, table: str, idle_every: float) -> None:
-        from outbox_relay.schema import TableSql
+        from outbox_relay.db.schema import TableSql
 
         self._sql = TableSql(table)
         self._listen = psycopg.connect(dsn, autocommit=True)
@@ -416,7 +416,7 @@ def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> d
       attached, so every insert NOTIFYs — the worst case, and what a plain
       per-statement NOTIFY trigger would cost.
     """
-    from outbox_relay.schema import TableSql
+    from outbox_relay.db.schema import TableSql
 
     del bootstrap
     tables = {"no_trigger": c.new_table("ins_notrg"), "trigger_relays_busy": c.new_table("ins_busy"),

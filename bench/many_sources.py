@@ -53,7 +53,7 @@ from _common import (
 
 import psycopg  # isort: skip
 
-from outbox_relay.store import OutboxStore  # isort: skip
+from outbox_relay.db.store import OutboxStore  # isort: skip
 
 
 def db_dsn(dsn: str, name: str) -> str:

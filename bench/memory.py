@@ -11,7 +11,7 @@ Payloads are random hex (nothing compresses). The relay starts idle, the backlog
 COPYed in one transaction, and the drain is timed from that COMMIT until no row is
 pending or processing. Reported per run: events/s and the relay's peak RSS (VmHWM
 of /proc/<pid>/status after the drain). Every run is verified: all rows done and
-every message id read back from the topic. Target (issue 15): peak RSS <= 300 MB in
+every message id read back from the topic. Target (memory bounded by bytes): peak RSS <= 300 MB in
 all three with default settings.
 
     .venv/bin/python bench/memory.py                            # this checkout
@@ -96,7 +96,7 @@ def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
     c.create_topic(bootstrap, topic)
     env = c.relay_env(dsn, table, bootstrap, topic)
     env["PYTHONPATH"] = str(root)
-    command = [sys.executable, "-m", "outbox_relay.cli"]
+    command = [sys.executable, "-m", "outbox_relay.operator.cli"]
     log = Path(f"/tmp/outbox-relay-memory-{c.RUN_ID}-{name}-{index}.log")
     with log.open("wb") as out:
         proc = subprocess.Popen([*command, "run", "--workers", str(args.workers)], env=env, stdout=out,

@@ -18,7 +18,7 @@ size), on one connection per variant, the variants interleaved cycle by cycle:
                             (a reference, not a mode: an ALTER ROLE/DATABASE ... SET
                             statement_timeout costs the same but any client of the proxy
                             can change a shared server session with a plain SET)
-  proxy, set_config         the relay's pooler mode (outbox_relay.pooler.PoolerConnection):
+  proxy, set_config         the relay's pooler mode (outbox_relay.db.pooler.PoolerConnection):
                             set_config('statement_timeout', ms, true) pipelined in front of
                             the statement, one Sync: one implicit transaction, one round trip
   proxy, BEGIN/SET LOCAL/.../COMMIT pipelined   four statements, one round trip
@@ -60,10 +60,10 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.transaction import Transaction
 
-from outbox_relay import store as store_module
-from outbox_relay.embedded import EmbeddedPgBouncer
-from outbox_relay.pooler import PoolerConnection
-from outbox_relay.store import OutboxStore
+from outbox_relay.db import store as store_module
+from outbox_relay._embedded.embedded import EmbeddedPgBouncer
+from outbox_relay.db.pooler import PoolerConnection
+from outbox_relay.db.store import OutboxStore
 
 TIMEOUT_MS = 10_000
 # Executions before timing: psycopg prepares at the 6th, PostgreSQL plans the next 5

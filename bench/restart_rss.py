@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""RSS of the relay's Kafka publisher across broker restarts (README "Soak", finding 2).
+"""RSS of the relay's Kafka publisher across broker restarts (the soak section of docs/benchmarks/tansu-2core.md).
 
 In this process: the relay's ``KafkaPublisher`` (settings as the relay builds them)
 against the embedded broker on S3 storage. Each round submits 4 batches of 1 000
@@ -23,10 +23,10 @@ import time
 
 from confluent_kafka import Producer
 
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedObjectStore
 from outbox_relay.config import load_settings
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore
-from outbox_relay.kafka_publisher import from_settings
 from outbox_relay.publisher import Message
+from outbox_relay.publishers.kafka import from_settings
 
 
 def rss_mb() -> float:

@@ -20,7 +20,7 @@ Delivery is checked by a consumer that reads the topic from offset 0 all along (
 id must arrive, through the broker restarts), and after the last fault the oldest
 messages are read again from offset 0 (still there after every restart).
 A PNG plot (matplotlib, the ``bench`` extra) of RSS, backlog age and faults over time
-goes to ``docs/soak.png`` (``--plot``).
+goes to ``docs/images/soak.png`` (``--plot``), shown on the benchmark results page.
 
     .venv/bin/python bench/soak.py                   # 10 minutes (~12 with the drain and read-back)
     .venv/bin/python bench/soak.py --short           # 1 minute, a fault every 15 s, sampled every 5 s
@@ -48,7 +48,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
 
 FAULTS = ("relay-kill", "broker-restart", "db-terminate")
 PARTITIONS = 4
@@ -426,7 +426,7 @@ def main() -> int:
                         help=f"the faults to strike in turn, comma-separated (default {','.join(FAULTS)})")
     parser.add_argument("--workers", type=int, default=4, help="worker threads per relay (default 4)")
     parser.add_argument("--dsn", help="use this PostgreSQL instead of starting an embedded PostgreSQL 18")
-    parser.add_argument("--plot", default=str(c.ROOT / "docs" / "soak.png"), help="PNG path ('' = no plot)")
+    parser.add_argument("--plot", default=str(c.ROOT / "docs" / "images" / "soak.png"), help="PNG path ('' = no plot)")
     parser.add_argument("--readback-timeout", type=float, default=300.0,
                         help="seconds allowed, after the drain, until the reader has seen every id (default 300)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")

@@ -3,7 +3,7 @@
 
 Three variants, each draining the same backlog from a fresh table (its own schema):
 
-  seed      seed 000's dispatcher, re-implemented faithfully: 4 threads, the seed's
+  seed      the naive leased dispatcher, re-implemented faithfully: 4 threads, its
             claim SQL (batch 50), then per message a synchronous publish (produce +
             flush = wait for that message's delivery report) and a fenced UPDATE in
             its own transaction.
@@ -52,13 +52,13 @@ from psycopg import sql
 from psycopg.rows import class_row
 
 from outbox_relay.config import load_settings
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 
 DEFAULTS = load_settings(None)  # the product's defaults (no file; env is not read for bench knobs)
 
 
 # =========================================================================================
-# (a) seed 000's dispatcher (sections 3.2, 3.4, 4 and 4.1), against our table's columns
+# (a) the naive leased dispatcher (claim + reap, fenced UPDATE per message), against our table's columns
 # =========================================================================================
 class RetryableError(Exception):
     pass
@@ -165,7 +165,7 @@ class SeedDispatcher:
 
     def dispatch_once(self, conn: psycopg.Connection[Any], publisher: SeedKafkaPublisher, *, owner: str,
                       batch: int = 50, lease: timedelta = timedelta(seconds=60), max_attempts: int = 12) -> int:
-        """Seed 000 section 4.1, line for line."""
+        """One claim, then per message a synchronous publish and a fenced UPDATE."""
         messages = self.claim(conn, owner=owner, batch=batch, lease=lease, max_attempts=max_attempts)
         for msg in messages:
             try:
@@ -255,7 +255,7 @@ def run_seed(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, An
     with psycopg.connect(dsn) as conn, conn.transaction():
         c.copy_backlog(conn, table, args.events, aggregates=args.aggregates, payload_bytes=args.payload_bytes)
     dispatcher = SeedDispatcher(table)
-    from outbox_relay.kafka_publisher import producer_config
+    from outbox_relay.publishers.kafka import producer_config
 
     conf = producer_config(load_settings(None, kafka={"bootstrap_servers": bootstrap}))
     conns = [psycopg.connect(dsn) for _ in range(args.workers)]
@@ -442,7 +442,7 @@ def run_otel(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, di
 # =========================================================================================
 def _finish(label: str, dsn: str, bootstrap: str | None, table: str, topic: str | None, args: argparse.Namespace,
             elapsed: float, *, read_back: bool, events: int | None = None, dead: int = 0) -> dict[str, Any]:
-    """``dead``: rows that were dead before the drain and must still be (issue 16's backlog)."""
+    """``dead``: rows that were dead before the drain and must still be (an operator's dead backlog)."""
     n = events if events is not None else args.events
     depth = c.count_by_status(dsn, table)
     problems = []

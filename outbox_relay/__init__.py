@@ -20,7 +20,8 @@ from .errors import (
     OutboxRelayError,
     SchemaMissing,
 )
-from .publisher import Defer, Message, PermanentError, Publisher, RetryableError, SimplePublisher
+from .model import Defer, Message, PermanentError, RetryableError
+from .publishers.base import Publisher, SimplePublisher
 
 __all__ = [
     "BrokerUnavailable",
@@ -42,4 +43,4 @@ __all__ = [
     "load_settings",
 ]
 
-__version__ = "0.1.0"
+from ._version import __version__ as __version__

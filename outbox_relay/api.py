@@ -12,7 +12,7 @@ from typing import Any
 from psycopg import Connection
 from psycopg.types.json import Jsonb
 
-from .schema import TableSql
+from .db.schema import TableSql
 
 
 @lru_cache(maxsize=64)
@@ -98,7 +98,7 @@ def enqueue(
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
         ):
             raise TypeError("headers must be a mapping of str to str")
-        from .publisher import RESERVED_HEADERS
+        from .core.formats import RESERVED_HEADERS
 
         reserved = RESERVED_HEADERS.intersection(headers)
         if reserved:

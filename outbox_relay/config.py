@@ -86,6 +86,24 @@ class DatabaseSettings(_Section):
         default=10_000, ge=0,
         description="statement_timeout of relay connections; bounds every claim/finalize (0 = none).",
     )
+    tcp_keepalives_idle_seconds: int = Field(
+        default=5, ge=0,
+        description="libpq keepalives_idle: seconds a connection may be silent before TCP keepalive probes "
+                    "start (0 = no keepalives); with interval and count, how soon a connection whose peer "
+                    "vanished is dropped while the relay waits on it. A value in dsn wins.",
+    )
+    tcp_keepalives_interval_seconds: int = Field(
+        default=2, ge=1, description="libpq keepalives_interval: seconds between unanswered keepalive probes.",
+    )
+    tcp_keepalives_count: int = Field(
+        default=3, ge=1, description="libpq keepalives_count: unanswered probes before the connection is dropped.",
+    )
+    tcp_user_timeout_ms: int = Field(
+        default=10_000, ge=0,
+        description="libpq tcp_user_timeout: how long sent data may stay unacknowledged before the connection "
+                    "is dropped (a statement or finalize sent into a partition fails after this, not after "
+                    "the kernel's ~15 minutes of retransmissions); 0 = the kernel's default. A value in dsn wins.",
+    )
     transaction_pooler: bool = Field(
         default=False,
         description="dsn points at a transaction-pooling proxy (PgBouncer pool_mode = transaction, RDS Proxy): "
@@ -97,6 +115,18 @@ class DatabaseSettings(_Section):
         description="Direct (unpooled) DSN used only by the one LISTEN connection per relay process; default: "
                     "dsn, or none if transaction_pooler is set (idle workers then poll) (secret).",
     )
+
+    def tcp_params(self) -> dict[str, int]:
+        """libpq's TCP liveness parameters from these settings (the DSN's own values win)."""
+        if self.tcp_keepalives_idle_seconds == 0:
+            params = {"keepalives": 0}
+        else:
+            params = {"keepalives": 1, "keepalives_idle": self.tcp_keepalives_idle_seconds,
+                      "keepalives_interval": self.tcp_keepalives_interval_seconds,
+                      "keepalives_count": self.tcp_keepalives_count}
+        if self.tcp_user_timeout_ms:
+            params["tcp_user_timeout"] = self.tcp_user_timeout_ms
+        return params
 
     @field_validator("dsn", "listen_dsn")
     @classmethod

@@ -44,8 +44,8 @@ from typing import Any, Protocol, TypeVar
 
 from psycopg import Connection
 
-from .formats import STRUCTURED_CONTENT_TYPE
-from .schema import TableSql
+from .core.formats import STRUCTURED_CONTENT_TYPE
+from .db.schema import TableSql
 
 
 class KafkaMessageLike(Protocol):

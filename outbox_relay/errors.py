@@ -31,7 +31,7 @@ class SchemaMissing(DatabaseError):
 class CommitOutcomeUnknown(DatabaseError):
     """The connection broke during COMMIT: the transaction may or may not have committed.
 
-    After a claim this means: do not publish (seed 002). If the claim did commit,
+    After a claim this means: do not publish, since the rows may not be ours. If the claim did commit,
     its lease expires and another claim recovers the rows.
     """
 

@@ -1,470 +1,54 @@
-"""The publisher contract: the boundary between the relay loop and the outside world.
+"""The publisher contract, at the import path plug-ins use: ``from outbox_relay.publisher import ...``.
 
-A publisher turns messages into one outcome each. For every message it reports:
-
-- success (``None``): the target has the message; the row becomes ``done``;
-- ``RetryableError``: a technical failure (timeout, connection, 5xx, throttling);
-  the row goes back to ``pending`` with full-jitter backoff, consuming an attempt,
-  and ``dead`` once ``max_attempts`` is used up;
-- ``Defer(delay, reason)``: a business "not yet"; back to ``pending`` after
-  ``delay`` with the attempt refunded;
-- ``PermanentError``: retrying cannot help (too large, invalid, forbidden); ``dead``.
-
-Any other exception escaping a publisher is a bug: it is not swallowed as
-retryable. The batch's lease runs out and the attempt budget decides.
-
-``Publisher`` below lists every hook the relay calls, each with a default, so a
-plug-in implements only what it needs: usually just ``publish`` on
-``SimplePublisher``. Built-in publishers (``kafka``, ``http``), installed plug-ins
-(entry point group ``outbox_relay.publishers``) and ``package.module:factory``
-references are all loaded by ``load_publisher``.
-
-Delivery is **at least once**: a message can be published and its row not yet
-finalized when a worker dies, and a stale owner's in-flight publish can land after
-its successor's. Every message carries a stable ``message_id`` (the outbox id) so
-consumers can deduplicate.
+The contract itself lives in ``outbox_relay.publishers.base`` (the message and outcome
+types in ``outbox_relay.model``); this module re-exports it so the path plug-ins were
+written against keeps working.
 """
 
 from __future__ import annotations
 
-import abc
-import importlib
-import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import timedelta
-from importlib.metadata import entry_points
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
-
-from .errors import ConfigError, PublisherLoadError
-from .formats import RESERVED_HEADERS as RESERVED_HEADERS  # re-exported: the contract's reserved header names
-from .formats import FormatError, MessageFormat, WireFormat
-
-if TYPE_CHECKING:
-    from .config import Settings
-    from .ordering import OrderingRule
-    from .store import Claimed
-
-
-# --- outcomes ------------------------------------------------------------------------------
-class PublishOutcome(Exception):
-    """Base of the outcome exceptions a publisher may report."""
-
-    reason: str
-
-
-class RetryableError(PublishOutcome):
-    """A transient failure: retry later with backoff, consuming an attempt.
-
-    ``retry_after_seconds`` is a floor for the backoff (e.g. HTTP Retry-After).
-    ``transport`` marks a failure of the connection to the target as a whole (broker
-    unreachable), which the circuit breaker counts instead of burning attempts.
-    """
-
-    def __init__(self, reason: str, *, retry_after_seconds: float | None = None, transport: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.retry_after_seconds = retry_after_seconds
-        self.transport = transport
-
-
-class NotDelivered(RetryableError):
-    """No outcome when the relay had to stop waiting (shutdown, or an earlier row of
-    the same ordered run failed): the row is released unpublished-as-far-as-we-know,
-    due now, attempt refunded."""
-
-
-class PermanentError(PublishOutcome):
-    """Retrying cannot succeed: the row goes dead for a person to look at."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-class Defer(PublishOutcome):
-    """Not yet: reschedule after ``delay`` seconds without consuming an attempt."""
-
-    def __init__(self, delay: float | timedelta, reason: str) -> None:
-        super().__init__(reason)
-        self.delay = float(delay.total_seconds() if isinstance(delay, timedelta) else delay)
-        self.reason = reason
-
-
-Outcome = PublishOutcome | None
-
-#: What ``Publisher.span_attributes`` returns: OpenTelemetry attribute names and values.
-SpanAttributes = Mapping[str, str | int | float | bool]
-_NO_SPAN_ATTRIBUTES: SpanAttributes = MappingProxyType({})
-
-
-# --- messages ------------------------------------------------------------------------------
-@dataclass(slots=True)
-class Message:
-    """What gets published for one outbox row, in the configured message format."""
-
-    id: int
-    topic: str
-    key: str
-    value: str  # the payload as JSON text
-    headers: list[tuple[str, str]]
-    aggregate_type: str
-    aggregate_id: str
-    event_type: str
-    attempts: int = 0
-    lease_version: int = 0
-    created_at_epoch: float = 0.0
-    #: The aggregate id when the event type is ordered (``relay.ordered_event_types``),
-    #: else None. Messages with the same key form a run: a publisher must not send a
-    #: message after a failed one of the same key (see ``outbox_relay.ordering``).
-    order_key: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)  # free for plug-ins' own use
-    #: The wire format ``key``/``value``/``headers`` are in (``kafka.message_format``).
-    format: MessageFormat = MessageFormat.CONTRACT
-
-    @property
-    def message_id(self) -> str:
-        return str(self.id)
-
-
-class MessageFormatError(PermanentError):
-    """The row cannot be turned into a message (bad headers, bad topic template)."""
-
-
-def build_message(row: Claimed, topic_template: str | WireFormat, ordering: OrderingRule | None = None) -> Message:
-    """Row -> message in the configured format (``outbox_relay.formats``): topic
-    routing, key, value and headers. A plain ``topic_template`` string means the
-    contract format with that template.
-
-    Raises ``MessageFormatError`` (a ``PermanentError``) for a row that cannot be
-    sent: headers that are not a JSON object of strings or use a reserved name, an
-    empty topic.
-    """
-    wire = topic_template if isinstance(topic_template, WireFormat) else WireFormat(topic_template=topic_template)
-    try:
-        encoded = wire.encode(row)
-    except FormatError as exc:
-        raise MessageFormatError(str(exc)) from None
-    # Positional: this runs once per message, and keyword matching of 13 arguments
-    # costs more than the rest of the construction (the order is Message's fields').
-    return Message(
-        row.id, encoded.topic, encoded.key, encoded.value, encoded.headers,
-        row.aggregate_type, row.aggregate_id, row.event_type, row.attempts, row.lease_version,
-        row.created_at.timestamp(),
-        ordering.order_key(row.event_type, row.aggregate_id) if ordering is not None else None,
-        {}, wire.format,
-    )
-
-
-# --- the contract --------------------------------------------------------------------------
-class PendingBatch(abc.ABC):
-    """A submitted batch whose outcomes are collected by ``wait``."""
-
-    @abc.abstractmethod
-    def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
-        """Block until every message has an outcome, the deadline given to ``submit``
-        passes, or ``cancel`` is set (the batch's leases were all lost); return one
-        outcome per message, in order."""
-
-
-class _PublishOnWait(PendingBatch):
-    """The default ``submit``: nothing happens until ``wait`` publishes the batch."""
-
-    def __init__(self, publisher: Publisher, messages: Sequence[Message], timeout_seconds: float) -> None:
-        self._publisher = publisher
-        self._messages = messages
-        self._timeout_seconds = timeout_seconds
-
-    def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
-        return self._publisher.publish_batch(self._messages, timeout_seconds=self._timeout_seconds, cancel=cancel)
-
-
-class PublisherObserver:
-    """What a publisher reports besides outcomes. The relay attaches its metrics
-    (``RelayMetrics`` implements this); the default does nothing. Called from any
-    thread, so implementations must be thread-safe and quick."""
-
-    def message_acknowledged(self, seconds_since_created: float) -> None:
-        """The target acknowledged a message ``seconds_since_created`` after its row was written."""
-
-    def messages_acknowledged(self, seconds_since_created: Sequence[float]) -> None:
-        """Several acknowledgements at once (a batch's): one call instead of one per
-        message. The default calls ``message_acknowledged`` for each."""
-        for seconds in seconds_since_created:
-            self.message_acknowledged(seconds)
-
-    def client_replaced(self, reason: str) -> None:
-        """The publisher replaced its client (e.g. a fatally failed Kafka producer)."""
-
-    def messages_isolated(self, count: int) -> None:
-        """``count`` messages rejected together were re-sent one by one to find the bad ones."""
-
-
-class Publisher(abc.ABC):
-    """Every hook the relay uses, with defaults. Only ``publish_batch`` is required
-    (``SimplePublisher`` implements it on top of a one-message ``publish``).
-
-    Thread safety: one publisher serves all worker threads of a process, so
-    ``publish_batch``/``submit`` are called concurrently.
-    """
-
-    #: The target system's name: the ``messaging.system`` attribute of tracing spans.
-    name: ClassVar[str] = "custom"
-    #: True if ``probe()`` really checks the target. Enables the circuit breaker: a
-    #: batch that failed only on transport then releases its rows (attempt refunded)
-    #: and claiming pauses until ``probe()`` succeeds again.
-    can_probe: ClassVar[bool] = False
-    #: True if the relay must refuse to start while ``probe()`` fails.
-    must_answer_at_start: ClassVar[bool] = False
-    #: True if ``submit()`` returns before delivery, so a worker may claim and submit
-    #: its next batch while this one is being acknowledged (pipelining).
-    pipelines: ClassVar[bool] = False
-
-    #: Receives acknowledgements and client replacements (metrics). Set by the relay.
-    observer: PublisherObserver = PublisherObserver()
-
-    def start(self) -> None:
-        """Open clients and threads. An exception here refuses the start (exit 2)."""
-        return None
-
-    def close(self) -> None:
-        """Release everything; called once at shutdown (must tolerate a second call)."""
-        return None
-
-    def describe_target(self) -> str:
-        """Where messages go, for error messages (never include credentials)."""
-        return f"the target of {type(self).__name__}"
-
-    def probe(self, timeout_seconds: float) -> bool:
-        """Does the target answer now? Only called when ``can_probe`` is true."""
-        return True
-
-    def probe_problem(self) -> str | None:
-        """Why the last failed ``probe()`` failed, when the publisher knows more than
-        "no answer" (Kafka: a TLS handshake that did not complete), for the start-up
-        wait's log line and error. None: nothing more is known. Never include credentials."""
-        return None
-
-    def healthy(self) -> bool:
-        """Cheap readiness check for ``/readyz`` (may use a cached probe)."""
-        return True
-
-    def check_alive(self) -> str | None:
-        """None while the publisher's own background threads run, else why not (``/healthz``)."""
-        return None
-
-    def abort(self) -> None:
-        """The shutdown deadline passed: stop waiting now and report every message
-        without an outcome as ``NotDelivered`` (its row is released to another relay)."""
-        return None
-
-    def max_message_bytes(self) -> int | None:
-        """The largest payload + headers the target accepts (None: no limit). A bigger
-        row goes dead at once, without its payload ever being fetched into memory."""
-        return None
-
-    def span_attributes(self, message: Message) -> SpanAttributes:
-        """With tracing on (``otel.enabled``): attributes of the target system for the
-        message's ``send`` span, beyond the generic ``messaging.*`` ones (Kafka:
-        ``messaging.kafka.message.key``). Called once per message from any worker
-        thread, so keep it cheap; the default adds none."""
-        return _NO_SPAN_ATTRIBUTES
-
-    def publish_timeout_seconds(self, lease_seconds: float) -> float:
-        """How long a batch may take before its outcomes are due: comfortably inside
-        the lease, so a row is not reclaimed while its outcome is still coming."""
-        return lease_seconds * 0.8
-
-    def submit(self, messages: Sequence[Message], *, timeout_seconds: float) -> PendingBatch:
-        """Start publishing and return at once (pipelining publishers override this);
-        the default publishes when ``wait()`` is called."""
-        return _PublishOnWait(self, messages, timeout_seconds)
-
-    @abc.abstractmethod
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
-        """Publish and return one outcome per message, in order, by ``timeout_seconds``.
-        Rows with the same ``order_key`` must be sent in order, stopping at a failure.
-        ``cancel`` is set when every lease of the batch was lost: stop early."""
-
-
-class SimplePublisher(Publisher):
-    """Base for a plug-in that publishes one message at a time: implement ``publish``.
-
-    ``publish`` returns normally on success and raises ``RetryableError``,
-    ``PermanentError`` or ``Defer`` otherwise. Messages are published in order; after
-    a failure the rest of that message's ordered run is not published (released).
-    A message not started by the batch's deadline (``timeout_seconds``, inside the
-    lease) or after ``abort()`` is released unpublished, so a slow target never keeps
-    publishing rows whose lease may already belong to another worker.
-    """
-
-    _abort_requested = False  # set on the instance by abort()
-
-    @abc.abstractmethod
-    def publish(self, message: Message) -> None:
-        """Publish one message or raise an outcome exception."""
-
-    def abort(self) -> None:
-        self._abort_requested = True
-
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
-        from .ordering import RELEASED_AFTER_FAILURE, RunGuard
-
-        deadline = time.monotonic() + timeout_seconds
-        outcomes: list[Outcome] = []
-        runs = RunGuard()
-        for message in messages:
-            if cancel is not None and cancel.is_set():
-                outcomes.append(RetryableError("lease lost before this message was published"))
-                continue
-            if self._abort_requested:
-                outcomes.append(NotDelivered("shutting down before this message was published"))
-                continue
-            if time.monotonic() >= deadline:
-                outcomes.append(NotDelivered("not published before the batch deadline"))
-                continue
-            if runs.stopped(message.order_key):
-                outcomes.append(NotDelivered(RELEASED_AFTER_FAILURE))
-                continue
-            outcome: Outcome = None
-            try:
-                self.publish(message)
-            except PublishOutcome as exc:
-                outcome = exc
-            runs.record(message.order_key, outcome is not None)
-            outcomes.append(outcome)
-        return outcomes
-
-
-# --- loading -------------------------------------------------------------------------------
-#: The built-in publishers: ``relay.publisher`` name -> factory reference.
-BUILTIN_PUBLISHERS: dict[str, str] = {
-    "kafka": "outbox_relay.kafka_publisher:from_settings",
-    "http": "outbox_relay.http_publisher:from_settings",
-}
-ENTRY_POINT_GROUP = "outbox_relay.publishers"
-
-Factory = Callable[["Settings"], object]
-
-
-@runtime_checkable
-class _BatchShaped(Protocol):
-    """A plug-in object written against the earlier protocol (not a Publisher subclass)."""
-
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float) -> list[Outcome]: ...
-
-
-@runtime_checkable
-class _PublishShaped(Protocol):
-    def publish(self, message: Message) -> None: ...
-
-
-class _BatchAdapter(Publisher):
-    """Wraps an object with ``publish_batch(messages, *, timeout_seconds)`` (and optionally ``close()``)."""
-
-    def __init__(self, inner: _BatchShaped) -> None:
-        self._inner = inner
-
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
-        return self._inner.publish_batch(messages, timeout_seconds=timeout_seconds)
-
-    def close(self) -> None:
-        _close_if_possible(self._inner)
-
-
-class _SequentialAdapter(SimplePublisher):
-    """Wraps an object that only has ``publish(message)`` (and optionally ``close()``)."""
-
-    def __init__(self, inner: _PublishShaped) -> None:
-        self._inner = inner
-
-    def publish(self, message: Message) -> None:
-        self._inner.publish(message)
-
-    def close(self) -> None:
-        _close_if_possible(self._inner)
-
-
-@runtime_checkable
-class _Closable(Protocol):
-    def close(self) -> None: ...
-
-
-def _close_if_possible(obj: object) -> None:
-    if isinstance(obj, _Closable):  # close() is optional on these older plug-in shapes
-        obj.close()
-
-
-def _resolve_reference(setting: str, reference: str) -> Factory:
-    """``package.module:attribute`` -> the attribute (a dotted attribute path is allowed)."""
-    module_name, _, attr_path = reference.partition(":")
-    if not module_name or not attr_path:
-        raise PublisherLoadError(
-            f"relay.publisher {setting!r} is not 'kafka', 'http' or 'package.module:factory', "
-            f"nor an installed plug-in (entry point group {ENTRY_POINT_GROUP})")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except Exception as exc:  # ImportError, but also a SyntaxError or a crash at import
-        raise PublisherLoadError(
-            f"relay.publisher {setting!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
-    for attr in attr_path.split("."):
-        try:
-            target = getattr(target, attr)
-        except AttributeError:
-            raise PublisherLoadError(
-                f"relay.publisher {setting!r}: {module_name!r} has no attribute {attr_path!r}") from None
-    return target  # type: ignore[no-any-return]  # checked by the caller: callable or a publisher
-
-
-def _find_factory(setting: str) -> Factory | object:
-    if setting in BUILTIN_PUBLISHERS:
-        return _resolve_reference(setting, BUILTIN_PUBLISHERS[setting])
-    if ":" not in setting:
-        matches = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == setting]
-        if matches:
-            try:
-                loaded: object = matches[0].load()
-            except Exception as exc:
-                raise PublisherLoadError(
-                    f"relay.publisher {setting!r}: the installed plug-in {matches[0].value!r} cannot be loaded: "
-                    f"{type(exc).__name__}: {exc}") from None
-            return loaded
-    return _resolve_reference(setting, setting)
-
-
-def load_publisher(settings: Settings) -> Publisher:
-    """``relay.publisher`` -> a started-not-yet ``Publisher``.
-
-    Accepted: a built-in name (``kafka``, ``http``), the name of an entry point in the
-    group ``outbox_relay.publishers`` (a plug-in installed as a package), or
-    ``package.module:factory``. A factory is called with the ``Settings`` and returns
-    a ``Publisher`` (or, for plug-ins written before the base class existed, an object
-    with ``publish_batch(messages, *, timeout_seconds)`` or ``publish(message)``).
-    Anything else raises ``PublisherLoadError`` (a start-up error, exit 2)."""
-    setting = settings.relay.publisher
-    found = _find_factory(setting)
-    if isinstance(found, Publisher):
-        return found
-    if callable(found):
-        try:
-            obj = found(settings)
-        except ConfigError:  # a setting the publisher refused: already one readable line
-            raise
-        except Exception as exc:
-            raise PublisherLoadError(
-                f"relay.publisher {setting!r}: the factory failed: {type(exc).__name__}: {exc}") from None
-    else:
-        obj = found
-    if isinstance(obj, Publisher):
-        return obj
-    if isinstance(obj, _BatchShaped):
-        return _BatchAdapter(obj)
-    if isinstance(obj, _PublishShaped):
-        return _SequentialAdapter(obj)
-    raise PublisherLoadError(
-        f"relay.publisher {setting!r} returned {type(obj).__name__}, which has neither publish_batch() nor publish()")
+from .model import (
+    Defer,
+    Message,
+    NotDelivered,
+    Outcome,
+    PermanentError,
+    PublisherObserver,
+    PublishOutcome,
+    RetryableError,
+    SpanAttributes,
+)
+from .publishers.base import (
+    BUILTIN_PUBLISHERS,
+    ENTRY_POINT_GROUP,
+    RESERVED_HEADERS,
+    Factory,
+    MessageFormatError,
+    PendingBatch,
+    Publisher,
+    SimplePublisher,
+    build_message,
+    load_publisher,
+)
+
+__all__ = [
+    "BUILTIN_PUBLISHERS",
+    "ENTRY_POINT_GROUP",
+    "RESERVED_HEADERS",
+    "Defer",
+    "Factory",
+    "Message",
+    "MessageFormatError",
+    "NotDelivered",
+    "Outcome",
+    "PendingBatch",
+    "PermanentError",
+    "PublishOutcome",
+    "Publisher",
+    "PublisherObserver",
+    "RetryableError",
+    "SimplePublisher",
+    "SpanAttributes",
+    "build_message",
+    "load_publisher",
+]

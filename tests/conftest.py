@@ -1,9 +1,14 @@
-"""Shared fixtures: a real PostgreSQL and a real Kafka-protocol broker, started here.
+"""Shared fixtures: a real PostgreSQL and a real Kafka broker, started here.
 
 - PostgreSQL: ``OUTBOX_RELAY_TEST_DSN`` if set (e.g. the system PostgreSQL 15),
   otherwise an embedded PostgreSQL 18 for the session.
-- Kafka: ``OUTBOX_RELAY_TEST_KAFKA`` if set, otherwise an embedded tansu broker.
-  Tests that kill or pause the broker start their own (``own_broker``).
+- Kafka: ``OUTBOX_RELAY_TEST_KAFKA`` (bootstrap servers) if set, otherwise Apache Kafka
+  (``outbox_relay._embedded.kafka``, jars fetched by ``./dev``): one broker for the
+  session (``broker``); tests that kill, pause or restart a broker start their own
+  (``own_broker``, whose log is on disk, so ``durable_broker`` is the same thing).
+  ``OUTBOX_RELAY_TEST_BROKER=tansu`` runs them on the embedded tansu broker instead (a
+  machine without Java). ``tansu_broker`` / ``tansu_durable_broker`` are tansu always:
+  for the tests of what only tansu has (schema-validating topics, its S3 storage).
 - Every test gets its own schema (``table`` = "<schema>.outbox"), dropped after.
 - ``OUTBOX_RELAY_TEST_ON_DONE`` (keep | delete, default keep): the ``relay.on_done``
   mode ``store`` migrates the table to and ``make_settings`` configures (the two must
@@ -22,9 +27,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
+from outbox_relay._embedded.kafka import KafkaBroker
 from outbox_relay.config import Settings, load_settings
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedObjectStore, EmbeddedPostgres
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import DELETE_MODE, ON_DONE
 
 
@@ -64,38 +70,84 @@ def pg_dsn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         server.stop()
 
 
+# Auto-created topics get several partitions, so per-key ordering is exercised.
+TEST_BROKER_PROPERTIES = {"num.partitions": 4}
+
+
+def _on_tansu() -> bool:
+    return os.environ.get("OUTBOX_RELAY_TEST_BROKER", "kafka").lower() == "tansu"
+
+
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The session's broker (Apache Kafka, one node): never killed or paused by a test."""
     external = os.environ.get("OUTBOX_RELAY_TEST_KAFKA")
     if external:
         yield ExternalBroker(external)
         return
     log_file = tmp_path_factory.mktemp("broker") / "broker.log"
-    with EmbeddedBroker(log_file=log_file) as b:
-        yield b
-
-
-@pytest.fixture
-def own_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    """A broker this test may kill, pause or restart."""
-    b = EmbeddedBroker(log_file=tmp_path / "broker.log").start()
+    if _on_tansu():
+        with EmbeddedBroker(log_file=log_file) as tansu:
+            yield tansu
+        return
+    # Data directory outside pytest's basetemp (a concurrent pytest run prunes it).
+    node = KafkaBroker(log_file=log_file, properties=TEST_BROKER_PROPERTIES).start()
     try:
-        yield b
+        yield node
     finally:
-        b.stop()
+        node.remove()  # SIGTERM: a clean exit (which also writes the class-data archive once)
 
 
 @pytest.fixture
-def durable_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
-    """A broker this test may kill or restart that keeps its messages outside its
-    process (S3 storage on a local object store), so whatever it acknowledged before a
-    restart can still be read after it."""
-    with EmbeddedObjectStore(log_file=tmp_path / "object-store.log") as storage:
-        b = EmbeddedBroker(log_file=tmp_path / "broker.log", storage=storage).start()
+def own_broker(tmp_path: Path) -> Iterator[KafkaBroker | EmbeddedBroker]:
+    """An Apache Kafka broker this test may kill, pause or restart (its log is on disk:
+    a restarted broker serves what it acknowledged). A start costs seconds: tests that
+    do not stop the broker use ``broker``."""
+    if _on_tansu():
+        tansu = EmbeddedBroker(log_file=tmp_path / "broker.log").start()
         try:
-            yield b
+            yield tansu
         finally:
-            b.stop()
+            tansu.stop()
+        return
+    node = KafkaBroker(log_file=tmp_path / "broker.log", properties=TEST_BROKER_PROPERTIES).start()
+    try:
+        yield node
+    finally:
+        node.kill()  # nothing to keep
+        node.remove()
+
+
+@pytest.fixture
+def durable_broker(tmp_path: Path) -> Iterator[KafkaBroker | EmbeddedBroker]:
+    """A broker this test may kill or restart that still serves, after the restart,
+    whatever it acknowledged before: Apache Kafka keeps its log on disk (tansu: on S3)."""
+    if _on_tansu():
+        with EmbeddedObjectStore(log_file=tmp_path / "object-store.log") as storage:
+            tansu = EmbeddedBroker(log_file=tmp_path / "broker.log", storage=storage).start()
+            try:
+                yield tansu
+            finally:
+                tansu.stop()
+        return
+    node = KafkaBroker(log_file=tmp_path / "broker.log", properties=TEST_BROKER_PROPERTIES).start()
+    try:
+        yield node
+    finally:
+        node.kill()
+        node.remove()
+
+
+@pytest.fixture
+def tansu_durable_broker(tmp_path: Path) -> Iterator[EmbeddedBroker]:
+    """The embedded tansu broker on S3 storage (a local object store), for the tests of
+    tansu's own storage: its producer sequences live in an object a test can rewrite."""
+    with EmbeddedObjectStore(log_file=tmp_path / "object-store.log") as storage:
+        tansu = EmbeddedBroker(log_file=tmp_path / "broker.log", storage=storage).start()
+        try:
+            yield tansu
+        finally:
+            tansu.stop()
 
 
 @pytest.fixture

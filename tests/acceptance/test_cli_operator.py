@@ -1,4 +1,4 @@
-"""Issue 18 through the real CLI (a subprocess) against a real PostgreSQL: dead-row
+"""Dead-row operations through the real CLI (a subprocess) against a real PostgreSQL: dead-row
 filters, dry runs, chunked retry/skip by filter, the audit trail, `aggregate show`,
 and exact counts in `status`.
 
@@ -13,7 +13,7 @@ import json
 import psycopg
 import pytest
 
-from outbox_relay.operations import os_user
+from outbox_relay.operator.operations import os_user
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.console import quoted, row_states, seed_dead
 

@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_relay.store import STATUSES
+from outbox_relay.db.store import STATUSES
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import DELETE_MODE, ON_DONE
 

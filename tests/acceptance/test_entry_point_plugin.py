@@ -40,7 +40,7 @@ def test_entry_point_plugin_drains_rows_end_to_end(pg_dsn, table, store, plugin_
                   OUTBOX_RELAY_METRICS__ENABLED="false", OUTBOX_RELAY_JSONL_PATH=str(out),
                   PYTHONPATH=os.pathsep.join([str(plugin_site), str(ROOT)]))
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")} | env
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run"], env=full_env,
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run"], env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: statuses(pg_dsn, table) == {"done": 60, "dead": 1} or proc.poll() is not None,

@@ -12,7 +12,7 @@ import time
 import psycopg
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import read_messages
+from outbox_relay._embedded.embedded import read_messages
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import rows
 
@@ -47,7 +47,7 @@ def test_migrate_run_drain_and_sigterm(pg_dsn, table, broker, topic_prefix, tmp_
                              payload=payload, topic=topic, headers=headers, table=table)
             expected[int(row_id)] = (topic or f"{topic_prefix}.{agg_type}", f"a-{i % 40}", payload, headers, agg_type)
 
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--workers", "4"],
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "4"],
                             env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -1,4 +1,4 @@
-"""Start-up while a dependency is away, and logs that stay structured (issue 13).
+"""Start-up while a dependency is away (the relay waits, never crash-loops), and logs that stay structured.
 
 A real `outbox-relay run` subprocess is started with its database stopped, its
 table not yet migrated and its broker not running. It must stay up (/healthz 200,
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from outbox_relay.embedded import EmbeddedBroker, EmbeddedPostgres, free_port
-from outbox_relay.store import OutboxStore
+from outbox_relay._embedded.embedded import EmbeddedBroker, EmbeddedPostgres, free_port
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.cli import ROOT
 from tests.helpers.db import insert_rows, statuses, wait_for
 
@@ -64,7 +64,7 @@ def test_relay_waits_for_its_dependencies_and_every_line_is_json(tmp_path, topic
             "PYTHONPATH": str(ROOT),
         }
         with out.open("wb") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--workers", "2"], env=env,
+            proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "2"], env=env,
                                     stdout=sink, stderr=subprocess.STDOUT)
         try:
             # 1. Database down: up, healthy, not ready, one structured line per retry.

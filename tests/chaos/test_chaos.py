@@ -37,8 +37,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from outbox_relay.embedded import EmbeddedBroker, read_messages
-from outbox_relay.store import OutboxStore
+from outbox_relay._embedded.embedded import EmbeddedBroker, read_messages
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.audit import check_audit, install_audit
 from tests.helpers.cli import ROOT, cli_env
 from tests.helpers.db import insert_rows
@@ -71,7 +71,7 @@ class RelayProcess:
         self.log_path = log_dir / f"{self.name}.log"
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "outbox_relay.cli", "run", "--workers", str(WORKERS)],
+                [sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", str(WORKERS)],
                 env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.stop_kind: str | None = None  # "kill" | "term" | "final"
 

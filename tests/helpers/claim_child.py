@@ -1,4 +1,5 @@
-"""Child process for the SIGKILL test (seed 001): claim one row, report it, then hang.
+"""Child process for the SIGKILL test (a killed claimer's rows come back after its lease):
+claim one row, report it, then hang.
 
 Usage: python claim_child.py DSN TABLE
 
@@ -16,7 +17,7 @@ import os
 import sys
 import time
 
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 
 
 def main() -> None:

@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
         input_text: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m outbox_relay.cli ARGS`` with only the OUTBOX_RELAY_* variables given."""
+    """Run ``python -m outbox_relay.operator.cli ARGS`` with only the OUTBOX_RELAY_* variables given."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "outbox_relay.cli", *args], env=full_env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "outbox_relay.operator.cli", *args], env=full_env, capture_output=True,
                           text=True, timeout=timeout, input=input_text)
 
 

@@ -61,8 +61,8 @@ def running_console(settings: Settings) -> Iterator[str]:
     """The console app served by uvicorn on a free loopback port; yields its base URL."""
     import uvicorn
 
-    from outbox_relay.console.app import create_app
-    from outbox_relay.console.server import make_console_store, uvicorn_config
+    from outbox_relay.operator.console.app import create_app
+    from outbox_relay.operator.console.server import make_console_store, uvicorn_config
 
     store = make_console_store(settings)
     store.open()
@@ -98,7 +98,7 @@ def console_process(dsn: str, table: str, **env: str) -> Iterator[tuple[str, lis
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
     environ.update({"OUTBOX_RELAY_DATABASE__DSN": dsn, "OUTBOX_RELAY_DATABASE__TABLE": table,
                     "OUTBOX_RELAY_LOG__FORMAT": "json", **env})
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "console", "--port", "0"], env=environ,
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "console", "--port", "0"], env=environ,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     lines: list[str] = []

@@ -27,7 +27,7 @@ from typing import Any
 
 import psycopg
 
-from outbox_relay.embedded import free_port, wait_for_port
+from outbox_relay._embedded.embedded import free_port, wait_for_port
 
 TOOLS = ("initdb", "pg_ctl", "pg_basebackup", "postgres")
 SERVER_USERS = ("postgres", "embedded_postgres")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,13 @@ def relay_env(**settings: str) -> dict[str, str]:
 
 
 class RelayProcess:
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path, *args: str) -> None:
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, *args: str,
+                 prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command that runs the relay elsewhere (``ip netns exec NS``, ``faketime``)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", *args], env=env,
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "outbox_relay.operator.cli", "run", *args], env=env,
                                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import psycopg
 import pytest
 
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import ON_DONE
 
 

@@ -15,7 +15,7 @@ import ssl
 import threading
 from pathlib import Path
 
-from outbox_relay.embedded import free_port
+from outbox_relay._embedded.embedded import free_port
 
 
 class TlsProxy:

@@ -1,4 +1,4 @@
-"""Memory bounded by bytes (issue 15), against a real PostgreSQL and the real broker:
+"""Memory bounded by bytes, not rows, against a real PostgreSQL and the real broker:
 a claim stops at relay.max_batch_bytes, a single larger row is claimed alone and
 delivered, a row above kafka.message_max_bytes goes dead without being fetched,
 workers wait for the in-flight budget instead of failing, and a full producer queue
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from outbox_relay.kafka_publisher import KafkaPublisher
 from outbox_relay.publisher import Message, SimplePublisher
-from outbox_relay.relay import Relay
+from outbox_relay.publishers.kafka import KafkaPublisher
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, rows, run_sql, statuses, wait_for
 
 
@@ -146,11 +146,11 @@ def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_t
     """A bug while building a batch on the Submitter's thread surfaces in the worker that
     handed it over (the thread ends, /healthz reports it) and the batch's bytes go back to
     the process budget, as when the worker built the batch itself."""
-    from outbox_relay import worker as worker_module
-    from outbox_relay.budget import InFlightBudget
-    from outbox_relay.metrics import RelayMetrics
-    from outbox_relay.submitter import Submitter
-    from outbox_relay.worker import Worker, WorkerConfig
+    from outbox_relay.runtime import worker as worker_module
+    from outbox_relay.core.budget import InFlightBudget
+    from outbox_relay.observability.metrics import RelayMetrics
+    from outbox_relay.runtime.submitter import Submitter
+    from outbox_relay.runtime.worker import Worker, WorkerConfig
 
     insert_rows(pg_dsn, table, 5)
     settings = make_settings()

@@ -4,8 +4,8 @@ command: log in, filter the dead rows, preview and retry by filter, see the audi
 entry, and check in PostgreSQL that exactly those rows changed.
 
 Skipped with a note where Chromium or its driver is not installed (`./dev test`
-installs them). Set OUTBOX_RELAY_SCREENSHOTS=docs to save screenshots of the main
-pages (the README shows them).
+installs them). Set OUTBOX_RELAY_SCREENSHOTS=docs/images to save screenshots of the main
+pages (the documentation site shows them).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from outbox_relay.consumer import DeliveryId, Inbox, delivery_id
-from outbox_relay.metrics import RelayMetrics
+from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import build_message, load_publisher
-from outbox_relay.worker import Worker, WorkerConfig
+from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.db import insert_rows, statuses
 
 ROWS = 12

@@ -1,4 +1,4 @@
-"""relay.on_done = "delete" (issue 12 item 2): the fenced finalize deletes delivered rows;
+"""relay.on_done = "delete": the fenced finalize deletes delivered rows;
 dead rows stay; dedup keys outlive their rows in both modes; `migrate` sets the mode
 and `run` refuses a relay whose setting differs from the table's."""
 
@@ -10,10 +10,10 @@ import psycopg
 import pytest
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import read_messages
-from outbox_relay.relay import Relay
-from outbox_relay.pooler import execute_with_settings
-from outbox_relay.store import FINALIZE_SETTINGS, FinalizeItem, OutboxStore, finalize_params
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.db.pooler import execute_with_settings
+from outbox_relay.db.store import FINALIZE_SETTINGS, FinalizeItem, OutboxStore, finalize_params
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, rows, run_sql, statuses, wait_for
 
@@ -37,7 +37,7 @@ def _claim(store, *, owner="A", batch=10, lease=30.0, types=(), run_length=1):
 
 
 def test_finalize_deletes_done_rows_under_the_fence_and_keeps_the_rest(delete_store, pg_dsn, table):
-    from outbox_relay.store import FinalizeItem
+    from outbox_relay.db.store import FinalizeItem
 
     a, b, c, d = insert_rows(pg_dsn, table, 4)
     claimed = {r.id: r for r in _claim(delete_store, lease=0.2)}
@@ -150,9 +150,9 @@ def test_finalize_whose_reply_was_lost_is_recognised_in_delete_mode(pg_dsn, tabl
     """As test_outages' keep-mode test: the committed first finalize deleted the rows, so
     the retry matches nothing and finds no row; a done row that is gone was finished."""
     from outbox_relay.errors import DatabaseUnavailable
-    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.observability.metrics import RelayMetrics
     from outbox_relay.publisher import SimplePublisher
-    from outbox_relay.worker import Worker, WorkerConfig
+    from outbox_relay.runtime.worker import Worker, WorkerConfig
 
     class ReplyLostOnce(OutboxStore):
         failed = False

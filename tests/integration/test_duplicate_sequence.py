@@ -1,4 +1,4 @@
-"""A DUPLICATE_SEQUENCE_NUMBER answer is no proof of delivery (bench/soak.py, README "Soak").
+"""A DUPLICATE_SEQUENCE_NUMBER answer is no proof of delivery (bench/soak.py; docs/benchmarks/tansu-2core.md, "Soak").
 
 tansu 0.6 on S3 advances an idempotent producer's sequence (in its ``meta.json``)
 before it stores the record batch. Killed in between, it has consumed the sequence
@@ -18,9 +18,9 @@ import uuid
 import pytest
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from outbox_relay.embedded import read_messages
-from outbox_relay.kafka_publisher import UNPROVEN_ACK, from_settings
+from outbox_relay._embedded.embedded import read_messages
 from outbox_relay.publisher import Message, RetryableError
+from outbox_relay.publishers.kafka import UNPROVEN_ACK, from_settings
 
 # Exercises the broker rather than PostgreSQL's SQL: ./dev runs it on the first pass only.
 pytestmark = pytest.mark.first_pass_only
@@ -33,8 +33,9 @@ def _messages(topic: str, ids: range) -> list[Message]:
                     aggregate_type="a", aggregate_id="k", event_type="E") for i in ids]
 
 
-def test_a_duplicate_sequence_answer_for_a_batch_the_broker_never_stored_is_not_a_delivery(make_settings,
-                                                                                          durable_broker):
+def test_a_duplicate_sequence_answer_for_a_batch_the_broker_never_stored_is_not_a_delivery(
+        make_settings, tansu_durable_broker):
+    durable_broker = tansu_durable_broker  # tansu's S3 storage: its producer sequences are an object
     storage = durable_broker.storage
     assert storage is not None
     topic = "dupseq-" + uuid.uuid4().hex[:8]

@@ -1,4 +1,4 @@
-"""Issue 18: counts an operator can trust. The depth gauge above
+"""Counts an operator can trust. The depth gauge above
 metrics.exact_count_limit comes from a slower exact count, not the planner's
 estimate (which is stale right after a bulk failure); counts that run out of time
 are lower bounds, never guesses."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_relay.filters import DeadFilter
-from outbox_relay.metrics import RelayMetrics, StatsRefresher
+from outbox_relay.core.filters import DeadFilter
+from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from tests.helpers.console import seed_dead
 from tests.helpers.db import wait_for
 

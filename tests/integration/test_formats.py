@@ -13,11 +13,11 @@ from cloudevents.core.bindings import kafka as ce_kafka
 from cloudevents.core.formats.json import JSONFormat
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import read_messages
-from outbox_relay.http_publisher import HttpPublisher
-from outbox_relay.metrics import RelayMetrics
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import load_publisher
-from outbox_relay.worker import Worker, WorkerConfig
+from outbox_relay.publishers.http import HttpPublisher
+from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.db import run_sql
 from tests.helpers.http_target import HttpTarget
 

@@ -19,7 +19,7 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 
 from outbox_relay import enqueue
-from outbox_relay.relay import Relay
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, statuses, wait_for
 

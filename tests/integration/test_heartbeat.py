@@ -6,7 +6,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from outbox_relay.relay import Relay
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
@@ -65,7 +65,7 @@ def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn,
 
 
 def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn, table):
-    from outbox_relay.heartbeat import LeaseKeeper
+    from outbox_relay.runtime.heartbeat import LeaseKeeper
 
     insert_rows(pg_dsn, table, 2)
     claimed = store.claim(owner="A", batch=10, lease_seconds=0.2, max_attempts=5).rows
@@ -87,7 +87,7 @@ def test_extension_racing_the_batch_finalize_does_not_judge_its_rows_lost(store,
     """The keeper picks a due batch, then its worker untracks and finalizes it before the
     extension's UPDATE runs (the interleaving of a heartbeat tick with a batch that just
     finished). The rows were finalized by their own claim: not lost, no cancel."""
-    from outbox_relay.heartbeat import LeaseKeeper
+    from outbox_relay.runtime.heartbeat import LeaseKeeper
 
     insert_rows(pg_dsn, table, 3)
     claimed = store.claim(owner="A", batch=10, lease_seconds=30, max_attempts=5).rows

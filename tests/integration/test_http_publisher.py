@@ -18,11 +18,11 @@ import psycopg
 import pytest
 
 from outbox_relay import enqueue
-from outbox_relay.http_publisher import HttpPublisher
-from outbox_relay.metrics import RelayMetrics
+from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import Message, NotDelivered, RetryableError
-from outbox_relay.relay import Relay
-from outbox_relay.worker import Worker, WorkerConfig
+from outbox_relay.publishers.http import HttpPublisher
+from outbox_relay.runtime.relay import Relay
+from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import ROOT, cli, cli_env
 from tests.helpers.db import insert_rows, wait_for
 from tests.helpers.http_target import HttpTarget, Step
@@ -369,7 +369,7 @@ def test_bad_url_template_is_a_startup_error_exit_2(pg_dsn, table, store):
 
 
 def test_retry_after_parsing_edge_cases():
-    from outbox_relay.http_publisher import parse_retry_after
+    from outbox_relay.publishers.http import parse_retry_after
 
     now = time.time()
     assert parse_retry_after(None) is None and parse_retry_after("") is None
@@ -381,7 +381,7 @@ def test_retry_after_parsing_edge_cases():
 
 
 def test_unreachable_target_opens_the_breaker_instead_of_burning_attempts(make_settings, store, pg_dsn, table):
-    from outbox_relay.embedded import free_port
+    from outbox_relay._embedded.embedded import free_port
 
     port = free_port()
     down = HttpTarget(port=port)  # not started yet: connections are refused

@@ -1,4 +1,4 @@
-"""The lean index layout (issue 12): no index on done_at or created_at. Purge walks the
+"""The lean index layout (fewer indexes to write per row): no index on done_at or created_at. Purge walks the
 primary key; the backlog gauges read the claim's own indexes."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_backlog_gauges_read_the_pending_and_processing_indexes(store, pg_dsn, t
 def test_migrate_converges_an_old_layout_while_a_relay_drains_it(make_settings, store, pg_dsn, table):
     """Indexes built and dropped CONCURRENTLY, fillfactor set: the relay keeps claiming
     and finalizing through it, and nothing is lost."""
-    from outbox_relay.relay import Relay
+    from outbox_relay.runtime.relay import Relay
     from tests.helpers.db import insert_rows, statuses, wait_for
 
     name = table.split(".")[1]
@@ -65,7 +65,7 @@ def _claim_plan(store, pg_dsn, *, settings, batch):
     execute_with_settings(...) with the given planner settings in front of it."""
     import psycopg
 
-    from outbox_relay.pooler import execute_with_settings
+    from outbox_relay.db.pooler import execute_with_settings
 
     params = {"owner": "plan", "batch": batch, "lease_seconds": 30.0, "max_attempts": 5,
               "max_batch_bytes": 8 << 20, "candidates": batch, "max_message_bytes": None, "excluded_types": []}
@@ -91,7 +91,7 @@ def test_claim_reads_the_front_of_the_backlog_even_without_statistics(store, pg_
     claim's settings the claim still walks the pending index in order and stops after
     the batch; without them it bitmap-scans and sorts the whole backlog (the control
     below), which made every claim O(backlog) and a drain quadratic."""
-    from outbox_relay.store import CLAIM_SETTINGS
+    from outbox_relay.db.store import CLAIM_SETTINGS
 
     run_sql(pg_dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
                            "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', jsonb_build_object('seq', g) "

@@ -31,10 +31,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import EmbeddedPostgres
-from outbox_relay.metrics import MetricsServer, RelayMetrics, StatsRefresher
-from outbox_relay.relay import Relay
-from outbox_relay.store import STATUSES, Claimed, OutboxStore
+from outbox_relay._embedded.embedded import EmbeddedPostgres
+from outbox_relay.db.store import STATUSES, Claimed, OutboxStore
+from outbox_relay.observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, rows
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,5 @@
-"""Per-aggregate ordering (seed 000 section 5) and the write side that keeps it.
+"""Per-aggregate ordering (rows of one aggregate delivered in id order, none after a failed
+one) and the write side that keeps it.
 
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): in delete mode
 a delivered head leaves the table instead of turning done, and its follower must
@@ -13,9 +14,9 @@ import psycopg
 import pytest
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import read_messages
-from outbox_relay.relay import Relay
-from outbox_relay.store import OutboxStore
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.db.store import OutboxStore
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import ON_DONE, assert_delivered, delivered, make_row, rows, run_sql, wait_for
 
 ALL = ["*"]
@@ -224,9 +225,9 @@ def test_ordered_backlog_does_not_starve_unordered_rows(store, pg_dsn, table):
 def test_run_stops_before_producing_after_a_row_that_cannot_be_built(store, pg_dsn, table):
     """A row of a run that fails before reaching the broker (bad headers) must not be
     overtaken: the rows behind it are released unproduced, the rest of the batch goes."""
-    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.observability.metrics import RelayMetrics
     from outbox_relay.publisher import SimplePublisher
-    from outbox_relay.worker import Worker, WorkerConfig
+    from outbox_relay.runtime.worker import Worker, WorkerConfig
 
     x1, x2, x3, y1 = _insert(pg_dsn, table, [("X", "E"), ("X", "E"), ("X", "E"), ("Y", "E")])
     schema, name = table.split(".")

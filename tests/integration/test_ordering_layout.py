@@ -1,4 +1,4 @@
-"""The ordering index layout (issue 16): dead rows leave the skip-scan index, and
+"""The ordering index layout: dead rows leave the skip-scan index (a dead backlog costs the claim nothing), and
 `migrate` brings any table to the layout idempotently, CONCURRENTLY on existing tables.
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from outbox_relay import store as store_module
-from outbox_relay.store import OutboxStore
+from outbox_relay.db import store as store_module
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import ON_DONE, assert_delivered, rows
 

@@ -8,8 +8,8 @@ import time
 import psycopg
 import pytest
 
-from outbox_relay.embedded import read_messages
-from outbox_relay.relay import Relay
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
@@ -90,11 +90,11 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
     """The first finalize commits but its connection breaks before the reply (simulated
     by a store that raises after committing); the fenced retry matches nothing, and the
     worker must recognise its own outcome instead of reporting lost leases."""
+    from outbox_relay.db.store import OutboxStore
     from outbox_relay.errors import DatabaseUnavailable
-    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.observability.metrics import RelayMetrics
     from outbox_relay.publisher import SimplePublisher
-    from outbox_relay.store import OutboxStore
-    from outbox_relay.worker import Worker, WorkerConfig
+    from outbox_relay.runtime.worker import Worker, WorkerConfig
 
     class ReplyLostOnce(OutboxStore):
         failed = False
@@ -129,10 +129,10 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
 
 
 def test_outage_batch_on_its_last_attempt_is_released_not_dead(pg_dsn, table, store):
-    from outbox_relay.breaker import CircuitBreaker
-    from outbox_relay.metrics import RelayMetrics
+    from outbox_relay.core.breaker import CircuitBreaker
+    from outbox_relay.observability.metrics import RelayMetrics
     from outbox_relay.publisher import RetryableError, SimplePublisher
-    from outbox_relay.worker import Worker, WorkerConfig
+    from outbox_relay.runtime.worker import Worker, WorkerConfig
 
     ids = insert_rows(pg_dsn, table, 3)
     schema, name = table.split(".")
@@ -158,9 +158,9 @@ def test_database_restart_workers_reconnect_and_drain(tmp_path, broker, topic_pr
     """Stop and start the database under a running relay (its own server: the session's
     is shared): workers back off while it is down, reconnect, and drain what was
     written before and after the restart."""
+    from outbox_relay._embedded.embedded import EmbeddedPostgres
     from outbox_relay.config import load_settings
-    from outbox_relay.embedded import EmbeddedPostgres
-    from outbox_relay.store import OutboxStore
+    from outbox_relay.db.store import OutboxStore
 
     pg = EmbeddedPostgres().start()  # system tmp: its server user must reach the data
     try:

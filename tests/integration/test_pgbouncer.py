@@ -25,10 +25,10 @@ import psycopg
 import pytest
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import EmbeddedPgBouncer, read_messages
+from outbox_relay._embedded.embedded import EmbeddedPgBouncer, read_messages
+from outbox_relay.db.store import OutboxStore
 from outbox_relay.errors import CommitOutcomeUnknown, DatabaseUnavailable
-from outbox_relay.relay import Relay
-from outbox_relay.store import OutboxStore
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, make_row, run_sql, statuses, wait_for
 
@@ -178,7 +178,7 @@ def test_relay_through_pgbouncer_delivers_every_row_without_a_warning(pgbouncer,
                                 payload={"n": 0}, table=table, dedup_key="k-0")
     assert duplicate.duplicate and duplicate in ids and len(ids) == 200
 
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--workers", "3"],
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "3"],
                             env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -286,7 +286,7 @@ def test_listen_dsn_password_is_never_printed(pg_dsn, table, broker, topic_prefi
                   OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
                   OUTBOX_RELAY_DATABASE__LISTEN_DSN=f"postgresql://relay:{secret}@127.0.0.1:1/db?connect_timeout=1")
     assert cli("migrate", env=env).returncode == 0
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run", "--workers", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "1"],
                             env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -10,12 +10,10 @@ import pytest
 from outbox_relay import enqueue
 from outbox_relay.errors import ConfigError, PublisherLoadError
 from outbox_relay.publisher import load_publisher
-from outbox_relay.relay import Relay
+from outbox_relay.runtime.relay import Relay
+from tests.helpers import custom_publisher
 from tests.helpers.cli import ROOT, cli, cli_env
 from tests.helpers.db import insert_rows, rows, wait_for
-from tests.helpers import custom_publisher
-
-
 
 
 def by_status(dsn: str, table: str) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """A replaced Kafka producer is released: its librdkafka instance (threads, buffers)
-goes with it (README "Soak": relay A's RSS at broker restarts)."""
+goes with it (docs/benchmarks/tansu-2core.md, "Soak": relay RSS at broker restarts)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Producer
 
-from outbox_relay.kafka_publisher import from_settings
 from outbox_relay.publisher import Message
+from outbox_relay.publishers.kafka import from_settings
 
 # Exercises the broker rather than PostgreSQL's SQL: ./dev runs it on the first pass only.
 pytestmark = pytest.mark.first_pass_only

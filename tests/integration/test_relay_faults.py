@@ -7,8 +7,8 @@ import time
 import psycopg
 import pytest
 
-from outbox_relay.embedded import read_messages
-from outbox_relay.relay import Relay
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import insert_rows, rows, statuses, wait_for
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:

@@ -1,8 +1,7 @@
 """Claim / lease / fencing semantics against a real PostgreSQL.
 
-Seed 000 section 7 (concurrent claims, crashed workers, expired leases, the four
-outcomes, poison rows, the broken COMMIT-then-publish dispatcher) and seed 001's
-six recovery tests (a SIGKILLed child process, an uncommitted claim, stale success
+Concurrent claims, crashed workers, expired leases, the four outcomes, poison rows,
+the broken COMMIT-then-publish dispatcher, and the six recovery tests (a SIGKILLed child process, an uncommitted claim, stale success
 and stale retry, no retry after done, the strict policy), plus lost-lease counting.
 
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): a done
@@ -31,10 +30,10 @@ from pathlib import Path
 import psycopg
 from psycopg import sql
 
-from outbox_relay.metrics import RelayMetrics
+from outbox_relay.db.store import OutboxStore, Reschedule
+from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.publisher import Defer, Message, PermanentError, RetryableError, SimplePublisher
-from outbox_relay.store import OutboxStore, Reschedule
-from outbox_relay.worker import Worker, WorkerConfig
+from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import ROOT
 from tests.helpers.db import DELETE_MODE, assert_delivered, insert_rows, rows, run_sql
 
@@ -106,7 +105,7 @@ def make_due(dsn: str, table: str) -> None:
     run_sql(dsn, table, "UPDATE {t} SET available_at = now() WHERE status = 'pending'")
 
 
-# --- seed 000, section 7 -------------------------------------------------------------
+# --- claims, leases, outcomes: no row delivered twice by live owners, none lost -------
 def test_four_workers_claim_200_rows_without_duplicates(pg_dsn, table, store):
     ids = insert_rows(pg_dsn, table, 200)
     barrier = threading.Barrier(4)
@@ -209,7 +208,7 @@ def test_expired_but_not_reclaimed_owner_may_finish_unless_strict(pg_dsn, table,
     assert store.mark_done([(lenient_id, by_id[lenient_id].lease_version)]) == {lenient_id}
     assert_delivered(pg_dsn, table, [lenient_id])
 
-    # Strict policy (seed 001/002): an expired owner cannot finalize at all.
+    # Strict policy: an expired owner cannot finalize at all, even if no one reclaimed the row.
     assert store.mark_done([(strict_id, by_id[strict_id].lease_version)], strict=True) == set()
     state = row_state(pg_dsn, table, strict_id)
     assert (state["status"], state["lease_version"]) == ("processing", 1)
@@ -346,7 +345,7 @@ def _two_worker_interleaving(claim: Callable[[str], list[tuple[int, int | None]]
 
 
 def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, table, store):
-    """Reproduces seed 000 section 1, the dispatcher this design exists to replace.
+    """Reproduces the naive dispatcher that leases and fencing tokens exist to replace.
 
     ``SELECT ... FOR UPDATE SKIP LOCKED`` in a transaction, COMMIT, then publish, then
     ``UPDATE ... SET status = 'done'`` -- with no lease. Row locks end at COMMIT, so while
@@ -411,7 +410,7 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
                    (broken_ids,)) == [(i, "done") for i in broken_ids]
 
 
-# --- seed 001: the six recovery tests ------------------------------------------------
+# --- the six recovery tests: every failure of an owner ends with the row delivered once --
 def test_sigkilled_child_leaves_committed_claim_recovered_after_lease(pg_dsn, table, store, tmp_path):
     ids = insert_rows(pg_dsn, table, 1)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
@@ -480,7 +479,7 @@ def test_stale_success_and_stale_retry_are_rejected(pg_dsn, table, store):
     [old] = store.claim(owner="A", batch=1, lease_seconds=30, max_attempts=5).rows
     assert old.lease_version == 1
     # A newer live generation, built directly so the fencing is tested independently
-    # of the reclaim query (as in seed 001).
+    # of the reclaim query.
     run_sql(pg_dsn, table, "UPDATE {t} SET lease_version = lease_version + 1, attempts = attempts + 1, "
                            "lease_owner = 'B', lease_until = now() + interval '30 seconds' WHERE id = %s",
             (row_id,))

@@ -27,8 +27,8 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from outbox_relay.config import Settings, load_settings
-from outbox_relay.multi import MultiRelay
-from outbox_relay.store import OutboxStore
+from outbox_relay.db.store import OutboxStore
+from outbox_relay.runtime.multi import MultiRelay
 from tests.helpers import sources as source_helpers
 from tests.helpers.db import ON_DONE, insert_rows, wait_for
 from tests.helpers.sources import drop_database

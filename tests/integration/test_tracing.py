@@ -25,13 +25,13 @@ from opentelemetry.trace import SpanKind, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import read_messages
-from outbox_relay.finalizer import BatchResult
-from outbox_relay.http_publisher import HttpPublisher
-from outbox_relay.metrics import RelayMetrics
-from outbox_relay.otel import OtelTracing
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.observability.metrics import RelayMetrics
+from outbox_relay.observability.otel import OtelTracing
 from outbox_relay.publisher import Message, SimplePublisher, load_publisher
-from outbox_relay.worker import Worker, WorkerConfig
+from outbox_relay.publishers.http import HttpPublisher
+from outbox_relay.runtime.finalizer import BatchResult
+from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import run_sql, statuses, wait_for
 from tests.helpers.http_target import HttpTarget, Step
@@ -134,7 +134,7 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
         s = sends[int(m["headers"]["message_id"])]
         assert m["headers"]["traceparent"] == context_header(s.context)
     assert writer_spans.get_finished_spans()[0].context.span_id == request.span_id
-    # A consumer continues the trace from the header (README "Tracing"): writer -> relay -> consumer.
+    # A consumer continues the trace from the header (docs/how-to/tracing.md): writer -> relay -> consumer.
     [message] = [m for m in messages if m["headers"]["message_id"] == str(traced)]
     consumer_provider, consumer_spans = sdk("consumer")
     parent = TraceContextTextMapPropagator().extract(message["headers"])
@@ -148,7 +148,7 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
 def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_settings, store, pg_dsn, table):
     tracestate = "shop=abc,vendor=x1"
     writer_trace, writer_span = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
-    # An SQL writer sets the header itself (README "Tracing").
+    # An SQL writer sets the header itself (docs/how-to/tracing.md).
     stored = {"traceparent": traceparent(writer_trace, writer_span), "tracestate": tracestate}
     ok = write(pg_dsn, table, "ok", headers=stored)
     flaky = write(pg_dsn, table, "flaky", headers=stored)
@@ -247,7 +247,7 @@ def test_otlp_http_export_from_the_cli(store, pg_dsn, table, broker, topic_prefi
                       OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_SERVICE_NAME="relay-under-test",
                       OTEL_BSP_SCHEDULE_DELAY="100")
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_RELAY_", "OTEL_"))}
-        proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.cli", "run"], env={**base, **env},
+        proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run"], env={**base, **env},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             wait_for(lambda: statuses(pg_dsn, table).get("done") == 2, timeout=60, message="rows done")
@@ -276,9 +276,9 @@ def test_tracing_off_imports_no_opentelemetry():
     code = """
 import sys
 from outbox_relay.config import load_settings
-from outbox_relay.tracing import make_tracing
+from outbox_relay.observability.tracing_factory import make_tracing
 from outbox_relay.api import current_trace_headers
-import outbox_relay.cli, outbox_relay.relay, outbox_relay.worker, outbox_relay.http_publisher
+import outbox_relay.operator.cli, outbox_relay.runtime.relay, outbox_relay.runtime.worker, outbox_relay.publishers.http
 tracing = make_tracing(load_settings(None))
 assert not tracing.enabled and current_trace_headers() == {}
 loaded = sorted(m for m in sys.modules if m.startswith("opentelemetry"))
@@ -296,7 +296,7 @@ def test_unsupported_exporter_settings_exit_2(pg_dsn, table, broker, monkeypatch
     assert result.returncode == 2 and "http/protobuf only" in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
     from outbox_relay.errors import ConfigError
-    from outbox_relay.otel import exporter_from_environment
+    from outbox_relay.observability.otel import exporter_from_environment
 
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
@@ -312,7 +312,7 @@ import sys
 sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
 from outbox_relay.config import load_settings
 from outbox_relay.errors import ConfigError
-from outbox_relay.tracing import make_tracing
+from outbox_relay.observability.tracing_factory import make_tracing
 try:
     make_tracing(load_settings(None, otel={"enabled": True}))
 except ConfigError as exc:

@@ -1,4 +1,4 @@
-"""A broker that refuses whole record batches for one bad record (issue 14).
+"""A broker that refuses whole record batches for one bad record: only the bad record may go dead.
 
 The embedded tansu broker started with a schema directory validates every record
 batch produced to a topic that has ``<topic>.json`` and refuses the batch with
@@ -21,9 +21,9 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import EmbeddedBroker, read_messages
-from outbox_relay.relay import Relay
-from outbox_relay.store import OutboxStore
+from outbox_relay._embedded.embedded import EmbeddedBroker, read_messages
+from outbox_relay.db.store import OutboxStore
+from outbox_relay.runtime.relay import Relay
 from tests.helpers.db import rows, wait_for
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:

@@ -7,9 +7,8 @@ import time
 
 import psycopg
 
-from outbox_relay.relay import Relay
-from tests.helpers.db import insert_rows
-from tests.helpers.db import statuses, wait_for
+from outbox_relay.runtime.relay import Relay
+from tests.helpers.db import insert_rows, statuses, wait_for
 
 
 def _flag(dsn, table):

@@ -28,8 +28,8 @@ import psycopg
 import pytest
 
 from outbox_relay import enqueue
-from outbox_relay.embedded import read_messages
-from outbox_relay.store import OutboxStore
+from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.db.store import OutboxStore
 from tests.helpers.audit import check_audit, install_audit
 from tests.helpers.pg_cluster import TempServers, pg_missing_reason, wait_until
 from tests.helpers.relay_process import RelayProcess, relay_env

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from outbox_relay.embedded import EmbeddedBroker, free_port, read_messages
+from outbox_relay._embedded.embedded import EmbeddedBroker, free_port, read_messages
 from tests.helpers.certs import TestCA
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows, statuses, wait_for
@@ -303,7 +303,7 @@ def test_tls_settings_reach_librdkafka(tmp_path: Path) -> None:
     from confluent_kafka import KafkaException, Producer
 
     from outbox_relay.config import load_settings
-    from outbox_relay.kafka_publisher import producer_config
+    from outbox_relay.publishers.kafka import producer_config
 
     ca = TestCA(tmp_path, "cfg")
     client = ca.issue("client", client=True, key_password=KEY_PASSWORD, file_stem="client")

@@ -1,4 +1,4 @@
-"""The in-flight byte budget (outbox_relay.budget): reservations, the empty-budget
+"""The in-flight byte budget (outbox_relay.core.budget): reservations, the empty-budget
 exception for a single large row, waiting and stopping."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from outbox_relay.budget import InFlightBudget
+from outbox_relay.core.budget import InFlightBudget
 
 
 class Gauge:
@@ -54,7 +54,7 @@ def test_reserve_waits_for_a_release_and_stops_on_request():
 
 
 def test_breaker_waits_longer_for_each_trip_without_a_delivery_in_between():
-    from outbox_relay.breaker import CircuitBreaker
+    from outbox_relay.core.breaker import CircuitBreaker
 
     breaker = CircuitBreaker(lambda: True, initial_backoff=0.001, max_backoff=0.004)
     delays = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from outbox_relay.console.auth import (
+from outbox_relay.operator.console.auth import (
     FORGET_AFTER_SECONDS,
     LOCKOUT_CAP_SECONDS,
     Failure,

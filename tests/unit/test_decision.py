@@ -1,11 +1,11 @@
-"""The outcome decision (seed 000, section 4) as a table: every rule, the outage and
+"""The outcome decision (what a row becomes after its publish outcome) as a table: every rule, the outage and
 last-attempt cases. Pure: no database, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from outbox_relay.decision import Decision, Kind, RetryPolicy, decide, is_outage, truncate
+from outbox_relay.core.decision import Decision, Kind, RetryPolicy, decide, is_outage, truncate
 from outbox_relay.publisher import Defer, NotDelivered, PermanentError, RetryableError
 
 POLICY = RetryPolicy(max_attempts=5, backoff_base_seconds=1.0, backoff_cap_seconds=300.0, max_error_chars=1000)

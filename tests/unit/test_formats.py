@@ -15,10 +15,10 @@ from cloudevents.core.bindings import kafka as ce_kafka
 from cloudevents.core.formats.json import JSONFormat
 
 from outbox_relay.config import load_settings
+from outbox_relay.core.formats import WireFormat, http_headers, rfc3339
 from outbox_relay.errors import ConfigError
-from outbox_relay.formats import MessageFormat, WireFormat, http_headers, rfc3339
+from outbox_relay.model import Claimed, MessageFormat
 from outbox_relay.publisher import MessageFormatError, build_message
-from outbox_relay.store import Claimed
 
 CREATED = dt.datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt.timezone(dt.timedelta(hours=2)))
 
@@ -162,7 +162,7 @@ def test_relay_reads_traceparent_as_the_w3c_propagator_does(value):
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from outbox_relay.otel import parse_traceparent, w3c_headers
+    from outbox_relay.observability.otel import parse_traceparent, w3c_headers
 
     carrier = {"traceparent": value, "tracestate": "shop=abc,vendor=x1"}
     expected = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier)).get_span_context()

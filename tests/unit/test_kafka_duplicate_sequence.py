@@ -4,8 +4,8 @@ delivered, its first message without an offset and the next ones at 0, 1, 2, ...
 
 from __future__ import annotations
 
-from outbox_relay.kafka_publisher import UNPROVEN_ACK, KafkaPublisher, _BatchWaiter
 from outbox_relay.publisher import RetryableError
+from outbox_relay.publishers.kafka import UNPROVEN_ACK, KafkaPublisher, _BatchWaiter
 
 
 class Report:

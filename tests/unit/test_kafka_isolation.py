@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from confluent_kafka import KafkaError
 
-from outbox_relay.kafka_isolation import ISOLATE_CODES, RejectionIsolator, plan_isolation
-from outbox_relay.kafka_publisher import classify
 from outbox_relay.publisher import Message, NotDelivered, Outcome
+from outbox_relay.publishers.kafka import classify
+from outbox_relay.publishers.kafka_isolation import ISOLATE_CODES, RejectionIsolator, plan_isolation
 
 INVALID = KafkaError(KafkaError.INVALID_RECORD)
 TOO_LARGE = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)

@@ -7,7 +7,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from outbox_relay.metrics import _LATENCY_BUCKETS, observe_many
+from outbox_relay.observability.metrics import _LATENCY_BUCKETS, observe_many
 from outbox_relay.publisher import PublisherObserver
 
 CASES = {
@@ -52,7 +52,7 @@ def test_a_batch_hands_its_latencies_over_once_and_a_late_ack_alone():
     reported on its own, never lost."""
     import time
 
-    from outbox_relay.kafka_publisher import KafkaPublisher, _BatchWaiter
+    from outbox_relay.publishers.kafka import KafkaPublisher, _BatchWaiter
 
     calls = []
 

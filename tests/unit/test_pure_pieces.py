@@ -12,13 +12,12 @@ import httpx
 import pytest
 from confluent_kafka import KafkaError
 
-from outbox_relay.backoff import backoff_ceiling, full_jitter_backoff
 from outbox_relay.config import check_environment, load_settings
+from outbox_relay.core.backoff import backoff_ceiling, full_jitter_backoff
+from outbox_relay.core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, chains, release_after_failures
 from outbox_relay.errors import ConfigError
-from outbox_relay.http_publisher import HttpPublisher, parse_retry_after
-from outbox_relay.kafka_publisher import classify
-from outbox_relay.operations import blocking_head, diagnose_aggregate, row_states
-from outbox_relay.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, chains, release_after_failures
+from outbox_relay.model import Claimed
+from outbox_relay.operator.operations import blocking_head, diagnose_aggregate, row_states
 from outbox_relay.publisher import (
     Defer,
     Message,
@@ -29,7 +28,8 @@ from outbox_relay.publisher import (
     SimplePublisher,
     build_message,
 )
-from outbox_relay.store import Claimed
+from outbox_relay.publishers.http import HttpPublisher, parse_retry_after
+from outbox_relay.publishers.kafka import classify
 
 
 # --- backoff ---------------------------------------------------------------------------------
@@ -165,10 +165,19 @@ def test_build_message_refuses_bad_headers(headers, problem):
 
 
 # --- Kafka error classification ---------------------------------------------------------------
+def test_a_topic_the_acl_refuses_defers_its_rows_without_burning_attempts():
+    """An ACL mistake is the operator's to fix: the rows wait (Defer refunds the attempt)."""
+    from outbox_relay.publishers.kafka import AUTHORIZATION_RETRY_SECONDS
+    from outbox_relay.publisher import Defer
+
+    outcome = classify(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+    assert isinstance(outcome, Defer) and outcome.delay == AUTHORIZATION_RETRY_SECONDS
+    assert "TOPIC_AUTHORIZATION_FAILED" in outcome.reason and "ACL" in outcome.reason
+
+
 @pytest.mark.parametrize("code, kind, transport", [
     (KafkaError.MSG_SIZE_TOO_LARGE, PermanentError, False),
     (KafkaError.INVALID_RECORD, PermanentError, False),
-    (KafkaError.TOPIC_AUTHORIZATION_FAILED, PermanentError, False),
     (KafkaError._MSG_TIMED_OUT, RetryableError, True),
     (KafkaError._TRANSPORT, RetryableError, True),
     (KafkaError.NOT_LEADER_FOR_PARTITION, RetryableError, False),
@@ -186,7 +195,7 @@ def test_kafka_error_classification(code, kind, transport):
 def test_kafka_connection_failures_in_the_tls_handshake_are_remembered_not_logged_twice():
     import logging
 
-    from outbox_relay.kafka_publisher import KafkaPublisher, _ProducerLog
+    from outbox_relay.publishers.kafka import KafkaPublisher, _ProducerLog
 
     class Sink(logging.Handler):
         def __init__(self) -> None:
@@ -319,7 +328,7 @@ def test_secrets_given_through_kafka_extra_are_scrubbed():
 
 @pytest.mark.parametrize("name", ["outbox\n", "app.outbox\n", "outbox;", "a b"])
 def test_table_and_role_names_refuse_a_trailing_newline_and_other_junk(name):
-    from outbox_relay.schema import ROLE_NAME_RE
+    from outbox_relay.db.schema import ROLE_NAME_RE
 
     with pytest.raises(ConfigError):
         load_settings(None, database={"table": name})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from psycopg import sql
 
-from outbox_relay.schema import QUERIES, TableSql
+from outbox_relay.db.schema import QUERIES, TableSql
 
 # Placeholders that only some statements have (filled in by their callers).
 EXTRA = {"status": sql.Literal("dead"), "concurrently": sql.SQL(""), "index": sql.Identifier("some_idx"),

@@ -3,16 +3,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from outbox_relay.config import load_settings
 from outbox_relay.errors import ConfigError
-from outbox_relay.scheduler import SourceScheduler
-from outbox_relay.sources import settings_for, source_settings, static_sources, uses_sources
-
-ROOT = Path(__file__).resolve().parent.parent.parent
+from outbox_relay.runtime.scheduler import SourceScheduler
+from outbox_relay.runtime.sources import settings_for, source_settings, static_sources, uses_sources
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +87,7 @@ def test_a_source_lease_must_outlast_the_shared_producer_timeout():
 
 
 def test_discovered_source_takes_the_discovery_dsn_with_its_database_name():
-    from outbox_relay.sources import discovered_source
+    from outbox_relay.runtime.sources import discovered_source
 
     settings = load_settings(None, discovery={"dsn": "postgresql://u:pw@cluster:5433/postgres",
                                               "database_pattern": "tenant_%", "table": "app.outbox"})
@@ -103,14 +99,6 @@ def test_discovered_source_takes_the_discovery_dsn_with_its_database_name():
     assert params["dbname"] == "tenant_42" and params["host"] == "cluster" and params["port"] == "5433"
     assert source.database.table == "app.outbox"
     assert "pw" in settings.secret_values
-
-
-def test_the_many_outboxes_reference_in_the_how_to_is_current():
-    from outbox_relay.config_reference import BEGIN, END, SOURCES_DOC, many_sources_table, render_block
-
-    text = (ROOT / SOURCES_DOC).read_text(encoding="utf-8")
-    current = text[text.index(BEGIN):text.index(END) + len(END)]
-    assert current == render_block(many_sources_table()), "run: python -m outbox_relay.config_reference --write"
 
 
 # --- the scheduler ---------------------------------------------------------------------

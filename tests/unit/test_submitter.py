@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from outbox_relay.submitter import Submitter
+from outbox_relay.runtime.submitter import Submitter
 
 
 def test_work_runs_on_one_thread_in_the_order_it_was_handed_over():

@@ -1,0 +1,240 @@
+"""Message formats: what one outbox row looks like on the wire (``kafka.message_format``).
+
+``build_message`` (publishers/base.py) is the one code path from a claimed row to a
+``Message``; it asks a ``WireFormat`` for the topic, key, value and headers. Every
+format keeps the payload exactly as stored (``jsonb::text``, never re-serialised)
+and forwards the row's own ``headers``.
+
+- ``contract`` (default): the design's message contract, unchanged — key
+  ``aggregate_id``, value = payload, headers ``message_id``, ``event_type``,
+  ``aggregate_type``, ``aggregate_id``, then the row's headers.
+- ``cloudevents-binary``: CloudEvents 1.0, Kafka protocol binding, binary content
+  mode — the attributes as ``ce_`` headers (``ce_specversion``, ``ce_id``,
+  ``ce_source``, ``ce_type``, ``ce_subject``, ``ce_time``), ``content-type:
+  application/json``, value = payload, key = ``aggregate_id``; the contract's
+  ``message_id`` header stays.
+- ``cloudevents-structured``: one ``application/cloudevents+json`` envelope as the
+  value, the payload under ``data``; headers ``content-type`` and ``message_id``.
+- ``debezium``: what Debezium's outbox event router emits by default — key =
+  ``aggregate_id``, value = payload, one header ``id`` (the outbox id), topic
+  ``outbox.event.{aggregate_type}`` unless ``kafka.topic_template`` is set.
+
+The attributes: ``id`` is the outbox id (decimal), the same on every retry, lease
+takeover and replica, unique within ``source``; ``source`` is
+``kafka.cloudevents_source`` (default ``/outbox-relay/<table>``); ``type`` is the
+event type; ``subject`` the aggregate id; ``time`` the row's ``created_at`` in
+RFC 3339 (UTC). A row header ``ce_<name>`` (``name`` lower-case letters and digits)
+becomes a CloudEvents extension attribute in both CloudEvents formats; the
+attributes the relay sets cannot be overridden.
+
+The HTTP publisher speaks the matching HTTP binding (``http_headers``): in the
+CloudEvents formats the ``ce_`` headers become ``ce-`` headers (values
+percent-encoded as the HTTP binding requires) and ``content-type`` the request's
+``Content-Type``; every other header becomes ``X-Outbox-<name>``; the W3C trace
+context (``traceparent``, ``tracestate``) keeps its own name in every format.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import quote
+
+from ..model import MessageFormat
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from ..model import Claimed
+
+
+CONTRACT_TOPIC_TEMPLATE = "outbox.{aggregate_type}"
+#: Debezium's outbox event router default (``route.topic.replacement = outbox.event.${routedByValue}``).
+DEBEZIUM_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
+
+CE_SPECVERSION = "1.0"
+CE_PREFIX = "ce_"  # Kafka binding: attribute names as header names
+CE_HTTP_PREFIX = "ce-"  # HTTP binding
+DATA_CONTENT_TYPE = "application/json"  # the payload is JSON (jsonb)
+STRUCTURED_CONTENT_TYPE = "application/cloudevents+json"  # the JSON event format's media type
+CONTENT_TYPE_HEADER = "content-type"
+
+# The contract's headers; a row may not set them in any format (a second
+# message_id would break deduplication, and switching formats must not change
+# which rows are valid).
+RESERVED_HEADERS = frozenset({"message_id", "event_type", "aggregate_type", "aggregate_id"})
+# The W3C trace context: forwarded under its own name (Kafka and HTTP alike); the
+# relay's tracing replaces it with its own span's context.
+TRACE_HEADERS = ("traceparent", "tracestate")
+# Attributes the relay sets itself in the CloudEvents formats.
+_CE_OWN_ATTRIBUTES = frozenset({"specversion", "id", "source", "type", "subject", "time", "datacontenttype",
+                                "data", "data_base64", "dataschema"})
+# CloudEvents attribute names: lower-case ASCII letters and digits (spec 1.0, "Attribute Naming Convention").
+_CE_ATTRIBUTE_RE = re.compile(r"^[a-z0-9]{1,20}$")
+
+HTTP_HEADER_PREFIX = "X-Outbox-"
+# HTTP binding 3.1.3.2: percent-encode space, double quote, percent and everything
+# outside printable ASCII; the rest of printable ASCII stays as it is.
+_CE_HTTP_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in ' "%')
+
+
+class FormatError(ValueError):
+    """A row that cannot be expressed in the configured format (build_message makes it dead)."""
+
+
+def parse_row_headers(raw: str | None) -> list[tuple[str, str]]:
+    """The row's ``headers`` column (JSON text) -> (name, value) pairs, validated:
+    a JSON object of strings whose names are not reserved."""
+    if raw is None:
+        return []
+    try:
+        extra = json.loads(raw)
+    except ValueError as exc:
+        raise FormatError(f"bad headers: {exc}") from None
+    if extra is None:
+        return []
+    if not isinstance(extra, dict):
+        raise FormatError(f"headers must be a JSON object of string values, got {type(extra).__name__}")
+    pairs: list[tuple[str, str]] = []
+    for name, value in extra.items():
+        if name in RESERVED_HEADERS:
+            raise FormatError(f"header {name!r} is reserved for the relay's own headers")
+        if not isinstance(value, str):
+            raise FormatError(f"header {name!r} must be a string, got {type(value).__name__}")
+        pairs.append((name, value))
+    return pairs
+
+
+def rfc3339(moment: dt.datetime) -> str:
+    """``created_at`` -> RFC 3339 in UTC with a ``Z`` (microseconds kept when present)."""
+    text = moment.astimezone(dt.UTC).isoformat()
+    return text.removesuffix("+00:00") + "Z"
+
+
+@functools.lru_cache(maxsize=4096)
+def _routed_topic(template: str, aggregate_type: str, event_type: str) -> str:
+    """The template filled in; cached, as a deployment has few (type, event) pairs and
+    this runs for every message."""
+    return template.format(aggregate_type=aggregate_type, event_type=event_type)
+
+
+def default_cloudevents_source(table: str) -> str:
+    return f"/outbox-relay/{table}"
+
+
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x, once per message
+class Encoded:
+    """One row in a wire format (before the relay's trace context is added)."""
+
+    topic: str
+    key: str
+    value: str
+    headers: list[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class WireFormat:
+    """A message format with everything it needs from the settings."""
+
+    format: MessageFormat = MessageFormat.CONTRACT
+    topic_template: str = CONTRACT_TOPIC_TEMPLATE
+    cloudevents_source: str = default_cloudevents_source("outbox")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> WireFormat:
+        kafka = settings.kafka
+        fmt = MessageFormat(kafka.message_format)
+        template = kafka.topic_template
+        # A Debezium drop-in routes like the router, unless the user chose a template.
+        if fmt is MessageFormat.DEBEZIUM and "topic_template" not in kafka.model_fields_set:
+            template = DEBEZIUM_TOPIC_TEMPLATE
+        source = kafka.cloudevents_source or default_cloudevents_source(settings.database.table)
+        return cls(fmt, template, source)
+
+    def topic(self, row: Claimed) -> str:
+        return row.topic or _routed_topic(self.topic_template, row.aggregate_type, row.event_type)
+
+    def encode(self, row: Claimed) -> Encoded:
+        """Topic, key, value and headers of ``row``; raises ``FormatError``."""
+        topic = self.topic(row)
+        extra = parse_row_headers(row.headers)
+        if not topic:
+            raise FormatError("empty topic")
+        if row.payload is None:
+            raise FormatError("payload not fetched: the row is larger than the target accepts")
+        payload = row.payload
+        fmt = self.format
+        message_id = str(row.id)
+        if fmt is MessageFormat.CONTRACT:
+            headers = [("message_id", message_id), ("event_type", row.event_type),
+                       ("aggregate_type", row.aggregate_type), ("aggregate_id", row.aggregate_id), *extra]
+            return Encoded(topic, row.aggregate_id, payload, headers)
+        if fmt is MessageFormat.DEBEZIUM:
+            if any(name == "id" for name, _ in extra):
+                raise FormatError("header 'id' is reserved in the debezium format (it carries the outbox id)")
+            return Encoded(topic, row.aggregate_id, payload, [("id", message_id), *extra])
+        plain, extensions = _split_extensions(extra)
+        attributes = [("specversion", CE_SPECVERSION), ("id", message_id), ("source", self.cloudevents_source),
+                      ("type", row.event_type), ("subject", row.aggregate_id), ("time", rfc3339(row.created_at))]
+        if fmt is MessageFormat.CLOUDEVENTS_BINARY:
+            headers = [(CE_PREFIX + name, value) for name, value in attributes]
+            headers.append((CONTENT_TYPE_HEADER, DATA_CONTENT_TYPE))
+            headers.extend((CE_PREFIX + name, value) for name, value in extensions)
+            headers.append(("message_id", message_id))
+            headers.extend(plain)
+            return Encoded(topic, row.aggregate_id, payload, headers)
+        envelope = dict(attributes)
+        envelope["datacontenttype"] = DATA_CONTENT_TYPE
+        envelope.update(extensions)
+        # The payload is spliced in as the JSON text it is stored as (data of a JSON
+        # content type is the JSON value itself, JSON event format 3.1.1): no re-parse.
+        value = json.dumps(envelope, ensure_ascii=False)[:-1] + ', "data": ' + payload + "}"
+        headers = [(CONTENT_TYPE_HEADER, STRUCTURED_CONTENT_TYPE), ("message_id", message_id), *plain]
+        return Encoded(topic, row.aggregate_id, value, headers)
+
+
+def _split_extensions(extra: Sequence[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Row headers -> (plain headers, CloudEvents extension attributes from ``ce_<name>``)."""
+    plain: list[tuple[str, str]] = []
+    extensions: list[tuple[str, str]] = []
+    for name, value in extra:
+        if name.lower() == CONTENT_TYPE_HEADER:
+            raise FormatError(f"header {name!r} is reserved in the CloudEvents formats (the data content type)")
+        if name[:3].lower() != CE_PREFIX:
+            plain.append((name, value))
+            continue
+        attribute = name[3:]
+        if attribute in _CE_OWN_ATTRIBUTES:
+            raise FormatError(f"header {name!r} is reserved: the relay sets the CloudEvents attribute {attribute!r}")
+        if not _CE_ATTRIBUTE_RE.match(attribute):
+            raise FormatError(f"header {name!r}: a CloudEvents extension name must be 1-20 lower-case letters "
+                              "or digits")
+        extensions.append((attribute, value))
+    return plain, extensions
+
+
+# --- HTTP binding ------------------------------------------------------------------------------
+def http_header_name(name: str) -> str:
+    """A contract header name as an HTTP header (``message_id`` -> ``X-Outbox-message-id``):
+    ``_`` becomes ``-`` because proxies such as nginx drop names containing underscores."""
+    return HTTP_HEADER_PREFIX + name.replace("_", "-")
+
+
+def http_headers(fmt: MessageFormat, headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A message's headers as HTTP request headers, in the HTTP binding of its format."""
+    out: list[tuple[str, str]] = []
+    cloudevents = fmt.is_cloudevents
+    for name, value in headers:
+        if name in TRACE_HEADERS:
+            out.append((name, value))
+        elif cloudevents and name == CONTENT_TYPE_HEADER:
+            out.append(("Content-Type", value))
+        elif cloudevents and name.startswith(CE_PREFIX):
+            out.append((CE_HTTP_PREFIX + name[3:], quote(value, safe=_CE_HTTP_SAFE)))
+        else:
+            out.append((http_header_name(name), value))
+    return out

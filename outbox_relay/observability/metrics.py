@@ -1,0 +1,362 @@
+"""Prometheus metrics, the gauge refresher, and the /metrics /healthz /readyz server.
+
+Counters are counted in process. Gauges describing the table are read from the
+database every ``metrics.refresh_interval_seconds`` with the cheap, index-backed
+queries of ``queries.sql`` under a statement timeout (a queue depth above
+``metrics.exact_count_limit`` comes from an exact count made at most every
+``metrics.exact_count_interval_seconds``, see _SlowExactCount); if a refresh fails the
+gauges are reset rather than left frozen at a stale value, and
+``outbox_relay_stats_refresh_errors_total`` counts the failure.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..core.decision import Kind
+from ..core.service import PeriodicService
+from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
+from ..model import PublisherObserver
+
+if TYPE_CHECKING:
+    from ..runtime.finalizer import BatchResult
+
+log = structlog.get_logger("outbox_relay.metrics")
+
+OUTCOMES = ("done", "retry", "defer", "dead")
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """``histogram.observe(v)`` for every value, with one update per bucket touched
+    instead of a locked update (and a walk of the buckets) per value: the latency of
+    every acknowledged message is observed, ~1 us each on the path that collects
+    delivery reports. Same exposition as observing one by one (tests/unit/test_metrics_observe.py);
+    falls back to that if prometheus_client's internals ever differ."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if not values:
+        return
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts = [0] * len(bounds)
+    for value in values:
+        if value != value:  # NaN: in no bucket, as observe() does
+            histogram.observe(value)
+            continue
+        # the first bound >= value: observe()'s "value <= bound" (+Inf is the last bound)
+        counts[bisect.bisect_left(bounds, value)] += 1
+    total.inc(sum(v for v in values if v == v))
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
+
+
+class RelayMetrics(PublisherObserver):
+    """Every metric of one relay process, on its own registry.
+
+    The relay loop does not touch individual metrics: it hands what happened to
+    ``record_claim`` and ``record_batch``, and the publisher reports through the
+    ``PublisherObserver`` hooks, so a new metric is a change to this module only.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.oldest_pending_age_seconds = Gauge(
+            "outbox_relay_oldest_pending_age_seconds",
+            "Age of the oldest pending or processing row (0 when none).", registry=r)
+        self.expired_leases = Gauge(
+            "outbox_relay_expired_leases", "Processing rows whose lease has expired.", registry=r)
+        self.queue_depth = Gauge(
+            "outbox_relay_queue_depth", "Rows per status.", ["status"], registry=r)
+        self.attempts = Gauge(
+            "outbox_relay_attempts", "Pending or processing rows by attempts used.", ["attempts"], registry=r)
+        self.blocked_aggregates = Gauge(
+            "outbox_relay_blocked_aggregates", "Ordered aggregates blocked behind a dead head.", registry=r)
+        self.lost_leases_total = Counter(
+            "outbox_relay_lost_leases", "Finalizes rejected because the lease was taken over.", registry=r)
+        self.published_total = Counter(
+            "outbox_relay_published", "Rows finalized by outcome.", ["outcome"], registry=r)
+        self.reaped_total = Counter(
+            "outbox_relay_reaped", "Rows sent to dead by the reaper (attempts used up without outcome).",
+            registry=r)
+        self.released_total = Counter(
+            "outbox_relay_released", "Rows handed back to pending unpublished, attempt refunded.", registry=r)
+        self.producer_replacements_total = Counter(
+            "outbox_relay_producer_replacements", "Kafka producers replaced after a fatal state.", registry=r)
+        self.isolated_total = Counter(
+            "outbox_relay_isolated", "Rows re-produced alone because the broker refused their record batch.",
+            registry=r)
+        self.topic_authorization_failures_total = Counter(
+            "outbox_relay_topic_authorization_failures",
+            "Messages the broker refused because this principal may not write to the topic "
+            "(TOPIC_AUTHORIZATION_FAILED); their rows wait, attempts refunded.", ["topic"], registry=r)
+        self.missing_topic_deferrals_total = Counter(
+            "outbox_relay_missing_topic_deferrals",
+            "Batches whose messages for the topic timed out because the cluster has no such topic and does "
+            "not create it; "
+            "their rows wait, attempts refunded.", ["topic"], registry=r)
+        self.stats_refresh_errors_total = Counter(
+            "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r)
+        self.claim_batch_size = Histogram(
+            "outbox_relay_claim_batch_size", "Rows per non-empty claim.",
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000), registry=r)
+        self.publish_latency_seconds = Histogram(
+            "outbox_relay_publish_latency_seconds", "Claim to finalize of one batch.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.end_to_end_latency_seconds = Histogram(
+            "outbox_relay_end_to_end_latency_seconds", "Row created_at to broker acknowledgement.",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.circuit_breaker_open = Gauge(
+            "outbox_relay_circuit_breaker_open", "1 while the broker circuit breaker is open.", registry=r)
+        self.in_flight_bytes = Gauge(
+            "outbox_relay_in_flight_bytes",
+            "Payload + headers bytes claimed and not yet finalized (bounded by relay.max_in_flight_bytes).",
+            registry=r)
+        self.in_flight_budget_waits_total = Counter(
+            "outbox_relay_in_flight_budget_waits",
+            "Claims that waited because the in-flight byte budget was full.", registry=r)
+        self.worker_threads_alive = Gauge(
+            "outbox_relay_worker_threads_alive", "Worker threads running.", registry=r)
+        for status in STATUSES:
+            self.queue_depth.labels(status=status).set(0)
+        for outcome in OUTCOMES:
+            self.published_total.labels(outcome=outcome)
+        self._published = {o: self.published_total.labels(outcome=o) for o in OUTCOMES}
+
+    def published(self, outcome: str, count: int = 1) -> None:
+        if count:
+            self._published[outcome].inc(count)
+
+    # --- lifecycle hooks ----------------------------------------------------------------
+    def record_claim(self, result: ClaimResult) -> None:
+        if result.rows:
+            self.claim_batch_size.observe(len(result.rows))
+        if result.reaped:
+            self.reaped_total.inc(len(result.reaped))
+            self.published("dead", len(result.reaped))
+
+    def record_batch(self, result: BatchResult) -> None:
+        for kind in (Kind.DONE, Kind.RETRY, Kind.DEFER, Kind.DEAD):
+            self.published(kind.value, result.count(kind))
+        released = result.count(Kind.RELEASE)
+        if released:
+            self.released_total.inc(released)
+        if result.lost:
+            self.lost_leases_total.inc(len(result.lost))
+        if result.elapsed_seconds is not None:
+            self.publish_latency_seconds.observe(result.elapsed_seconds)
+
+    # --- PublisherObserver ----------------------------------------------------------------
+    def message_acknowledged(self, seconds_since_created: float) -> None:
+        self.end_to_end_latency_seconds.observe(seconds_since_created)
+
+    def messages_acknowledged(self, seconds_since_created: Sequence[float]) -> None:
+        observe_many(self.end_to_end_latency_seconds, seconds_since_created)
+
+    def client_replaced(self, reason: str) -> None:
+        self.producer_replacements_total.inc()
+
+    def messages_isolated(self, count: int) -> None:
+        self.isolated_total.inc(count)
+
+    def topic_authorization_failed(self, topic: str) -> None:
+        self.topic_authorization_failures_total.labels(topic=topic).inc()
+
+    def topic_missing(self, topic: str) -> None:
+        self.missing_topic_deferrals_total.labels(topic=topic).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _SlowExactCount:
+    """Exact counts of the statuses above ``metrics.exact_count_limit``, so an operator never acts on an estimate.
+
+    The per-refresh count stops at the cap; above it the planner's estimate is stale
+    exactly when an operator looks (right after a bulk failure). So a status above the
+    cap is counted exactly — at most once per ``interval_seconds``, within its own
+    time budget, in a thread of its own so the fast gauges never wait for it — and the
+    gauge shows that count until the next one.
+    """
+
+    def __init__(self, store: OutboxStore, *, interval_seconds: float, budget_ms: int, first_upto: int) -> None:
+        self._store = store
+        self._interval = interval_seconds
+        self._budget_ms = budget_ms
+        self._first_upto = first_upto
+        self._lock = threading.Lock()
+        self._latest: dict[str, int] = {}
+        self._started_at = float("-inf")
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def close(self) -> None:
+        """No more counts; one still running ends within its budget (a daemon thread)."""
+        with self._lock:
+            self._closed = True
+
+    def reopen(self) -> None:
+        with self._lock:
+            self._closed = False
+
+    def request(self, statuses: list[str]) -> None:
+        """Start a count of ``statuses`` unless one is running or the last began < interval ago."""
+        with self._lock:
+            running = self._thread is not None and self._thread.is_alive()
+            if self._closed or running or time.monotonic() - self._started_at < self._interval:
+                return
+            self._started_at = time.monotonic()
+            self._thread = threading.Thread(target=self._count, args=(list(statuses),),
+                                            name="metrics-exact-count", daemon=True)
+            self._thread.start()
+
+    def _count(self, statuses: list[str]) -> None:
+        try:
+            counts = self._store.exact_depth(budget_ms=self._budget_ms, statuses=statuses,
+                                             first_upto=self._first_upto)
+        except Exception as exc:  # a failed count keeps the previous one; the next request retries
+            if not self._closed:  # after close() the store is going away: an expected failure
+                log.warning("exact queue depth count failed", error=str(exc))
+            return
+        with self._lock:
+            self._latest.update({status: count.n for status, count in counts.items()})
+
+    def latest(self, status: str) -> int | None:
+        with self._lock:
+            return self._latest.get(status)
+
+    def forget(self, status: str) -> None:
+        """The status is below the cap again (counted exactly every refresh)."""
+        with self._lock:
+            self._latest.pop(status, None)
+
+
+class StatsRefresher(PeriodicService):
+    """Background thread: reads the table's gauges every interval. start/stop are idempotent."""
+
+    thread_name = "metrics-refresh"
+
+    def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
+                 timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000,
+                 exact_count_interval_seconds: float = 60.0, exact_count_timeout_ms: int = 10_000) -> None:
+        super().__init__(interval_seconds, run_first=True)
+        self._store = store
+        self._metrics = metrics
+        self._timeout_ms = timeout_ms
+        self._ordered = ordered_types
+        self._count_cap = count_cap
+        self._exact = _SlowExactCount(store, interval_seconds=exact_count_interval_seconds,
+                                      budget_ms=exact_count_timeout_ms, first_upto=count_cap)
+
+    def refresh_once(self) -> bool:
+        m = self._metrics
+        try:
+            stats = self._store.stats(ordered_types=self._ordered, timeout_ms=self._timeout_ms,
+                                      count_cap=self._count_cap)
+        except Exception as exc:  # any failure: do not leave stale values behind
+            m.stats_refresh_errors_total.inc()
+            m.oldest_pending_age_seconds.set(float("nan"))
+            m.expired_leases.set(float("nan"))
+            for status in STATUSES:
+                m.queue_depth.labels(status=status).set(float("nan"))
+            m.attempts.clear()
+            m.blocked_aggregates.set(float("nan"))
+            log.warning("metrics refresh failed", error=str(exc))
+            return False
+        m.oldest_pending_age_seconds.set(stats.oldest_pending_age_seconds)
+        m.expired_leases.set(stats.expired_leases)
+        # Done rows have no index: an exact count would read the whole table every
+        # interval, so above the cap the done gauge stays the planner's estimate.
+        countable = [status for status in stats.estimated_statuses if status in INDEXED_STATUSES]
+        if countable:
+            self._exact.request(countable)
+        for status, n in stats.queue_depth.items():
+            if status in countable:
+                exact = self._exact.latest(status)  # None until the first slow count is done
+                if exact is not None:
+                    n = max(self._count_cap, exact)
+            else:
+                self._exact.forget(status)
+            m.queue_depth.labels(status=status).set(n)
+        m.attempts.clear()
+        for attempts, n in stats.attempts.items():
+            m.attempts.labels(attempts=str(attempts)).set(n)
+        m.blocked_aggregates.set(len(stats.blocked_aggregates))
+        return True
+
+    def step(self) -> None:
+        self.refresh_once()
+
+    def start(self) -> None:
+        self._exact.reopen()
+        super().start()
+
+    def stop(self) -> None:
+        super().stop()
+        self._exact.close()
+
+
+class MetricsServer:
+    """HTTP sidecar: /metrics, /healthz (workers alive), /readyz (DB + broker + breaker)."""
+
+    def __init__(self, metrics: RelayMetrics, *, host: str, port: int,
+                 healthy: Callable[[], tuple[bool, str]], ready: Callable[[], tuple[bool, str]]) -> None:
+        self._metrics = metrics
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path == "/metrics":
+                    self._send(200, outer._metrics.render(), CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    ok, why = healthy()
+                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
+                elif path == "/readyz":
+                    ok, why = ready()
+                    self._send(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")
+                else:
+                    self._send(404, b"not found\n", "text/plain; charset=utf-8")
+
+            def _send(self, code: int, body: bytes, content_type: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            thread.join(timeout=5)

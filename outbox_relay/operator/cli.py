@@ -1,0 +1,654 @@
+"""``outbox-relay`` command line (typer). Thin: parse, load settings, call the library.
+
+Exit codes: 0 success; 1 a runtime failure (database or broker unreachable, rows
+not found); 2 bad configuration or usage. Errors are one line on stderr, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from ..config import Settings, load_settings, parse_duration
+from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
+from ..core.ordering import OrderingRule
+from ..db.store import DeadSummary
+from ..errors import ConfigError, OutboxRelayError
+from .operations import Action, change_dead, diagnose_aggregate, jsonable, os_user, preview_dead, row_states
+
+app = typer.Typer(
+    name="outbox-relay",
+    help="Deliver a PostgreSQL transactional outbox to Kafka, at least once.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+dead_app = typer.Typer(help="Inspect and repair dead rows.", no_args_is_help=True)
+app.add_typer(dead_app, name="dead")
+aggregate_app = typer.Typer(help="Inspect one aggregate.", no_args_is_help=True)
+app.add_typer(aggregate_app, name="aggregate")
+audit_app = typer.Typer(help="The operators' retry/skip trail.", no_args_is_help=True)
+app.add_typer(audit_app, name="audit")
+
+ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
+SourceOpt = Annotated[str | None, typer.Option(
+    "--source", help="The source (outbox) to work on, by name; needed when several are configured.")]
+T = TypeVar("T")
+
+
+def _fail(message: str, code: int) -> None:
+    typer.echo(f"outbox-relay: error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _settings(config: str | None, **overrides: Any) -> Settings:
+    try:
+        settings = load_settings(config, **{k: v for k, v in overrides.items() if v})
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+        raise  # unreachable
+    from ..observability.logs import configure_logging
+
+    configure_logging(settings.log.level, settings.log.format, secrets=settings.secret_values)
+    return settings
+
+
+def _for_source(settings: Settings, source: str | None) -> Settings:
+    """The settings of the source named by --source (sources.py)."""
+    from ..runtime.sources import source_settings
+
+    with _errors():
+        return source_settings(settings, source)
+    raise AssertionError("unreachable")
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Our exceptions -> one line and an exit code."""
+    try:
+        yield
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except OutboxRelayError as exc:
+        _fail(str(exc), 1)
+
+
+@contextmanager
+def _store(settings: Settings) -> Iterator[Any]:
+    from ..runtime.relay import make_store
+
+    # A one-shot command reports a connection failure as one line (see _errors); the
+    # pool's own multi-line retry warnings would only repeat it on stderr.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+    store = make_store(settings, pool_size=2, application_name="outbox-relay-cli")
+    with _errors():
+        store.open(fail_fast=True)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def _progress(total: int, label: str) -> Callable[[int], None]:
+    """A progress bar on a terminal, nothing otherwise."""
+    if not sys.stderr.isatty() or total <= 0:
+        return lambda _n: None
+    done = [0]
+
+    def update(n: int) -> None:
+        done[0] += n
+        width = 30
+        filled = int(width * min(done[0], total) / total)
+        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total}")
+        if done[0] >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return update
+
+
+# --- run / migrate ---------------------------------------------------------------------
+@app.command()
+def run(
+    workers: Annotated[int | None, typer.Option("--workers", "-w", min=1, help="Worker threads.")] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Run the relay in the foreground until SIGTERM/SIGINT."""
+    settings = _settings(config, relay={"workers": workers} if workers else None)
+    from ..runtime.relay import Relay
+    from ..runtime.sources import uses_sources
+
+    with _errors():
+        if uses_sources(settings):  # [sources] or [discovery]: one process for every outbox
+            from ..runtime.multi import MultiRelay
+
+            MultiRelay(settings).run_forever()
+            return
+        relay = Relay(settings)
+        relay.run_forever()
+
+
+@app.command()
+def migrate(
+    config: ConfigOpt = None,
+    no_notify_trigger: Annotated[bool, typer.Option(
+        "--no-notify-trigger", help="Do not install (and drop) the LISTEN/NOTIFY trigger.")] = False,
+    drop_ordering_indexes: Annotated[bool, typer.Option(
+        "--drop-ordering-indexes",
+        help="Drop the per-aggregate indexes of ordered delivery (relay.ordered_event_types must be empty).",
+    )] = False,
+    source: SourceOpt = None,
+    all_sources: Annotated[bool, typer.Option(
+        "--all-sources", help="Migrate every configured and discovered source, one after the other.")] = False,
+) -> None:
+    """Create the outbox table, its indexes and the wake-up trigger; bring an existing
+    table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
+    The ordering indexes are created when relay.ordered_event_types is set; the table's
+    mode is set to relay.on_done."""
+    settings = _settings(config)
+    if all_sources:
+        if source is not None:
+            _fail("--source and --all-sources exclude each other", 2)
+        _migrate_all(settings, config, no_notify_trigger, drop_ordering_indexes)
+        return
+    settings = _for_source(settings, source)
+    ordering = bool(settings.relay.ordered_event_types)
+    if drop_ordering_indexes and ordering:
+        _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
+    with _store(settings) as store:
+        notes = store.migrate(notify_trigger=not no_notify_trigger, ordering=ordering,
+                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes)
+    for note in notes:
+        typer.echo(f"  {note}")
+    typer.echo(f"migrated {settings.database.table}")
+
+
+def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool, drop_ordering_indexes: bool) -> None:
+    """migrate --all-sources: every source in turn; one that fails does not stop the others
+    (exit 1 at the end naming them)."""
+    from ..runtime.sources import all_sources
+
+    with _errors():
+        names = sorted(all_sources(settings))
+    failed: list[str] = []
+    for name in names:
+        typer.echo(f"source {name}:")
+        try:
+            migrate(config=config, no_notify_trigger=no_notify_trigger,
+                    drop_ordering_indexes=drop_ordering_indexes, source=name, all_sources=False)
+        except typer.Exit as exc:
+            if exc.exit_code:
+                failed.append(name)
+    if failed:
+        _fail(f"migrate failed for {len(failed)} of {len(names)} sources: {', '.join(failed)}", 1)
+    typer.echo(f"migrated {len(names)} sources")
+
+
+# --- status ----------------------------------------------------------------------------
+@app.command()
+def status(
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Queue depth per status (exact), oldest pending age, expired leases, attempts, blocked aggregates
+    (of every source, or of the one named by --source)."""
+    settings = _settings(config)
+    from ..runtime.sources import uses_sources
+
+    if source is None and uses_sources(settings):
+        from .source_cli import status_of_every_source
+
+        status_of_every_source(settings, json_out, lambda name: status(json_out=json_out, config=config,
+                                                                        source=name))
+        return
+    settings = _for_source(settings, source)
+    with _store(settings) as store:
+        store.require_table()
+        stats = store.stats(ordered_types=list(settings.relay.ordered_event_types), include_depth=False,
+                            count_cap=settings.metrics.exact_count_limit)
+        on_done = store.on_done_mode()
+        # Exact counts from each status's partial index; a status whose count runs out
+        # of metrics.exact_count_timeout_ms is a lower bound ("≥ N").
+        depth = store.exact_depth(budget_ms=settings.metrics.exact_count_timeout_ms,
+                                  first_upto=settings.metrics.exact_count_limit)
+    lower_bounds = [name for name, count in depth.items() if not count.exact]
+    doc = {
+        "table": settings.database.table,
+        "on_done": on_done,
+        "queue_depth": {name: count.n for name, count in depth.items()},
+        "queue_depth_estimated": lower_bounds,  # statuses whose count is a lower bound
+        "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
+        "expired_leases": stats.expired_leases,
+        "attempts": {str(k): v for k, v in sorted(stats.attempts.items())},
+        "blocked_aggregates": [{"aggregate_id": a, "dead_id": i} for a, i in stats.blocked_aggregates],
+    }
+    if json_out:
+        typer.echo(json.dumps(doc))
+        return
+    typer.echo(f"outbox {settings.database.table}"
+               + ("  (delivered rows are deleted: done counts rows skipped by an operator)"
+                  if on_done == "delete" else ""))
+    typer.echo(f"  {'status':<12}{'rows':>14}")
+    for name, count in depth.items():
+        note = "  (lower bound: counting ran out of time)" if not count.exact else ""
+        typer.echo(f"  {name:<12}{count!s:>14}{note}")
+    typer.echo(f"  oldest pending age   {stats.oldest_pending_age_seconds:.1f}s")
+    typer.echo(f"  expired leases       {stats.expired_leases}")
+    if stats.attempts:
+        attempts = ", ".join(f"{k}: {v}" for k, v in sorted(stats.attempts.items()))
+        typer.echo(f"  attempts (pending+processing): {attempts}")
+    if settings.relay.ordered_event_types:
+        typer.echo(f"  blocked aggregates   {len(stats.blocked_aggregates)}")
+        for aggregate, dead_id in stats.blocked_aggregates[:20]:
+            typer.echo(f"    {aggregate} blocked by dead row {dead_id}")
+
+
+# --- dead letters ----------------------------------------------------------------------
+# The filters of `dead list|retry|skip` (the console's API takes the same names).
+EventTypeOpt = Annotated[str | None, typer.Option("--event-type", help="Only this event type.")]
+AggregateTypeOpt = Annotated[str | None, typer.Option("--aggregate-type", help="Only this aggregate type.")]
+AggregateIdOpt = Annotated[str | None, typer.Option("--aggregate-id", help="Only this aggregate.")]
+ErrorContainsOpt = Annotated[str | None, typer.Option(
+    "--error-contains", help="Only rows whose last_error contains TEXT (case-insensitive).")]
+SinceOpt = Annotated[str | None, typer.Option(
+    "--since", help="Only rows created at or after: a duration ago (2h, 7d) or a timestamp.")]
+UntilOpt = Annotated[str | None, typer.Option(
+    "--until", help="Only rows created before: a duration ago (2h, 7d) or a timestamp.")]
+
+
+def _filter(store: Any, **values: Any) -> DeadFilter:
+    """CLI filter options -> DeadFilter; a bad value exits 2 naming the option."""
+    try:
+        return parse_filter({k: v for k, v in values.items() if v is not None}, store.database_now)
+    except ValueError as exc:
+        message = str(exc)
+        name = message.split(":", 1)[0]
+        if name in FILTER_NAMES:  # "since: ..." -> "--since: ..."
+            message = "--" + name.replace("_", "-") + message[len(name):]
+        _fail(message, 2)
+        raise  # unreachable
+
+
+def _print_summary(summary: DeadSummary | None, indent: str = "  ") -> None:
+    if summary is None:
+        typer.echo(f"{indent}(breakdown not available: grouping ran out of time)")
+        return
+    if summary.by_event_type:
+        typer.echo(f"{indent}by event type: " + ", ".join(f"{name} {n}" for name, n in summary.by_event_type))
+    if summary.by_error:
+        typer.echo(f"{indent}by error:")
+        for error, n in summary.by_error:
+            typer.echo(f"{indent}  {n:>8}  {error[:120] or '(none)'}")
+    sample = ", ".join(summary.sample_aggregates[:5])
+    more = ", …" if summary.aggregates > 5 else ""
+    typer.echo(f"{indent}aggregates: {summary.aggregates}" + (f" ({sample}{more})" if sample else ""))
+
+
+@dead_app.command("list")
+def dead_list(
+    json_out: Annotated[bool, typer.Option("--json", help="JSON array output.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many rows.")] = 100,
+    after_id: Annotated[int, typer.Option("--after-id", min=0, help="Rows with a larger id (next page).")] = 0,
+    event_type: EventTypeOpt = None,
+    aggregate_type: AggregateTypeOpt = None,
+    aggregate_id: AggregateIdOpt = None,
+    error_contains: ErrorContainsOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """List dead rows in id order, then how many match (exactly) by event type, error and aggregate."""
+    settings = _for_source(_settings(config), source)
+    budget_ms = settings.metrics.exact_count_timeout_ms
+    with _store(settings) as store:
+        store.require_table()
+        selector = _filter(store, event_type=event_type, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                           error_contains=error_contains, since=since, until=until)
+        with _errors():
+            rows = store.dead_page(selector, after_id=after_id, limit=limit)
+            if json_out:
+                typer.echo(json.dumps([jsonable(row) for row in rows]))
+                return
+            matched = store.dead_count(selector, budget_ms=budget_ms)
+            summary = store.dead_summary(selector, timeout_ms=budget_ms) if matched.n else None
+    if not rows:
+        typer.echo("no dead rows" if not selector.has_conditions() and not after_id
+                   else "no dead rows match" + (f" after id {after_id}" if after_id else ""))
+        return
+    for row in rows:
+        error = (row["last_error"] or "").replace("\n", " ")
+        typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['aggregate_type']}/{row['aggregate_id']}  "
+                   f"attempts={row['attempts']}  {row['created_at']:%Y-%m-%d %H:%M:%S}  {error[:120]}")
+    typer.echo(f"{matched} dead rows match; showing {len(rows)}"
+               + (f" (next page: --after-id {rows[-1]['id']})" if len(rows) == limit else ""))
+    _print_summary(summary)
+
+
+def _report_unmatched(store: Any, ids: list[int], changed: set[int]) -> int:
+    missing = [i for i in ids if i not in changed]
+    if not missing:
+        return 0
+    statuses = store.statuses(missing)
+    for row_id in missing:
+        if row_id not in statuses:
+            typer.echo(f"outbox-relay: id {row_id}: no such row", err=True)
+        else:
+            typer.echo(f"outbox-relay: id {row_id}: not dead (status {statuses[row_id]})", err=True)
+    return len(missing)
+
+
+def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: int | None, dry_run: bool,
+                 reason: str | None, chunk_size: int, config: str | None, filters: dict[str, Any],
+                 source: str | None = None) -> None:
+    """Shared body of `dead retry` and `dead skip`: ids, --all or a filter; dry run or
+    chunked change with an audit entry."""
+    given_filters = {k: v for k, v in filters.items() if v is not None}
+    if sum([bool(ids), all_rows, bool(given_filters)]) != 1:
+        _fail("give dead row ids, --all, or filters (--event-type, --aggregate-type, --aggregate-id, "
+              "--error-contains, --since, --until): exactly one of them", 2)
+    if limit is not None and ids:
+        _fail("--limit applies to --all or a filter, not to ids", 2)
+    past = {"retry": "retried", "skip": "skipped"}[action]
+    settings = _for_source(_settings(config), source)
+    budget_ms = settings.metrics.exact_count_timeout_ms
+    with _store(settings) as store:
+        store.require_table()
+        id_list = list(dict.fromkeys(ids or []))
+        if id_list:
+            selector = DeadFilter(ids=tuple(id_list))
+        else:
+            selector = _filter(store, **given_filters, limit=limit)
+        with _errors():
+            if dry_run:
+                preview = preview_dead(store, selector, budget_ms=budget_ms)
+                typer.echo(f"dry run: {preview.matched} dead rows would be {past}; nothing changed")
+                if preview.matched.n and selector.limit is None:
+                    _print_summary(preview.summary)
+                problems = 0
+                if id_list:
+                    dead = {i for i, st in store.statuses(id_list).items() if st == "dead"}
+                    problems = _report_unmatched(store, id_list, dead)
+                if problems:
+                    raise typer.Exit(1)
+                return
+            matched = store.dead_count(selector, budget_ms=budget_ms)
+            result = change_dead(store, action, selector, actor=os_user(), source="cli", reason=reason,
+                                 chunk_size=chunk_size, budget_ms=budget_ms, matched=matched,
+                                 progress=_progress(matched.n, {"retry": "retrying", "skip": "skipping"}[action]),
+                                 keep_ids=bool(id_list))
+            problems = _report_unmatched(store, id_list, set(result.changed_ids)) if id_list else 0
+    typer.echo(f"{past} {result.changed} dead rows (audit entry {result.audit_id})")
+    if problems:
+        raise typer.Exit(1)
+
+
+LimitChangeOpt = Annotated[int | None, typer.Option(
+    "--limit", min=1, help="Change at most this many rows (the oldest by id).")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Only say how many rows (and which) would change.")]
+ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1, help="Rows per transaction.")]
+
+
+@dead_app.command("retry")
+def dead_retry(
+    ids: Annotated[list[int] | None, typer.Argument(help="Dead row ids.")] = None,
+    all_rows: Annotated[bool, typer.Option("--all", help="Every dead row.")] = False,
+    event_type: EventTypeOpt = None,
+    aggregate_type: AggregateTypeOpt = None,
+    aggregate_id: AggregateIdOpt = None,
+    error_contains: ErrorContainsOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    limit: LimitChangeOpt = None,
+    dry_run: DryRunOpt = False,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded in the audit trail).")] = None,
+    chunk_size: ChunkOpt = 1000,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Move dead rows back to pending: attempts 0, due now (last_error kept until the next outcome)."""
+    _dead_change("retry", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
+        "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
+        "error_contains": error_contains, "since": since, "until": until}, source)
+
+
+@dead_app.command("skip")
+def dead_skip(
+    ids: Annotated[list[int] | None, typer.Argument(help="Dead row ids to mark done without publishing.")] = None,
+    all_rows: Annotated[bool, typer.Option("--all", help="Every dead row.")] = False,
+    event_type: EventTypeOpt = None,
+    aggregate_type: AggregateTypeOpt = None,
+    aggregate_id: AggregateIdOpt = None,
+    error_contains: ErrorContainsOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    limit: LimitChangeOpt = None,
+    dry_run: DryRunOpt = False,
+    reason: Annotated[str | None, typer.Option(
+        "--reason", help="Why (recorded in last_error and in the audit trail).")] = None,
+    chunk_size: ChunkOpt = 1000,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Mark dead rows done deliberately (unblocks an ordered aggregate). Nothing is published."""
+    _dead_change("skip", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
+        "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
+        "error_contains": error_contains, "since": since, "until": until}, source)
+
+
+# --- aggregates and the audit trail ----------------------------------------------------
+@aggregate_app.command("show")
+def aggregate_show(
+    aggregate_id: Annotated[str, typer.Argument(help="The aggregate_id.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="At most this many rows.")] = 100,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """An aggregate's unfinished rows in id order, and what holds it back."""
+    settings = _for_source(_settings(config), source)
+    ordering = OrderingRule.of(settings.relay.ordered_event_types)
+    with _store(settings) as store:
+        store.require_table()
+        with _errors():
+            found, total = store.aggregate_rows(aggregate_id, limit=limit)
+    verdict = diagnose_aggregate(found, ordering, max_attempts=settings.relay.max_attempts)
+    states = row_states(found, ordering)
+    if json_out:
+        typer.echo(json.dumps({
+            "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
+            "rows": [jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
+                               | {"ordered": ordering.is_ordered(row["event_type"]), "state": state})
+                     for row, state in zip(found, states, strict=True)]}))
+        return
+    shown = f" (showing {len(found)})" if total > len(found) else ""
+    typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows{shown}")
+    typer.echo(f"  {verdict}")
+    for row, state in zip(found, states, strict=True):
+        mark = "ordered" if ordering.is_ordered(row["event_type"]) else "unordered"
+        error = (row["last_error"] or "").replace("\n", " ")[:80]
+        typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
+                   f"attempts={row['attempts']}  {state}" + (f"  last_error: {error}" if error else ""))
+
+
+@audit_app.command("list")
+def audit_list(
+    json_out: Annotated[bool, typer.Option("--json", help="JSON array output.")] = False,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="At most this many entries.")] = 50,
+    before_id: Annotated[int | None, typer.Option("--before-id", min=1, help="Older entries (next page).")] = None,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Every retry/skip by an operator (CLI or console), newest first."""
+    settings = _for_source(_settings(config), source)
+    with _store(settings) as store:
+        store.require_table()
+        store.require_audit_table()
+        entries = store.audit_list(limit=limit, before_id=before_id)
+    if json_out:
+        typer.echo(json.dumps([jsonable(e) for e in entries]))
+        return
+    if not entries:
+        typer.echo("no audit entries")
+        return
+    for e in entries:
+        state = f"{e['rows_changed']} changed" + ("" if e["finished_at"] else " (unfinished: interrupted or running)")
+        matched = "?" if e["rows_matched"] is None else e["rows_matched"]
+        typer.echo(f"{e['id']:>6}  {e['started_at']:%Y-%m-%d %H:%M:%S%z}  {e['action']:<5} {e['source']}:{e['actor']}  "
+                   f"{json.dumps(e['selector'])}  matched {matched}, {state}  reason: {e['reason'] or 'none given'}")
+
+
+# --- the operator console --------------------------------------------------------------
+@app.command()
+def console(
+    host: Annotated[str | None, typer.Option(
+        "--host", help="Address to bind (default console.host, 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option("--port", min=0, max=65535,
+                                                help="Port (default console.port, 9465; 0 = any free port).")] = None,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Serve the operator console (web pages + JSON API) until SIGTERM/SIGINT."""
+    overrides: dict[str, Any] = {}
+    if host is not None:
+        overrides["host"] = host
+    if port is not None:
+        overrides["port"] = port
+    settings = _for_source(_settings(config, console=overrides or None), source)
+    try:
+        from .console.server import serve
+    except ImportError as exc:
+        _fail(f"the console needs the `console` extra: pip install 'outbox-relay[console]' ({exc})", 1)
+        raise
+    with _errors():
+        serve(settings)
+
+
+# --- retention -------------------------------------------------------------------------
+@app.command()
+def purge(
+    older_than: Annotated[str, typer.Option("--older-than", help="Age of done rows to delete: 30s, 15m, 12h, 7d.")],
+    chunk_size: Annotated[int, typer.Option(
+        "--chunk-size", min=1, help="Rows looked at (in id order) per delete transaction.")] = 5000,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Delete done rows older than DURATION, in bounded chunks (no long transaction, no table lock)."""
+    try:
+        seconds = parse_duration(older_than)
+    except ValueError as exc:
+        _fail(f"--older-than: {exc}", 2)
+        raise
+    settings = _for_source(_settings(config), source)
+    with _store(settings) as store:
+        store.require_table()
+        update = _progress(store.count_purgeable(seconds) if sys.stderr.isatty() else 0, "purging")
+        removed = 0
+        after: int | None = 0
+        while after is not None:  # chunks of the table in id order, each its own transaction
+            n, after = store.purge_chunk(seconds, chunk_size, after)
+            removed += n
+            update(n)
+        keys = 0
+        key_after: str | None = ""
+        while key_after is not None:  # dedup keys whose row is gone (delivered and deleted, or purged)
+            n, key_after = store.purge_dedup_keys_chunk(seconds, chunk_size, key_after)
+            keys += n
+    typer.echo(f"purged {removed} done rows older than {older_than}"
+               + (f" and {keys} dedup keys" if keys else ""))
+
+
+# --- least privilege -------------------------------------------------------------------
+_GRANT_HELP = {
+    "relay": "outbox-relay run",
+    "operator": "outbox-relay status, dead list|retry|skip, purge",
+    "writer": "the application's enqueue() (insert only)",
+}
+
+
+@app.command()
+def grants(
+    relay_role: Annotated[str | None, typer.Option("--relay", help="Role that runs `outbox-relay run`.")] = None,
+    operator_role: Annotated[str | None, typer.Option(
+        "--operator", help="Role of the operators (status, dead, purge).")] = None,
+    writer_role: Annotated[str | None, typer.Option(
+        "--writer", help="Role the application writes the outbox with (enqueue).")] = None,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Print the GRANT statements each role needs on the configured table (no role given:
+    all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
+    the table's owner. Nothing is executed: pipe the output to psql as the owner."""
+    settings = _for_source(_settings(config), source)
+    from ..db.schema import TableSql
+
+    roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
+    if not any(roles.values()):
+        roles = {kind: f"outbox_{kind}" for kind in roles}
+    try:
+        import psycopg
+
+        database = psycopg.conninfo.conninfo_to_dict(settings.database.dsn.get_secret_value()).get("dbname")
+    except Exception:
+        database = None
+    table_sql = TableSql(settings.database.table)
+    where = "" if "." in settings.database.table else " (unqualified: schema public assumed)"
+    lines = [f"-- outbox-relay grants for {settings.database.table}{where}; "
+             "run `outbox-relay migrate` as the table's owner first"]
+    for kind, role in roles.items():
+        if not role:
+            continue
+        try:
+            statements = table_sql.grants(kind, role, database=str(database) if database else None)
+        except ValueError as exc:
+            _fail(f"--{kind}: {exc}", 2)
+            raise
+        lines.append(f"-- {kind} role {role}: {_GRANT_HELP[kind]}")
+        lines += [" ".join(statement.as_string(None).split()) + ";" for statement in statements]
+    typer.echo("\n".join(lines))
+
+
+# --- demo ------------------------------------------------------------------------------
+@app.command()
+def demo(
+    events: Annotated[int, typer.Option("--events", min=1, help="Sample events to write.")] = 5000,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Relay worker threads.")] = 4,
+) -> None:
+    """Embedded PostgreSQL + embedded broker: write events, relay them, read them back."""
+    from .._embedded.demo import run_demo
+
+    with _errors():
+        code = run_demo(events=events, workers=workers)
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    try:
+        result = app(standalone_mode=False)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:
+        # Usage errors of the (vendored) click layer carry format_message/exit_code:
+        # print them as one line, exit 2. Anything else is a bug and keeps its traceback.
+        if not (hasattr(exc, "format_message") and hasattr(exc, "exit_code")):
+            raise
+        message = " ".join(str(exc.format_message()).split())
+        typer.echo(f"outbox-relay: error: {message} (see --help)", err=True)
+        sys.exit(exc.exit_code or 2)
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

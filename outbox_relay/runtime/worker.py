@@ -1,0 +1,446 @@
+"""The worker loop: claim -> publish (no transaction, no connection held) -> fenced finalize.
+
+At-least-once: a row is finalized only after its publish outcome is known, and a
+finalize that finds the lease taken over (a *lost lease*) is logged and counted,
+never forced. A message may therefore be published more than once; consumers
+deduplicate on the ``message_id`` header.
+
+Who does what: the store claims (``OutboxStore.claim``); the worker builds the
+messages and hands them to the publisher; ``decision.decide`` turns each outcome
+into a decision (pure); the ``Finalizer`` writes them in one fenced statement; the
+metrics and log lines are made from the ``BatchResult`` in ``_record``. Tracing
+follows the same batch through a ``BatchTrace`` (``tracing.py``; a no-op unless
+``otel.enabled``). Messages are built in the configured format (``formats.py``).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ..core.backoff import full_jitter_backoff
+from ..core.breaker import CircuitBreaker
+from ..core.budget import InFlightBudget
+from ..core.decision import DONE, RetryPolicy, decide, is_outage
+from ..core.formats import WireFormat
+from ..core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
+from ..db.store import OutboxStore
+from ..errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
+from ..model import Claimed, Message, NotDelivered, Outcome, PermanentError
+from ..observability.metrics import RelayMetrics
+from ..observability.tracing import NO_TRACE, BatchTrace, Tracing
+from ..publishers.base import PendingBatch, Publisher, build_message
+from .finalizer import BatchResult, Finalizer, log_batch
+from .heartbeat import InFlight, LeaseKeeper
+from .submitter import Submitter
+from .wakeup import Wakeup
+
+if TYPE_CHECKING:
+    from ..config import Settings
+
+log = structlog.get_logger("outbox_relay.worker")
+
+
+@dataclass
+class WorkerConfig:
+    """Everything a worker needs from the settings; built by ``from_settings`` for
+    the relay and the tests alike."""
+
+    owner: str
+    batch_size: int
+    lease_seconds: float
+    max_attempts: int
+    ordered_types: Sequence[str]
+    run_length: int
+    strict_lease: bool
+    topic_template: str
+    poll_interval_seconds: float
+    backoff_base_seconds: float
+    backoff_cap_seconds: float
+    publish_timeout_seconds: float
+    max_error_chars: int = 1000
+    listen_notify: bool = False
+    max_batch_bytes: int = 2**62  # relay.max_batch_bytes
+    max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
+    #: The message format (``kafka.message_format``); None = the contract with ``topic_template``.
+    wire_format: WireFormat | None = None
+    ordering: OrderingRule = field(init=False)
+    retry_policy: RetryPolicy = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.wire_format is None:
+            self.wire_format = WireFormat(topic_template=self.topic_template)
+        self.ordering = OrderingRule.of(self.ordered_types)
+        self.retry_policy = RetryPolicy(self.max_attempts, self.backoff_base_seconds, self.backoff_cap_seconds,
+                                        self.max_error_chars)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, publisher: Publisher | None = None, **overrides: Any) -> WorkerConfig:
+        """The configuration ``Relay`` gives its workers. ``publisher`` decides the
+        publish timeout (``Publisher.publish_timeout_seconds``); ``overrides`` replace
+        single fields (tests)."""
+        s = settings
+        lease = float(overrides.get("lease_seconds", s.relay.lease_seconds))
+        timeout = publisher.publish_timeout_seconds(lease) if publisher is not None else lease * 0.8
+        wire = WireFormat.from_settings(s)
+        if "topic_template" in overrides:
+            wire = replace(wire, topic_template=overrides["topic_template"])
+        config = cls(
+            owner=s.relay.owner,
+            batch_size=s.relay.batch_size,
+            lease_seconds=lease,
+            max_attempts=s.relay.max_attempts,
+            ordered_types=list(s.relay.ordered_event_types),
+            run_length=s.relay.max_run_length,
+            strict_lease=s.relay.strict_lease,
+            topic_template=wire.topic_template,
+            poll_interval_seconds=s.relay.poll_interval_seconds,
+            backoff_base_seconds=s.relay.backoff_base_seconds,
+            backoff_cap_seconds=s.relay.backoff_cap_seconds,
+            publish_timeout_seconds=timeout,
+            max_error_chars=s.relay.max_error_chars,
+            listen_notify=s.listens_for_wakeups,
+            max_batch_bytes=s.relay.max_batch_bytes,
+            max_message_bytes=publisher.max_message_bytes() if publisher is not None else None,
+            wire_format=wire,
+        )
+        return replace(config, **overrides) if overrides else config
+
+
+@dataclass
+class _Batch:
+    """A claimed batch between claim and finalize."""
+
+    rows: Sequence[Claimed]
+    started: float
+    outcomes: list[Outcome]
+    messages: list[Message] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # index in rows of each message
+    ticket: InFlight | None = None
+    pending: PendingBatch | None = None
+    held_bytes: int = 0  # taken from the in-flight budget until the finalize
+    trace: BatchTrace = NO_TRACE
+
+
+@dataclass
+class _Submitted:
+    """A batch handed to the Submitter: built and submitted on its thread."""
+
+    future: Future[_Batch]
+    held_bytes: int = 0  # taken from the in-flight budget until the finalize
+
+
+class Worker:
+    """One worker thread's loop. ``stop()`` makes it finish its batch and return."""
+
+    def __init__(self, index: int, store: OutboxStore, publisher: Publisher, config: WorkerConfig,
+                 metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
+                 breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None,
+                 keeper: LeaseKeeper | None = None, budget: InFlightBudget | None = None,
+                 tracing: Tracing | None = None, submitter: Submitter | None = None) -> None:
+        self.index = index
+        self.owner = f"{config.owner}:w{index}"
+        self.store = store
+        self.publisher = publisher
+        self.cfg = config
+        self.metrics = metrics
+        self.wakeup = wakeup or Wakeup()
+        self.breaker = breaker
+        self.stop_event = stop_event or threading.Event()
+        self.keeper = keeper
+        self.budget = budget
+        # Builds and submits this worker's batches on its own thread (pipelining
+        # publishers; submitter.py says why). None: the worker does it itself.
+        self.submitter = submitter
+        self._in_flight: _Batch | _Submitted | None = None  # the pipelined batch, for cleanup if the loop dies
+        self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
+        self.tracing = tracing or Tracing()
+        self.finalizer = Finalizer(store, strict_lease=config.strict_lease,
+                                   retry_for_seconds=config.lease_seconds * 0.5)
+        self._db_failures = 0
+        self._ordered_after: str | None = None  # aggregate_id where the last ordered claim ended
+        self.log = log.bind(worker=self.owner)
+
+    # --- loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        """Loop until stopped. With a pipelining publisher (Kafka), the next batch is
+        claimed and submitted while the previous one is still being acknowledged:
+        batch N+1's claim overlaps batch N's wait. (Ordered rows are unaffected: a row
+        behind an unfinished head is never claimable.)"""
+        self.log.info("worker started")
+        try:
+            self._loop()
+        except BaseException:
+            # A bug escaped (the thread ends, /healthz turns 503): give the batch's bytes
+            # back to the process budget, so the other workers are not starved by it.
+            if self._in_flight is not None:
+                self._release_bytes(self._in_flight)
+            raise
+        self.log.info("worker stopped")
+
+    def _loop(self) -> None:
+        pipelined = self.publisher.pipelines
+        submitter = self.submitter if pipelined else None
+        in_flight: _Batch | _Submitted | None = None
+        while not self.stop_event.is_set():
+            self._in_flight = in_flight
+            if self.breaker is not None and self.breaker.is_open:
+                if in_flight is not None:
+                    self._complete(in_flight)
+                    in_flight = None
+                self.breaker.wait_closed(timeout=0.5)
+                continue
+            reserved, in_flight = self._reserve_bytes(in_flight)
+            if reserved is None:
+                break  # stopped while waiting for the budget
+            try:
+                rows, trace = self._claim()
+            except DatabaseError as exc:
+                self._return_bytes(reserved, 0)
+                if in_flight is not None:
+                    self._complete(in_flight)
+                    in_flight = None
+                self._log_db_error(exc)
+                self._sleep_db_backoff()
+                continue
+            held = sum(r.size_bytes for r in rows)
+            self._return_bytes(reserved, held)
+            self._db_failures = 0
+            if len(rows) >= self.cfg.batch_size:
+                self.wakeup.wake_one()  # a backlog: get another worker going
+            if rows:
+                batch: _Batch | _Submitted
+                if submitter is not None:  # built and submitted on the submitter's thread
+                    batch = _Submitted(submitter.submit(partial(self._start, rows, trace)))
+                else:
+                    try:
+                        batch = self._start(rows, trace)
+                    except BaseException:
+                        self._return_bytes(held, 0)
+                        raise
+                batch.held_bytes = held if self.budget is not None else 0
+                if pipelined:
+                    if in_flight is not None:
+                        self._complete(in_flight)
+                    in_flight = batch
+                else:
+                    self._complete(batch)
+                continue
+            if in_flight is not None:
+                self._complete(in_flight)
+                in_flight = None
+                continue
+            if self.cfg.listen_notify and not self.wakeup.relays_marked_idle:
+                # Going idle: ask inserts to notify, then look once more, so a row
+                # inserted just before the flag was set is not left to the poll.
+                try:
+                    self.wakeup.mark_relays_idle(self.store)
+                except DatabaseError as exc:
+                    self._log_db_error(exc)
+                    self._sleep_db_backoff()
+                continue
+            self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+        self._in_flight = in_flight
+        if in_flight is not None:
+            self._complete(in_flight)
+
+    def _reserve_bytes(self, in_flight: _Batch | _Submitted | None) -> tuple[int | None, _Batch | _Submitted | None]:
+        """Reserve room for the next claim in the process's in-flight budget. If it is
+        full, finish our own pipelined batch first (never wait on ourselves), then wait.
+        Returns (bytes reserved or None if stopped while waiting, the in-flight batch)."""
+        if self.budget is None:
+            return 0, in_flight
+        wanted = self.cfg.max_batch_bytes
+        if self.budget.try_reserve(wanted):
+            return wanted, in_flight
+        if in_flight is not None:
+            self._complete(in_flight)
+            in_flight = None
+            if self.budget.try_reserve(wanted):
+                return wanted, None
+        self.metrics.in_flight_budget_waits_total.inc()
+        if not self.budget.reserve(wanted, self.stop_event):
+            return None, None
+        return wanted, None
+
+    def _return_bytes(self, reserved: int, kept: int) -> None:
+        if self.budget is not None:
+            self.budget.resize(reserved, kept)
+
+    def _log_db_error(self, exc: DatabaseError) -> None:
+        if isinstance(exc, SchemaMissing):
+            self.log.error("outbox table missing", error=str(exc))
+        elif isinstance(exc, CommitOutcomeUnknown):
+            # Never publish after an unknown commit outcome: if the claim committed,
+            # its lease expires and a later claim recovers the rows.
+            self.log.warning("claim commit outcome unknown; not publishing", error=str(exc))
+        else:
+            self.log.warning("database unavailable; backing off", error=str(exc))
+
+    def _sleep_db_backoff(self) -> None:
+        self._db_failures += 1
+        self.stop_event.wait(full_jitter_backoff(self._db_failures, base=0.1, cap=5.0) + 0.05)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.wakeup.wake_all()
+
+    # --- one batch -------------------------------------------------------------------
+    def claim(self) -> list[Claimed]:
+        return self._claim()[0]
+
+    def _claim(self) -> tuple[list[Claimed], BatchTrace]:
+        cfg = self.cfg
+        trace = self.tracing.batch(self.owner)
+        result = self.store.claim(owner=self.owner, batch=cfg.batch_size, lease_seconds=cfg.lease_seconds,
+                                  max_attempts=cfg.max_attempts, ordered_types=cfg.ordered_types,
+                                  run_length=cfg.run_length, ordered_after=self._ordered_after,
+                                  max_batch_bytes=cfg.max_batch_bytes, candidates=self._candidates(),
+                                  max_message_bytes=cfg.max_message_bytes)
+        self._ordered_after = result.ordered_after
+        if result.rows:
+            self._avg_row_bytes = sum(r.size_bytes for r in result.rows) / len(result.rows)
+        for row_id, version, owner in result.reaped:
+            self.log.warning("reaped: attempts used up without an outcome; row is dead",
+                             outbox_id=row_id, lease_version=version, lease_owner=owner)
+        self.metrics.record_claim(result)
+        trace.claimed(result)
+        return result.rows, trace
+
+    def _candidates(self) -> int:
+        """How many rows the claim should size: sizing detoasts a payload, so with
+        large rows look at about twice as many as the byte budget can take."""
+        if self._avg_row_bytes <= 0:
+            return self.cfg.batch_size
+        return max(1, min(self.cfg.batch_size, int(2 * self.cfg.max_batch_bytes / self._avg_row_bytes) + 1))
+
+    def run_once(self) -> BatchResult:
+        rows, trace = self._claim()
+        if not rows:
+            return BatchResult()
+        return self._complete(self._start(rows, trace))
+
+    def process(self, rows: Sequence[Claimed]) -> BatchResult:
+        """Publish and finalize one claimed batch (blocking)."""
+        return self._complete(self._start(rows, self.tracing.batch(self.owner)))
+
+    def _start(self, rows: Sequence[Claimed], trace: BatchTrace = NO_TRACE) -> _Batch:
+        """Build the messages and submit them (a pipelining publisher starts producing now)."""
+        cfg = self.cfg
+        wire = cfg.wire_format
+        batch = _Batch(rows=rows, started=time.monotonic(), outcomes=[None] * len(rows), trace=trace)
+        runs = RunGuard()  # a row that cannot be built stops its ordered run here already
+        for i, row in enumerate(rows):
+            key = cfg.ordering.order_key(row.event_type, row.aggregate_id)
+            if runs.stopped(key):
+                batch.outcomes[i] = NotDelivered(RELEASED_AFTER_FAILURE)
+                continue
+            if row.payload is None:  # claimed without its payload: above the target's limit
+                batch.outcomes[i] = PermanentError(
+                    f"message too large (MSG_SIZE_TOO_LARGE): payload and headers are {row.size_bytes} bytes, "
+                    f"above the publisher's limit of {cfg.max_message_bytes} bytes (Kafka: kafka.message_max_bytes)")
+                runs.record(key, failed=True)
+                continue
+            try:
+                message = build_message(row, wire or cfg.topic_template, cfg.ordering)
+            except PermanentError as exc:
+                batch.outcomes[i] = exc
+                runs.record(key, failed=True)
+                continue
+            batch.messages.append(message)
+            batch.positions.append(i)
+        if batch.messages:
+            # Heartbeat for at most the publish timeout plus one lease.
+            if self.keeper is not None:
+                batch.ticket = self.keeper.track(rows, self.owner,
+                                                 max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds)
+            trace.publishing(batch.messages)
+            batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
+        return batch
+
+    def _complete(self, batch: _Batch | _Submitted) -> BatchResult:
+        """Wait for the publish outcomes, then finalize with fencing. The batch's bytes
+        go back to the in-flight budget whatever happens."""
+        if isinstance(batch, _Submitted):
+            try:
+                started = batch.future.result()  # re-raises what building or submitting raised
+            except BaseException:
+                self._release_bytes(batch)
+                raise
+            started.held_bytes, batch.held_bytes = batch.held_bytes, 0
+            batch = started
+        try:
+            return self._wait_and_finalize(batch)
+        finally:
+            self._release_bytes(batch)
+
+    def _release_bytes(self, batch: _Batch | _Submitted) -> None:
+        if self.budget is not None and batch.held_bytes:
+            self.budget.release(batch.held_bytes)
+            batch.held_bytes = 0
+
+    def _wait_and_finalize(self, batch: _Batch) -> BatchResult:
+        if batch.pending is not None:
+            cancel = batch.ticket.cancel if batch.ticket is not None else None
+            try:
+                published = batch.pending.wait(cancel=cancel)
+            finally:
+                if batch.ticket is not None and self.keeper is not None:
+                    self.keeper.untrack(batch.ticket)
+            if len(published) != len(batch.messages):
+                raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(batch.messages)} messages")
+            batch.trace.published(published)
+            for position, outcome in zip(batch.positions, published, strict=True):
+                batch.outcomes[position] = outcome
+        # Judged on what the target said, before stopped runs turn delivered rows into
+        # releases (those would otherwise look like a batch with no delivery at all).
+        outage = self.breaker is not None and is_outage(batch.outcomes)
+        if self.cfg.ordering.enabled:
+            ordering = self.cfg.ordering
+            release_after_failures([ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows],
+                                   batch.outcomes)
+        return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started,
+                              trace=batch.trace, outage=outage)
+
+    # --- decide, write, record -----------------------------------------------------------
+    def finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome]) -> BatchResult:
+        """Decide every row's next state from its outcome and write them with fencing."""
+        return self._finalize(rows, outcomes, elapsed_seconds=None)
+
+    def _finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome], *,
+                  elapsed_seconds: float | None, trace: BatchTrace = NO_TRACE,
+                  outage: bool | None = None) -> BatchResult:
+        # A batch that failed only on transport means the target is unreachable as a
+        # whole: release it (attempts refunded) and open the breaker.
+        if outage is None:
+            outage = self.breaker is not None and is_outage(outcomes)
+        policy = self.cfg.retry_policy
+        # A delivered row is DONE whatever else is true (decide's first rule), spelled
+        # out here because it is nearly every row of nearly every batch.
+        decisions = [DONE if outcome is None else decide(row.attempts, outcome, outage=outage, policy=policy)
+                     for row, outcome in zip(rows, outcomes, strict=True)]
+        if self.breaker is not None:
+            if outage:
+                failures = sum(1 for o in outcomes if o is not None and not isinstance(o, NotDelivered))
+                self.breaker.trip(f"{failures} transport failures and no delivery in one batch")
+            elif any(o is None for o in outcomes):
+                self.breaker.record_delivery()
+        trace.finalizing()
+        result = self.finalizer.write(rows, decisions, owner=self.owner)
+        result.elapsed_seconds = elapsed_seconds
+        trace.finalized(result)
+        self._record(result)
+        return result
+
+    def _record(self, result: BatchResult) -> None:
+        """Counting and logging of a finalized batch, in one place."""
+        self.metrics.record_batch(result)
+        log_batch(self.log, result, owner=self.owner)
