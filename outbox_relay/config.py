@@ -27,6 +27,7 @@ from pydantic_settings import (
 )
 
 from .errors import ConfigError
+from .source_config import DiscoverySettings, SourceSettings, check_source_names
 
 # One or two plain identifiers ("outbox" or "app.outbox"). Names are always sent to
 # PostgreSQL quoted (psycopg.sql.Identifier); this pattern additionally refuses
@@ -469,6 +470,9 @@ class Settings(BaseSettings):
     otel: OtelSettings = Field(default_factory=OtelSettings)
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    # Many outboxes from one process (source_config.py); empty = [database] is the one source.
+    sources: dict[str, SourceSettings] = Field(default_factory=dict)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
 
     @classmethod
     def settings_customise_sources(
@@ -517,6 +521,18 @@ class Settings(BaseSettings):
                 f"relay.max_batch_bytes ({self.relay.max_batch_bytes}): a worker could never claim")
         return self
 
+    @model_validator(mode="after")
+    def _check_sources(self) -> Settings:
+        check_source_names(list(self.sources))
+        floor = self.delivery_timeout_seconds
+        for name, source in self.sources.items():
+            if source.lease_seconds is not None and source.lease_seconds <= floor:
+                raise ValueError(
+                    f"sources.{name}.lease_seconds ({source.lease_seconds:g}) must be above the producer's delivery "
+                    f"timeout ({floor:g} s, shared by every source): a delivery still pending when the lease ends "
+                    "would be published twice")
+        return self
+
     @property
     def http_timeout_seconds(self) -> float:
         if self.http.timeout_seconds is not None:
@@ -542,7 +558,9 @@ class Settings(BaseSettings):
         import psycopg
 
         secrets: list[str] = []
-        for dsn in (self.database.dsn, self.database.listen_dsn):
+        dsns = [self.database.dsn, self.database.listen_dsn, self.discovery.dsn]
+        dsns.extend(source.dsn for source in self.sources.values())
+        for dsn in dsns:
             if dsn is None:
                 continue
             text = dsn.get_secret_value()
@@ -622,6 +640,9 @@ def check_environment(environ: Mapping[str, str]) -> None:
         if not sep:
             continue
         section, name = section.lower(), rest.split("__", 1)[0].lower()
+        if section == "sources":  # OUTBOX_RELAY_SOURCES__<NAME>__<SETTING>: the name is the source's
+            _check_source_variable(variable, rest)
+            continue
         if section not in sections:
             guess = _closest(section, sections)
             hint = f"; did you mean {ENV_PREFIX}{guess.upper()}__{rest.upper()}?" if guess else ""
@@ -633,6 +654,16 @@ def check_environment(environ: Mapping[str, str]) -> None:
             hint = f"; did you mean {ENV_PREFIX}{section.upper()}__{guess.upper()}?" if guess else ""
             raise ConfigError(f"unknown environment variable {variable}: section {section!r} has no setting "
                               f"{name!r}{hint}")
+
+
+def _check_source_variable(variable: str, rest: str) -> None:
+    name, sep, setting = rest.partition("__")
+    fields = list(SourceSettings.model_fields)
+    if not sep or not name or setting.lower() not in fields:
+        guess = _closest(setting.lower(), fields) if sep else None
+        hint = f"; did you mean {ENV_PREFIX}SOURCES__{name.upper()}__{guess.upper()}?" if guess else ""
+        raise ConfigError(f"unknown environment variable {variable}: use {ENV_PREFIX}SOURCES__<NAME>__<SETTING> "
+                          f"with a setting among {', '.join(fields)}{hint}")
 
 
 def _describe_extra(loc: tuple[str | int, ...]) -> str:

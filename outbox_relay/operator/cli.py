@@ -49,6 +49,8 @@ audit_app = typer.Typer(help="The operators' retry/skip trail.", no_args_is_help
 app.add_typer(audit_app, name="audit")
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
+SourceOpt = Annotated[str | None, typer.Option(
+    "--source", help="The source (outbox) to work on, by name; needed when several are configured.")]
 T = TypeVar("T")
 
 
@@ -67,6 +69,15 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
 
     configure_logging(settings.log.level, settings.log.format, secrets=settings.secret_values)
     return settings
+
+
+def _for_source(settings: Settings, source: str | None) -> Settings:
+    """The settings of the source named by --source (sources.py)."""
+    from ..runtime.sources import source_settings
+
+    with _errors():
+        return source_settings(settings, source)
+    raise AssertionError("unreachable")
 
 
 @contextmanager
@@ -123,8 +134,14 @@ def run(
     """Run the relay in the foreground until SIGTERM/SIGINT."""
     settings = _settings(config, relay={"workers": workers} if workers else None)
     from ..runtime.relay import Relay
+    from ..runtime.sources import uses_sources
 
     with _errors():
+        if uses_sources(settings):  # [sources] or [discovery]: one process for every outbox
+            from ..runtime.multi import MultiRelay
+
+            MultiRelay(settings).run_forever()
+            return
         relay = Relay(settings)
         relay.run_forever()
 
@@ -138,12 +155,21 @@ def migrate(
         "--drop-ordering-indexes",
         help="Drop the per-aggregate indexes of ordered delivery (relay.ordered_event_types must be empty).",
     )] = False,
+    source: SourceOpt = None,
+    all_sources: Annotated[bool, typer.Option(
+        "--all-sources", help="Migrate every configured and discovered source, one after the other.")] = False,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
     The ordering indexes are created when relay.ordered_event_types is set; the table's
     mode is set to relay.on_done."""
     settings = _settings(config)
+    if all_sources:
+        if source is not None:
+            _fail("--source and --all-sources exclude each other", 2)
+        _migrate_all(settings, config, no_notify_trigger, drop_ordering_indexes)
+        return
+    settings = _for_source(settings, source)
     ordering = bool(settings.relay.ordered_event_types)
     if drop_ordering_indexes and ordering:
         _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
@@ -156,14 +182,46 @@ def migrate(
     typer.echo(f"migrated {settings.database.table}")
 
 
+def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool, drop_ordering_indexes: bool) -> None:
+    """migrate --all-sources: every source in turn; one that fails does not stop the others
+    (exit 1 at the end naming them)."""
+    from ..runtime.sources import all_sources
+
+    with _errors():
+        names = sorted(all_sources(settings))
+    failed: list[str] = []
+    for name in names:
+        typer.echo(f"source {name}:")
+        try:
+            migrate(config=config, no_notify_trigger=no_notify_trigger,
+                    drop_ordering_indexes=drop_ordering_indexes, source=name, all_sources=False)
+        except typer.Exit as exc:
+            if exc.exit_code:
+                failed.append(name)
+    if failed:
+        _fail(f"migrate failed for {len(failed)} of {len(names)} sources: {', '.join(failed)}", 1)
+    typer.echo(f"migrated {len(names)} sources")
+
+
 # --- status ----------------------------------------------------------------------------
 @app.command()
 def status(
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
-    """Queue depth per status (exact), oldest pending age, expired leases, attempts, blocked aggregates."""
+    """Queue depth per status (exact), oldest pending age, expired leases, attempts, blocked aggregates
+    (of every source, or of the one named by --source)."""
     settings = _settings(config)
+    from ..runtime.sources import uses_sources
+
+    if source is None and uses_sources(settings):
+        from .source_cli import status_of_every_source
+
+        status_of_every_source(settings, json_out, lambda name: status(json_out=json_out, config=config,
+                                                                        source=name))
+        return
+    settings = _for_source(settings, source)
     with _store(settings) as store:
         store.require_table()
         stats = store.stats(ordered_types=list(settings.relay.ordered_event_types), include_depth=False,
@@ -275,9 +333,10 @@ def dead_list(
     since: SinceOpt = None,
     until: UntilOpt = None,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """List dead rows in id order, then how many match (exactly) by event type, error and aggregate."""
-    settings = _settings(config)
+    settings = _for_source(_settings(config), source)
     budget_ms = settings.metrics.exact_count_timeout_ms
     with _store(settings) as store:
         store.require_table()
@@ -317,7 +376,8 @@ def _report_unmatched(store: Any, ids: list[int], changed: set[int]) -> int:
 
 
 def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: int | None, dry_run: bool,
-                 reason: str | None, chunk_size: int, config: str | None, filters: dict[str, Any]) -> None:
+                 reason: str | None, chunk_size: int, config: str | None, filters: dict[str, Any],
+                 source: str | None = None) -> None:
     """Shared body of `dead retry` and `dead skip`: ids, --all or a filter; dry run or
     chunked change with an audit entry."""
     given_filters = {k: v for k, v in filters.items() if v is not None}
@@ -329,7 +389,7 @@ def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: i
     if limit is not None and ids:
         _fail("--limit applies to --all or a filter, not to ids", 2)
     past = {"retry": "retried", "skip": "skipped"}[action]
-    settings = _settings(config)
+    settings = _for_source(_settings(config), source)
     budget_ms = settings.metrics.exact_count_timeout_ms
     with _store(settings) as store:
         store.require_table()
@@ -383,11 +443,12 @@ def dead_retry(
     reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded in the audit trail).")] = None,
     chunk_size: ChunkOpt = 1000,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """Move dead rows back to pending: attempts 0, due now (last_error kept until the next outcome)."""
     _dead_change("retry", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
         "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
-        "error_contains": error_contains, "since": since, "until": until})
+        "error_contains": error_contains, "since": since, "until": until}, source)
 
 
 @dead_app.command("skip")
@@ -406,11 +467,12 @@ def dead_skip(
         "--reason", help="Why (required unless --dry-run; recorded in last_error and in the audit trail).")] = None,
     chunk_size: ChunkOpt = 1000,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """Mark dead rows done deliberately (unblocks an ordered aggregate). Nothing is published."""
     _dead_change("skip", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
         "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
-        "error_contains": error_contains, "since": since, "until": until})
+        "error_contains": error_contains, "since": since, "until": until}, source)
 
 
 # --- aggregates and the audit trail ----------------------------------------------------
@@ -420,9 +482,10 @@ def aggregate_show(
     json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="At most this many rows.")] = 100,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """An aggregate's unfinished rows in id order, and what holds it back."""
-    settings = _settings(config)
+    settings = _for_source(_settings(config), source)
     ordering = OrderingRule.of(settings.relay.ordered_event_types)
     with _store(settings) as store:
         store.require_table()
@@ -453,9 +516,10 @@ def audit_list(
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, max=10_000, help="At most this many entries.")] = 50,
     before_id: Annotated[int | None, typer.Option("--before-id", min=1, help="Older entries (next page).")] = None,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """Every retry/skip by an operator (CLI or console), newest first."""
-    settings = _settings(config)
+    settings = _for_source(_settings(config), source)
     with _store(settings) as store:
         store.require_table()
         store.require_audit_table()
@@ -481,6 +545,7 @@ def console(
     port: Annotated[int | None, typer.Option("--port", min=0, max=65535,
                                                 help="Port (default console.port, 9465; 0 = any free port).")] = None,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """Serve the operator console (web pages + JSON API) until SIGTERM/SIGINT."""
     overrides: dict[str, Any] = {}
@@ -488,7 +553,7 @@ def console(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
-    settings = _settings(config, console=overrides or None)
+    settings = _for_source(_settings(config, console=overrides or None), source)
     try:
         from .console.server import serve
     except ImportError as exc:
@@ -505,6 +570,7 @@ def purge(
     chunk_size: Annotated[int, typer.Option(
         "--chunk-size", min=1, help="Rows looked at (in id order) per delete transaction.")] = 5000,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """Delete done rows older than DURATION, in bounded chunks (no long transaction, no table lock)."""
     try:
@@ -512,7 +578,7 @@ def purge(
     except ValueError as exc:
         _fail(f"--older-than: {exc}", 2)
         raise
-    settings = _settings(config)
+    settings = _for_source(_settings(config), source)
     with _store(settings) as store:
         store.require_table()
         update = _progress(store.count_purgeable(seconds) if sys.stderr.isatty() else 0, "purging")
@@ -547,11 +613,12 @@ def grants(
     writer_role: Annotated[str | None, typer.Option(
         "--writer", help="Role the application writes the outbox with (enqueue).")] = None,
     config: ConfigOpt = None,
+    source: SourceOpt = None,
 ) -> None:
     """Print the GRANT statements each role needs on the configured table (no role given:
     all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
     the table's owner. Nothing is executed: pipe the output to psql as the owner."""
-    settings = _settings(config)
+    settings = _for_source(_settings(config), source)
     from psycopg import sql
 
     from ..db.schema import TableSql

@@ -59,6 +59,12 @@ def test_configuration_reference_lists_every_setting_with_its_variable() -> None
     page = gen.configuration_reference()
     for section_name, section_field in Settings.model_fields.items():
         model = section_field.annotation
+        if section_name == "sources":  # dict[str, SourceSettings]: one section per named source
+            from outbox_relay.source_config import SourceSettings
+
+            for name in SourceSettings.model_fields:
+                assert f"| `sources.<name>.{name}` | `OUTBOX_RELAY_SOURCES__<NAME>__{name.upper()}` |" in page
+            continue
         assert isinstance(model, type)
         for name in model.model_fields:
             env = f"OUTBOX_RELAY_{section_name.upper()}__{name.upper()}"

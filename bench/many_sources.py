@@ -1,0 +1,496 @@
+"""Many outboxes: one relay process for N databases versus one relay process per database.
+
+    .venv/bin/python bench/many_sources.py                       # 200 databases, 10 single relays sampled
+    .venv/bin/python bench/many_sources.py --sources 50 --backlog 100000 --per-process-sample 5
+
+One PostgreSQL (embedded PostgreSQL 18, max_connections raised; or --dsn), one broker
+(embedded tansu, or --bootstrap), N databases ``msb_<run>_<i>`` each with its outbox.
+Phases, each printed as it ends:
+
+1. **idle, one process** — ``outbox-relay run`` with ``[discovery]`` over the N
+   databases; once every source is ready, a ``--idle-seconds`` window: the relay's RSS,
+   its connections (pg_stat_activity), the transactions per second it makes the N
+   databases run (pg_stat_database.xact_commit), and PostgreSQL's CPU (all its
+   processes, /proc) per second.
+2. **idle, one process per database** — ``--per-process-sample`` K single-source relays
+   (what a deployment of N relays runs, K of them, as N would not fit this shared
+   machine): the same figures for K, and scaled by N/K.
+3. **idle source cost, LISTEN vs probing** — K' LISTEN sessions held by one process
+   (what waking idle sources by LISTEN/NOTIFY needs: a session per database, on top of
+   the pool's connection) against the relay's probing: connections, transactions/s and
+   PostgreSQL backend memory (Pss of the backends) per idle source.
+4. **throughput, all busy** — ``--rows-per-source`` rows in every database, then one
+   multi-source relay drains them all; against one single-source relay draining the
+   same total in one database. rows/s of each and the ratio.
+5. **quiet source while another drains** — one database gets ``--backlog`` rows, a
+   quiet one gets a row every ``--quiet-interval`` s while the backlog drains;
+   insert -> finalize latency of the quiet rows (done_at - created_at, the database's
+   clock: at least the insert -> acknowledgement time), p50/p99/max, and how much of the
+   backlog was left when the measurement ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    RUN_ID,
+    RelayProcess,
+    add_server_args,
+    emit,
+    median,
+    pct,
+    relay_env,
+    say,
+    servers,
+)
+
+import psycopg  # isort: skip
+
+from outbox_relay.db.store import OutboxStore  # isort: skip
+
+
+def db_dsn(dsn: str, name: str) -> str:
+    return psycopg.conninfo.make_conninfo(dsn, dbname=name)
+
+
+def create_databases(dsn: str, names: list[str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    for name in names:
+        with OutboxStore(db_dsn(dsn, name), "outbox", pool_size=1) as store:
+            store.migrate()
+
+
+def drop_databases(dsn: str, names: list[str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for name in names:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def raise_max_connections(dsn: str, wanted: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SHOW max_connections").fetchone()
+        current = int(row[0]) if row else 0
+    if current >= wanted:
+        return
+    raise SystemExit(f"max_connections is {current}; this run needs about {wanted} "
+                     "(ALTER SYSTEM SET max_connections and restart, or fewer --sources)")
+
+
+def relay_connections(dsn: str, prefix: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname LIKE %s "
+                           "AND application_name LIKE 'outbox-relay%%'", (prefix + "%",)).fetchone()
+        return int(row[0]) if row else 0
+
+
+def xact_commits(dsn: str, prefix: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute("SELECT coalesce(sum(xact_commit + xact_rollback), 0) FROM pg_stat_database "
+                           "WHERE datname LIKE %s", (prefix + "%",)).fetchone()
+        return int(row[0]) if row else 0
+
+
+def postgres_pids(dsn: str) -> list[int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_postmaster_start_time(), pg_backend_pid()").fetchone()
+        assert row is not None
+        backend = int(row[1])
+    # The postmaster is the backend's parent; every server process is one of its children.
+    ppid = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    pids = [ppid]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ppid:
+                    pids.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return pids
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        return 0
+    return 0
+
+
+def backend_pss_kb(dsn: str, prefix: str, application: str) -> tuple[int, int]:
+    """(backends, summed Pss in kB) of the sessions of ``application`` in the bench databases."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = [int(r[0]) for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname LIKE %s AND application_name = %s",
+            (prefix + "%", application)).fetchall()]
+    return len(pids), sum(pss_kb(pid) for pid in pids)
+
+
+def wait_sources_ready(port: int, n: int, timeout: float) -> float:
+    started = time.monotonic()
+    deadline = started + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            up = sum(1 for line in text.splitlines()
+                     if line.startswith("outbox_relay_source_up{") and line.endswith(" 1.0"))
+            if up >= n:
+                return time.monotonic() - started
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not all {n} sources ready within {timeout:.0f}s")
+
+
+def metrics_port(relay: RelayProcess, timeout: float = 30) -> int:
+    import json
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in relay.log_text().splitlines():
+            if '"relay started"' in line:
+                port = json.loads(line).get("metrics_port")
+                if port:
+                    return int(port)
+        time.sleep(0.1)
+    raise TimeoutError("no metrics port in the relay's log")
+
+
+def idle_window(dsn: str, prefix: str, relays: list[RelayProcess], seconds: float) -> dict[str, float]:
+    pids = postgres_pids(dsn)
+    commits0, cpu0, t0 = xact_commits(dsn, prefix), cpu_seconds(pids), time.monotonic()
+    relay_cpu0 = sum(r.cpu_seconds() or 0.0 for r in relays)
+    time.sleep(seconds)
+    time.sleep(1.1)  # the statistics collector flushes at most once a second
+    commits1, cpu1, t1 = xact_commits(dsn, prefix), cpu_seconds(pids), time.monotonic()
+    relay_cpu1 = sum(r.cpu_seconds() or 0.0 for r in relays)
+    elapsed = t1 - t0
+    return {
+        "rss_mb": sum((r.status_kb("VmRSS") or 0) for r in relays) / 1024,
+        "connections": relay_connections(dsn, prefix),
+        "xacts_per_second": (commits1 - commits0) / elapsed,
+        "postgres_cpu_percent": 100 * (cpu1 - cpu0) / elapsed,
+        "relay_cpu_percent": 100 * (relay_cpu1 - relay_cpu0) / elapsed,
+    }
+
+
+def multi_env(dsn: str, prefix: str, bootstrap: str, topic: str, workers: int, **more: str) -> dict[str, str]:
+    env = relay_env(dsn, "outbox", bootstrap, topic, **more)
+    env.pop("OUTBOX_RELAY_DATABASE__TABLE", None)
+    env.pop("OUTBOX_RELAY_DATABASE__DSN", None)
+    env.update({
+        "OUTBOX_RELAY_DISCOVERY__DSN": dsn,
+        "OUTBOX_RELAY_DISCOVERY__DATABASE_PATTERN": prefix.replace("_", r"\_") + "%",
+        "OUTBOX_RELAY_DISCOVERY__REFRESH_INTERVAL_SECONDS": "5",
+        "OUTBOX_RELAY_RELAY__WORKERS": str(workers),
+    })
+    return env
+
+
+def fill(dsn: str, name: str, rows: int, aggregate_type: str = "bench", *, not_before_year: int | None = None) -> None:
+    """``rows`` pending rows of ~200 bytes; with ``not_before_year`` not due until then
+    (``release_and_drain`` makes them all due at one moment)."""
+    available = f"make_timestamptz({not_before_year}, 1, 1, 0, 0, 0)" if not_before_year else "now()"
+    with psycopg.connect(db_dsn(dsn, name), autocommit=True) as conn:
+        conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, available_at) "
+                     "SELECT %s, 'agg-' || (g %% 100), 'BenchEvent', "
+                     f"jsonb_build_object('seq', g, 'note', repeat('x', 150)), {available} "
+                     "FROM generate_series(1, %s) g",
+                     (aggregate_type, rows))
+        conn.execute("ANALYZE outbox")
+
+
+def release_and_drain(dsn: str, names: list[str], relay: RelayProcess, rows_held: int,
+                      timeout: float = 3600) -> float:
+    """Make the held-back rows due (database after database), then measure the steady
+    rate: rows finalized per second from the moment every database is released until
+    90 % of all rows are done (what the relay sustains with every source busy, not the
+    time the script takes to reach 200 databases). Returns rows/s."""
+    port = metrics_port(relay)
+    first = time.monotonic()
+    for name in names:
+        with psycopg.connect(db_dsn(dsn, name), autocommit=True) as conn:
+            conn.execute("UPDATE outbox SET available_at = now() WHERE status = 'pending'")
+    t1, d1 = time.monotonic(), published_done(port)
+    if d1 >= 0.5 * rows_held:
+        say(f"  note: {d1:.0f} of {rows_held} rows were done before every database was released; "
+            "rate measured from the first release")
+        t1, d1 = first, 0.0
+    target = 0.9 * rows_held
+    while (done := published_done(port)) < target:
+        if time.monotonic() - first > timeout:
+            raise TimeoutError(f"not drained within {timeout:.0f}s")
+        if relay.proc.poll() is not None:
+            raise RuntimeError(f"relay exited:\n{relay.log_text()[-3000:]}")
+        time.sleep(0.05)
+    return (done - d1) / (time.monotonic() - t1)
+
+
+def published_done(port: int) -> float:
+    """Rows finalized as done so far, over every source (the relay's own counter)."""
+    for attempt in range(5):  # a relay busy with 200 sources on a loaded machine can be slow to answer
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+                text = resp.read().decode()
+            break
+        except OSError:
+            if attempt == 4:
+                raise
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("outbox_relay_published_total{") and 'outcome="done"' in line)
+
+
+def left(dsn: str, names: list[str]) -> int:
+    total = 0
+    for name in names:
+        with psycopg.connect(db_dsn(dsn, name), autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM outbox WHERE status IN ('pending', 'processing')").fetchone()
+            total += int(row[0]) if row else 0
+    return total
+
+
+def reset(dsn: str, names: list[str]) -> None:
+    for name in names:
+        with psycopg.connect(db_dsn(dsn, name), autocommit=True) as conn:
+            conn.execute("TRUNCATE outbox")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_args(parser)
+    parser.add_argument("--sources", type=int, default=200, help="databases, each with its outbox (200)")
+    parser.add_argument("--workers", type=int, default=4, help="relay.workers of every relay (4)")
+    parser.add_argument("--per-process-sample", type=int, default=10,
+                        help="single-source relays started for the one-process-per-database figures (10)")
+    parser.add_argument("--listen-sample", type=int, default=50, help="LISTEN sessions for phase 3 (50)")
+    parser.add_argument("--idle-seconds", type=float, default=20.0, help="length of each idle window (20)")
+    parser.add_argument("--rows-per-source", type=int, default=1000, help="rows per database, phase 4 (1000)")
+    parser.add_argument("--backlog", type=int, default=1_000_000, help="rows of the busy source, phase 5 (1e6)")
+    parser.add_argument("--quiet-interval", type=float, default=0.2, help="s between the quiet source's rows")
+    parser.add_argument("--quiet-seconds", type=float, default=60.0,
+                        help="how long the quiet source writes while the backlog drains (60)")
+    parser.add_argument("--skip", default="", help="comma-separated phases to skip (1-5)")
+    args = parser.parse_args()
+    skip = {int(p) for p in args.skip.split(",") if p.strip()}
+    report: dict[str, Any] = {"sources": args.sources, "workers": args.workers}
+    lines: list[str] = []
+    prefix = f"msb_{RUN_ID}_"
+    names = [f"{prefix}{i:04d}" for i in range(args.sources)]
+    own_pg = None
+    if not args.dsn:  # our own PostgreSQL, with room for N databases' connections
+        import tempfile
+
+        from outbox_relay._embedded.embedded import EmbeddedPostgres
+
+        say("starting embedded PostgreSQL 18 ...")
+        own_pg = EmbeddedPostgres(base_dir=Path(tempfile.mkdtemp(prefix="outbox-relay-msb-"))).start()
+        with psycopg.connect(own_pg.dsn, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM SET max_connections = 1500")
+        own_pg.stop_server()
+        own_pg.start_server()
+        args.dsn = own_pg.dsn
+    try:
+        run(args, skip, report, lines, prefix, names)
+    finally:
+        if own_pg is not None:
+            own_pg.stop()
+    emit(report, lines, args.json)
+
+
+def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines: list[str], prefix: str,
+        names: list[str]) -> None:
+    with servers(args) as (dsn, bootstrap):
+        assert bootstrap is not None
+        raise_max_connections(dsn, args.sources * 2 + args.per_process_sample * (args.workers + 5) + 50)
+        say(f"creating {args.sources} databases with their outbox ...")
+        started = time.monotonic()
+        create_databases(dsn, names)
+        say(f"  {time.monotonic() - started:.1f}s")
+        topic = f"msb{RUN_ID}" + ".{aggregate_type}"
+        try:
+            if 1 not in skip:
+                say("phase 1: one process, every source idle ...")
+                relay = RelayProcess([], multi_env(dsn, prefix, bootstrap, topic, args.workers))
+                try:
+                    relay.wait_started(120)
+                    port = metrics_port(relay)
+                    ready_s = wait_sources_ready(port, args.sources, timeout=300)
+                    time.sleep(3)
+                    one = idle_window(dsn, prefix, [relay], args.idle_seconds)
+                    one["seconds_to_all_ready"] = ready_s
+                    one["warnings"] = relay.warnings(3)  # type: ignore[assignment]
+                finally:
+                    relay.stop()
+                    relay.cleanup()
+                report["one_process_idle"] = one
+                lines.append(f"one process, {args.sources} idle sources: RSS {one['rss_mb']:.0f} MB, "
+                             f"{one['connections']} connections ({one['connections'] / args.sources:.2f}/source), "
+                             f"{one['xacts_per_second']:.0f} transactions/s "
+                             f"({one['xacts_per_second'] / args.sources:.2f}/source), PostgreSQL CPU "
+                             f"{one['postgres_cpu_percent']:.1f}%, relay CPU {one['relay_cpu_percent']:.1f}% "
+                             f"(all sources ready {ready_s:.1f}s after start)")
+                say("  " + lines[-1])
+            if 2 not in skip:
+                k = min(args.per_process_sample, args.sources)
+                say(f"phase 2: {k} single-source relays (one per database), idle ...")
+                relays = []
+                try:
+                    for name in names[:k]:
+                        env = relay_env(db_dsn(dsn, name), "outbox", bootstrap, topic,
+                                        OUTBOX_RELAY_RELAY__WORKERS=str(args.workers))
+                        relays.append(RelayProcess([], env))
+                    for r in relays:
+                        r.wait_started(120)
+                    time.sleep(3)
+                    sample = idle_window(dsn, prefix, relays, args.idle_seconds)
+                finally:
+                    for r in relays:
+                        r.stop()
+                        r.cleanup()
+                scale = args.sources / k
+                per = {key: sample[key] * scale for key in
+                       ("rss_mb", "connections", "xacts_per_second", "postgres_cpu_percent", "relay_cpu_percent")}
+                report["per_process_idle_sample"] = dict(sample, processes=k)
+                report["per_process_idle_scaled"] = per
+                lines.append(f"{k} single-source relays, idle: RSS {sample['rss_mb']:.0f} MB, "
+                             f"{sample['connections']} connections, {sample['xacts_per_second']:.0f} transactions/s, "
+                             f"PostgreSQL CPU {sample['postgres_cpu_percent']:.1f}%; scaled to {args.sources}: "
+                             f"RSS {per['rss_mb']:.0f} MB, {per['connections']:.0f} connections, "
+                             f"{per['xacts_per_second']:.0f} transactions/s, "
+                             f"PostgreSQL CPU {per['postgres_cpu_percent']:.0f}%")
+                say("  " + lines[-1])
+            if 3 not in skip:
+                k = min(args.listen_sample, args.sources)
+                say(f"phase 3: idle-source cost, {k} LISTEN sessions vs the relay's probing ...")
+                held = []
+                try:
+                    for name in names[:k]:
+                        conn = psycopg.connect(db_dsn(dsn, name), autocommit=True,
+                                               application_name="msb-listen")
+                        conn.execute("LISTEN msb_wake")
+                        held.append(conn)
+                    time.sleep(1)
+                    n_listen, listen_pss = backend_pss_kb(dsn, prefix, "msb-listen")
+                finally:
+                    for conn in held:
+                        conn.close()
+                relay = RelayProcess([], multi_env(dsn, prefix, bootstrap, topic, args.workers))
+                try:
+                    relay.wait_started(120)
+                    wait_sources_ready(metrics_port(relay), args.sources, timeout=300)
+                    time.sleep(3)
+                    n_relay, relay_pss = backend_pss_kb(dsn, prefix, "outbox-relay")
+                finally:
+                    relay.stop()
+                    relay.cleanup()
+                report["idle_source_cost"] = {
+                    "listen_backend_pss_kb": listen_pss / max(1, n_listen),
+                    "relay_backend_pss_kb": relay_pss / max(1, n_relay),
+                    "relay_connections_per_source": n_relay / args.sources,
+                }
+                lines.append(f"idle source: a LISTEN session costs a backend of {listen_pss / max(1, n_listen):.0f} "
+                             f"kB Pss (and 0 queries/s) in addition to the pool's connection; probing costs "
+                             f"the pool's one connection ({relay_pss / max(1, n_relay):.0f} kB Pss per backend, "
+                             f"{n_relay / args.sources:.2f} connections/source) and the queries of phase 1")
+                say("  " + lines[-1])
+            if 4 not in skip:
+                total = args.rows_per_source * args.sources
+                say(f"phase 4: throughput, {args.rows_per_source} rows in each of {args.sources} databases "
+                    f"({total} rows) vs {total} rows in one database ...")
+                for name in names:
+                    fill(dsn, name, args.rows_per_source, not_before_year=2100)
+                relay = RelayProcess([], multi_env(dsn, prefix, bootstrap, topic, args.workers))
+                try:
+                    relay.wait_started(120)
+                    wait_sources_ready(metrics_port(relay), args.sources, timeout=300)
+                    multi_rate = release_and_drain(dsn, names, relay, total)
+                finally:
+                    relay.stop()
+                    relay.cleanup()
+                reset(dsn, names)
+                fill(dsn, names[0], total, not_before_year=2100)
+                env = relay_env(db_dsn(dsn, names[0]), "outbox", bootstrap, topic,
+                                OUTBOX_RELAY_RELAY__WORKERS=str(args.workers))
+                single = RelayProcess([], env)
+                try:
+                    single.wait_started(120)
+                    time.sleep(2)
+                    single_rate = release_and_drain(dsn, names[:1], single, total)
+                finally:
+                    single.stop()
+                    single.cleanup()
+                reset(dsn, names[:1])
+                report["throughput"] = {"rows": total, "multi_rows_per_second": multi_rate,
+                                        "single_rows_per_second": single_rate, "ratio": multi_rate / single_rate}
+                lines.append(f"throughput, {total} rows: one process over {args.sources} sources "
+                             f"{multi_rate:,.0f} rows/s, one single-source relay over one database "
+                             f"{single_rate:,.0f} rows/s: ratio {multi_rate / single_rate:.2f}")
+                say("  " + lines[-1])
+            if 5 not in skip:
+                busy, quiet = names[0], names[1]
+                say(f"phase 5: {args.backlog} rows in {busy}, a row every {args.quiet_interval}s in {quiet} ...")
+                fill(dsn, busy, args.backlog)
+                relay = RelayProcess([], multi_env(dsn, prefix, bootstrap, topic, args.workers))
+                stop = threading.Event()
+                try:
+                    relay.wait_started(120)
+                    wait_sources_ready(metrics_port(relay), args.sources, timeout=300)
+                    with psycopg.connect(db_dsn(dsn, quiet), autocommit=True) as qconn:
+                        deadline = time.monotonic() + args.quiet_seconds
+                        written = 0
+                        while time.monotonic() < deadline and not stop.is_set():
+                            qconn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                                          "VALUES ('quiet', 'q', 'QuietEvent', '{}')")
+                            written += 1
+                            time.sleep(args.quiet_interval)
+                        backlog_left = left(dsn, [busy])
+                        deadline = time.monotonic() + 60
+                        while left(dsn, [quiet]) and time.monotonic() < deadline:
+                            time.sleep(0.2)
+                        latencies = [float(r[0]) for r in qconn.execute(
+                            "SELECT extract(epoch FROM done_at - created_at) FROM outbox WHERE done_at IS NOT NULL"
+                        ).fetchall()]
+                finally:
+                    relay.stop()
+                    relay.cleanup()
+                reset(dsn, [busy, quiet])
+                report["quiet_latency"] = {
+                    "rows": written, "finalized": len(latencies), "p50_seconds": median(latencies),
+                    "p99_seconds": pct(latencies, 99), "max_seconds": max(latencies) if latencies else None,
+                    "backlog": args.backlog, "backlog_left_at_end": backlog_left}
+                lines.append(f"quiet source while another drains {args.backlog} rows: insert->finalize "
+                             f"p50 {median(latencies):.3f}s, p99 {pct(latencies, 99):.3f}s, max "
+                             f"{max(latencies):.3f}s over {len(latencies)} rows; backlog left at the end "
+                             f"{backlog_left} (it was still draining throughout)" if backlog_left else
+                             f"quiet p99 {pct(latencies, 99):.3f}s, but the backlog was drained before the end")
+                say("  " + lines[-1])
+        finally:
+            if not args.keep:
+                drop_databases(dsn, names)
+
+
+if __name__ == "__main__":
+    main()
