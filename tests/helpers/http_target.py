@@ -110,8 +110,14 @@ class HttpTarget:
             def do_POST(self) -> None:  # noqa: N802 - http.server naming
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                record = Recorded(self.command, self.path, {k.lower(): v for k, v in self.headers.items()},
-                                  body, time.monotonic(), self.client_address[1])
+                record = Recorded(
+                    self.command,
+                    self.path,
+                    {k.lower(): v for k, v in self.headers.items()},
+                    body,
+                    time.monotonic(),
+                    self.client_address[1],
+                )
                 with target._lock:
                     target.requests.append(record)
                 step = target._next_step(self.path, record.message_id)
@@ -143,8 +149,9 @@ class HttpTarget:
                 return
 
         self._server = Server(("127.0.0.1", self._listen_port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="http-target", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="http-target", daemon=True
+        )
         self._thread.start()
         return self
 
