@@ -53,7 +53,7 @@ def pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return float("nan")
-    rank = max(1, min(len(ordered), int(round(q / 100.0 * len(ordered) + 0.5))))
+    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
     return ordered[rank - 1]
 
 
@@ -315,7 +315,7 @@ def create_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
         for fut in futures.values():
             with contextlib.suppress(KafkaException):
                 fut.result(timeout=15)
-    except Exception as exc:  # noqa: BLE001 - auto-creation on first produce is the fallback
+    except Exception as exc:  # auto-creation on first produce is the fallback
         say(f"  note: could not pre-create topic {topic}: {exc}")
 
 
@@ -365,7 +365,7 @@ class RelayProcess:
     """``outbox-relay run`` in a subprocess; logs go to a file (never a pipe that could fill)."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
-        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         self.log_path = Path(self._log.name)
         self.proc = subprocess.Popen(
             [*relay_command(), "run", *args],

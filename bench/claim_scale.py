@@ -42,8 +42,8 @@ import _common as c
 import psycopg
 from psycopg import ClientCursor, sql
 
-from outbox_relay.db import store as store_module
 from outbox_relay.config import load_settings
+from outbox_relay.db import store as store_module
 from outbox_relay.db.store import OutboxStore, Reschedule
 
 DEFAULTS = load_settings(None)

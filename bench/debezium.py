@@ -471,7 +471,7 @@ class Reader:
         return proc_cpu_seconds(self.pid) if self.proc is not None else float("nan")
 
     def _popen(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self._log = open(log_path, "ab")  # closed in stop()
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self) -> None:

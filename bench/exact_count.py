@@ -72,8 +72,8 @@ def main() -> None:
                 c.say(f"bulk failure: {args.dead} dead rows ...")
                 conn.execute(
                     sql.SQL(
-                        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, attempts, last_error)"
-                        " SELECT 'payment', 'p-' || (g %% 10000), CASE WHEN g %% 4 = 0 THEN 'OrderCreated'"
+                        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
+                        " last_error) SELECT 'payment', 'p-' || (g %% 10000), CASE WHEN g %% 4 = 0 THEN 'OrderCreated'"
                         " ELSE 'PaymentCaptured' END, '{{}}', 'dead', 12, 'retries exhausted: UNKNOWN_TOPIC_OR_PART'"
                         " FROM generate_series(1, %s) AS g"
                     ).format(t),

@@ -145,7 +145,7 @@ class Relay(c.RelayProcess):
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         import subprocess
 
-        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         self.log_path = Path(self._log.name)
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CLI_MAIN, "run", *args],

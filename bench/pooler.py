@@ -60,8 +60,8 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.transaction import Transaction
 
-from outbox_relay.db import store as store_module
 from outbox_relay._embedded.embedded import EmbeddedPgBouncer
+from outbox_relay.db import store as store_module
 from outbox_relay.db.pooler import PoolerConnection
 from outbox_relay.db.store import OutboxStore
 

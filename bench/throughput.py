@@ -292,7 +292,7 @@ def run_seed(dsn: str, bootstrap: str, args: argparse.Namespace) -> dict[str, An
                     if not _unfinished(conns[i], table):
                         return
                     time.sleep(0.05)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     c.checkpoint(dsn)
@@ -354,7 +354,7 @@ def run_db_bound(dsn: str, args: argparse.Namespace) -> dict[str, Any]:
                     time.sleep(0.05)
                     continue
                 store.mark_done([(r.id, r.lease_version) for r in rows])
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     c.checkpoint(dsn)

@@ -329,7 +329,7 @@ class EmbeddedObjectStore:
             import moto.server  # noqa: F401 - only checks the package is there
         except ImportError as exc:
             raise EmbeddedUnavailable("the object store needs moto: pip install 'moto[server]'") from exc
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=out,
@@ -431,7 +431,7 @@ class EmbeddedBroker:
         if self.authentication:
             command.append("--authentication")
         env.update(self._env)
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, env=env
         )

@@ -238,7 +238,7 @@ class HttpPublisher(Publisher):
         self.aborting.set()
 
     def describe_target(self) -> str:
-        parts = urlsplit(self.url_template.format(**{f: "x" for f in URL_FIELDS}))
+        parts = urlsplit(self.url_template.format(**dict.fromkeys(URL_FIELDS, "x")))
         return f"the HTTP target {parts.scheme}://{parts.netloc.rpartition('@')[2]}"  # never credentials
 
     @classmethod
@@ -276,7 +276,7 @@ class HttpPublisher(Publisher):
                     f"http.url_template: unknown placeholder {{{name}}}; use "
                     + ", ".join("{" + f + "}" for f in URL_FIELDS)
                 )
-        sample = template.format(**{f: "x" for f in URL_FIELDS})
+        sample = template.format(**dict.fromkeys(URL_FIELDS, "x"))
         parts = urlsplit(sample)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("http.url_template must be an absolute http:// or https:// URL")

@@ -109,9 +109,8 @@ def source_settings(settings: Settings, name: str | None) -> Settings:
     statics = static_sources(settings)
     if name in statics:
         return statics[name]
-    if settings.discovery.enabled:
-        if name in list_databases(settings):
-            return settings_for(settings, discovered_source(settings, name))
+    if settings.discovery.enabled and name in list_databases(settings):
+        return settings_for(settings, discovered_source(settings, name))
     known = sorted(statics) + (["<discovered databases>"] if settings.discovery.enabled else [])
     raise ConfigError(f"--source {name}: no such source (sources: {', '.join(known)})")
 

@@ -87,7 +87,7 @@ def state(dsn: str, table: str) -> dict[int, dict[str, Any]]:
             f" FROM {qualified(table)} ORDER BY id"
         )
         names = [d.name for d in cur.description]
-        return {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
+        return {r[0]: dict(zip(names, r, strict=True)) for r in cur.fetchall()}
 
 
 def assert_one_line_error(proc, code: int) -> str:

@@ -62,7 +62,7 @@ def test_migrate_run_drain_and_sigterm(pg_dsn, table, broker, topic_prefix, tmp_
         )
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     # Logs are JSON lines off a terminal and mention the graceful stop.
     events = [json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")]

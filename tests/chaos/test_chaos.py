@@ -15,7 +15,8 @@ Checked at the end:
 
 The broker is only ever paused (SIGSTOP/SIGCONT), never killed: on tansu (which the
 suite can still run on) a restart would lose delivered messages and make the first
-check unverifiable; a Kafka broker restart is tests/kafka/test_broker_restart.py. The fault *schedule* is deterministic (random.Random(1234)); timing is not.
+check unverifiable; a Kafka broker restart is tests/kafka/test_broker_restart.py. The
+fault *schedule* is deterministic (random.Random(1234)); timing is not.
 A JSON summary (duplicates, faults injected, recovery time, ...) is written to the test's
 tmp dir and printed (visible with ``pytest -s``).
 """
@@ -214,7 +215,7 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         assert all(r.proc.poll() is None for r in active), [r.log_path.read_text()[-2000:] for r in active]
 
         # --- fault phase: write a batch, strike while it is in flight, let it breathe ---
-        for step, (kind, batches) in enumerate(zip(schedule, per_step)):
+        for step, (kind, batches) in enumerate(zip(schedule, per_step, strict=True)):
             supervise()
             for _ in range(batches):
                 enqueue_batch()

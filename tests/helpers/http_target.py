@@ -107,7 +107,7 @@ class HttpTarget:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            def do_POST(self) -> None:  # http.server naming
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 record = Recorded(
@@ -136,16 +136,16 @@ class HttpTarget:
                 except OSError:  # the client gave up (timeout) and closed the connection
                     self.close_connection = True
 
-            do_PUT = do_POST  # noqa: N815
+            do_PUT = do_POST
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence
+            def log_message(self, format: str, *args: object) -> None:  # silence
                 return
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             block_on_close = False
 
-            def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - silence
+            def handle_error(self, request, client_address) -> None:  # silence
                 return
 
         self._server = Server(("127.0.0.1", self._listen_port), Handler)

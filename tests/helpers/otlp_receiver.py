@@ -115,7 +115,7 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            def do_POST(self) -> None:  # http.server naming
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -132,7 +132,7 @@ class OtlpReceiver:
                 self.end_headers()
                 self.wfile.write(reply)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence
+            def log_message(self, format: str, *args: object) -> None:  # silence
                 return
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

@@ -120,7 +120,7 @@ def test_printed_grants_are_exactly_enough(
             "delete": sql.SQL("DELETE FROM {}").format(ident),
         }
         for what, statement in refused.items():
-            with pytest.raises(pg_errors.InsufficientPrivilege), writer.transaction():
+            with pytest.raises(pg_errors.InsufficientPrivilege), writer.transaction():  # noqa: PT012 - the fail names the statement and rolls back a write that went through
                 writer.execute(statement)
                 pytest.fail(f"the writer could {what}")
     written = [plain, ordered, first]
@@ -158,7 +158,7 @@ def test_printed_grants_are_exactly_enough(
                 "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('o', 'a', 'E', '{{}}')"
             ).format(ident),
         }.items():
-            with pytest.raises(pg_errors.InsufficientPrivilege), relay_conn.transaction():
+            with pytest.raises(pg_errors.InsufficientPrivilege), relay_conn.transaction():  # noqa: PT012 - the fail names the statement and rolls back a write that went through
                 relay_conn.execute(statement)
                 pytest.fail(f"the relay could {what}")
 

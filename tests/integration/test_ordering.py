@@ -143,7 +143,7 @@ def test_kafka_order_per_key_equals_id_order(make_settings, store, pg_dsn, table
     for m in sorted(messages, key=lambda m: (m["partition"], m["offset"])):
         per_key.setdefault(m["key"], []).append(int(m["headers"]["message_id"]))
     expected: dict[str, list[int]] = {}
-    for row_id, (agg, _) in zip(ids, spec):
+    for row_id, (agg, _) in zip(ids, spec, strict=True):
         expected.setdefault(agg, []).append(row_id)
     for key, sent in per_key.items():
         first_seen = list(dict.fromkeys(sent))  # a redelivery may repeat an id; first occurrences must be ordered

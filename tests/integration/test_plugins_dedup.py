@@ -73,7 +73,7 @@ def test_plain_publish_only_object_is_wrapped(make_settings, store, pg_dsn, tabl
 
 
 @pytest.mark.parametrize(
-    "reference, expected",
+    ("reference", "expected"),
     [
         ("nope.module:x", "cannot import 'nope.module'"),
         ("tests.helpers.custom_publisher:missing", "has no attribute 'missing'"),
@@ -146,7 +146,7 @@ def test_concurrent_enqueue_of_one_dedup_key_yields_one_row(store, pg_dsn, table
                     results["first"] = _enqueue(conn, table, "order-42", seq=1)
                     first_inserted.set()
                     release_first.wait(20)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # reported by the test
             errors.append(exc)
             first_inserted.set()
 
@@ -161,7 +161,7 @@ def test_concurrent_enqueue_of_one_dedup_key_yields_one_row(store, pg_dsn, table
                 # the transaction was not aborted by the conflict: it goes on and commits
                 results["second_select"] = conn2.execute("SELECT 41 + 1").fetchone()[0]
                 results["second_other"] = _enqueue(conn2, table, "order-43", seq=3)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     t1 = threading.Thread(target=first)

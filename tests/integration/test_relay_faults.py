@@ -142,11 +142,9 @@ def test_topic_the_broker_rejects_goes_dead_alone(make_settings, store, pg_dsn, 
 
 
 def test_reserved_header_names_are_refused(store, pg_dsn, table):
-    import pytest as _pytest
-
     from outbox_relay import enqueue
 
-    with psycopg.connect(pg_dsn) as conn, _pytest.raises(ValueError, match="reserved"):
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(ValueError, match="reserved"):
         enqueue(
             conn,
             aggregate_type="a",

@@ -1,8 +1,9 @@
 """Claim / lease / fencing semantics against a real PostgreSQL.
 
 Concurrent claims, crashed workers, expired leases, the four outcomes, poison rows,
-the broken COMMIT-then-publish dispatcher, and the six recovery tests (a SIGKILLed child process, an uncommitted claim, stale success
-and stale retry, no retry after done, the strict policy), plus lost-lease counting.
+the broken COMMIT-then-publish dispatcher, and the six recovery tests (a SIGKILLed child
+process, an uncommitted claim, stale success and stale retry, no retry after done, the
+strict policy), plus lost-lease counting.
 
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): a done
 finalize leaves the row ``done`` (keep) or deletes it (delete); ``assert_delivered``
@@ -394,7 +395,7 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
 
     broken = RecordingPublisher()
     _two_worker_interleaving(broken_claim, broken_finalize, broken, message_for)
-    assert broken.counts == {i: 2 for i in broken_ids}  # every message published twice
+    assert broken.counts == dict.fromkeys(broken_ids, 2)  # every message published twice
     assert {r[1] for r in rows(pg_dsn, table)} == {"done"}  # and the table looks perfectly fine
 
     # The same interleaving with the real lease-writing claim and fenced finalize.
@@ -419,7 +420,7 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
 
     leased = RecordingPublisher()
     _two_worker_interleaving(leased_claim, leased_finalize, leased, message_for)
-    assert leased.counts == {i: 1 for i in leased_ids}  # each message published exactly once
+    assert leased.counts == dict.fromkeys(leased_ids, 1)  # each message published exactly once
     assert finalized == {"B": set(), "A": set(leased_ids)}  # B found nothing; A finished its rows
     assert_delivered(pg_dsn, table, leased_ids)
     # The broken dispatcher's own UPDATE marked its rows done in either mode.

@@ -20,9 +20,9 @@ import pytest
 import structlog
 from psycopg import sql
 
-from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from outbox_relay.db.store import OutboxStore
 from outbox_relay.db.vacuum_health import NOT_VISIBLE_HINT, HorizonWarning
+from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows
 from tests.helpers.pg_cluster import TempServers, pg_missing_reason, wait_until

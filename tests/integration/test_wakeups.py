@@ -39,7 +39,6 @@ def test_notifications_wake_idle_workers_again_and_again(make_settings, store, p
 
 
 def test_busy_flag_means_inserts_do_not_notify(store, pg_dsn, table):
-    schema, name = table.split(".")
     with psycopg.connect(pg_dsn, autocommit=True) as listener:
         listener.execute(f'LISTEN "{store.sql.channel}"')
         with psycopg.connect(pg_dsn, autocommit=True) as conn:

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from outbox_relay.config import DatabaseSettings
 from outbox_relay._embedded.embedded import free_port
+from outbox_relay.config import DatabaseSettings
 from tests.helpers.db import delivered, insert_rows
 from tests.helpers.relay_process import RelayProcess
 from tests.partition.conftest import Partition, events, report, wait_until

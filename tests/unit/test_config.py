@@ -9,7 +9,7 @@ from outbox_relay.errors import ConfigError
 
 
 @pytest.mark.parametrize(
-    "variable, expected",
+    ("variable", "expected"),
     [
         ("OUTBOX_RELAY_KAFKAA__BOOTSTRAP_SERVERS", "did you mean OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS?"),
         ("OUTBOX_RELAY_RELAYY__WORKERS", "did you mean OUTBOX_RELAY_RELAY__WORKERS?"),

@@ -20,7 +20,7 @@ TRANSPORT = RetryableError("kafka: _TRANSPORT", transport=True)
 
 
 @pytest.mark.parametrize(
-    "attempts, outcome, outage, expected",
+    ("attempts", "outcome", "outage", "expected"),
     [
         # success -> done (last_error cleared by the statement)
         (1, None, False, Decision(Kind.DONE, "done")),
@@ -103,7 +103,7 @@ def test_an_unknown_object_is_not_an_outcome():
 
 
 @pytest.mark.parametrize(
-    "outcomes, expected",
+    ("outcomes", "expected"),
     [
         ([TRANSPORT, TRANSPORT], True),
         ([TRANSPORT, NotDelivered("run stopped")], True),  # released rows do not count against it
@@ -120,7 +120,7 @@ def test_outage_detection(outcomes, expected):
 
 
 @pytest.mark.parametrize(
-    "outcome, delay",
+    ("outcome", "delay"),
     [
         (Defer(float("inf"), "forever"), 30 * 86400.0),
         (Defer(1e13, "far"), 30 * 86400.0),

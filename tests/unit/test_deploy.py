@@ -136,9 +136,9 @@ def _queries(node: Any) -> list[str]:
     found: list[str] = []
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("expr", "definition") and isinstance(value, str):
-                found.append(value)
-            elif key == "query" and isinstance(value, str) and node.get("type") != "datasource":
+            if isinstance(value, str) and (
+                key in ("expr", "definition") or (key == "query" and node.get("type") != "datasource")
+            ):
                 found.append(value)
             else:
                 found.extend(_queries(value))
@@ -618,17 +618,21 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, str, list[dic
         [("11m", "OutboxRelayNewDeadRows", []), ("15m", "OutboxRelayNewDeadRows", [WARN])],
     ),
     "dead rows retried by an operator": (
-        _both("outbox_relay_queue_depth", "5x12 2x10", status="dead")
-        + [_series("outbox_relay_published_total", "0x22", outcome="dead")],
+        [
+            *_both("outbox_relay_queue_depth", "5x12 2x10", status="dead"),
+            _series("outbox_relay_published_total", "0x22", outcome="dead"),
+        ],
         [("15m", "OutboxRelayNewDeadRows", [])],
     ),
     "one row retried while another died": (
-        _both("outbox_relay_queue_depth", "3x22", status="dead")
-        + [_series("outbox_relay_published_total", "0x12 1x10", outcome="dead")],
+        [
+            *_both("outbox_relay_queue_depth", "3x22", status="dead"),
+            _series("outbox_relay_published_total", "0x12 1x10", outcome="dead"),
+        ],
         [("15m", "OutboxRelayNewDeadRows", [WARN])],
     ),
     "a row reaped to dead": (
-        _both("outbox_relay_queue_depth", "0x22", status="dead") + [_series("outbox_relay_reaped_total", "0x12 1x10")],
+        [*_both("outbox_relay_queue_depth", "0x22", status="dead"), _series("outbox_relay_reaped_total", "0x12 1x10")],
         [("15m", "OutboxRelayNewDeadRows", [WARN])],
     ),
     "expired leases stuck": (

@@ -150,14 +150,14 @@ def test_cloudevents_source_defaults_to_the_table_and_is_validated():
     )
     own = load_settings(None, kafka={"cloudevents_source": "urn:shop:orders"})
     assert WireFormat.from_settings(own).cloudevents_source == "urn:shop:orders"
-    with pytest.raises(ConfigError, match="kafka.cloudevents_source"):
+    with pytest.raises(ConfigError, match=r"kafka\.cloudevents_source"):
         load_settings(None, kafka={"cloudevents_source": "has space"})
-    with pytest.raises(ConfigError, match="kafka.message_format"):
+    with pytest.raises(ConfigError, match=r"kafka\.message_format"):
         load_settings(None, kafka={"message_format": "avro"})
 
 
 @pytest.mark.parametrize(
-    "fmt, headers, problem",
+    ("fmt", "headers", "problem"),
     [
         ("cloudevents-binary", '{"ce_id": "x"}', "reserved: the relay sets the CloudEvents attribute 'id'"),
         ("cloudevents-structured", '{"ce_time": "x"}', "attribute 'time'"),

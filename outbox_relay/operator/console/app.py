@@ -763,7 +763,7 @@ class Console:
         return await self._api_change(request, who, "skip")
 
     async def _api_change(self, request: Request, who: Principal, action: Action) -> Response:
-        if not request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             # Also what keeps a cross-site HTML form from posting here.
             return self._json_error(415, "send the request as application/json")
         try:

@@ -61,7 +61,7 @@ def test_build_message_follows_the_contract():
 
 
 @pytest.mark.parametrize(
-    "headers, problem",
+    ("headers", "problem"),
     [
         ('["a"]', "must be a JSON object"),
         ('{"n": 1}', "must be a string"),

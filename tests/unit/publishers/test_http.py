@@ -34,7 +34,7 @@ def http_publisher():
 
 
 @pytest.mark.parametrize(
-    "status, headers, body, kind, detail",
+    ("status", "headers", "body", "kind", "detail"),
     [
         (200, {}, b"", type(None), None),
         (204, {}, b"", type(None), None),

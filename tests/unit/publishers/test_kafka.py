@@ -23,7 +23,7 @@ def test_a_topic_the_acl_refuses_defers_its_rows_without_burning_attempts():
 
 
 @pytest.mark.parametrize(
-    "code, kind, transport",
+    ("code", "kind", "transport"),
     [
         (KafkaError.MSG_SIZE_TOO_LARGE, PermanentError, False),
         (KafkaError.INVALID_RECORD, PermanentError, False),
