@@ -25,7 +25,8 @@ from outbox_relay.db.vacuum_health import NOT_VISIBLE_HINT, HorizonWarning
 from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows
-from tests.helpers.pg_cluster import TempServers, pg_missing_reason, wait_until
+from tests.helpers.pg_cluster import TempServers, pg_missing_reason
+from tests.helpers.wait import wait_for
 
 
 @pytest.fixture
@@ -261,7 +262,7 @@ def test_physical_slot_with_hot_standby_feedback_is_named() -> None:
                     holders = store.xmin_horizon().holders
                     return [h for h in holders if h.kind == "slot" and h.slot_name == slot and h.age_xids >= 5]
 
-                held = wait_until(slot_named, 30, "the slot's xmin to be reported")
+                held = wait_for(slot_named, 30, message="the slot's xmin to be reported")
                 assert held[0].slot_type == "physical" and held[0].age_seconds is None  # a slot records no time
                 metrics = RelayMetrics()
                 refresher = StatsRefresher(store, metrics, interval_seconds=60, timeout_ms=2000, ordered_types=[])
