@@ -161,7 +161,7 @@ def time_stats(dsn: str, table: str, reps: int) -> dict[str, dict[str, Any]]:
 
 
 def explain(dsn: str, table: str, name: str, params: dict[str, Any] | None) -> str:
-    """EXPLAIN (ANALYZE, BUFFERS) of a statement of queries.sql, inside a rolled-back transaction."""
+    """EXPLAIN (ANALYZE, BUFFERS) of a statement of the db/sql files, inside a rolled-back transaction."""
     store_sql = OutboxStore(dsn, table).sql
     with psycopg.connect(dsn) as conn:
         text = store_sql.query(name).as_string(conn)

@@ -2,7 +2,7 @@
 
 A filter is parsed once from text (CLI options, query parameters, JSON) into values
 that are always sent to PostgreSQL as bound parameters (see "dead_filter" in
-queries.sql), never formatted into SQL. Relative times (``--since 2h``) are resolved
+db/sql/operator.sql), never formatted into SQL. Relative times (``--since 2h``) are resolved
 once against the database's clock, so every chunk of a bulk change and the audit
 entry see the same absolute bounds.
 """

@@ -14,7 +14,7 @@ versions before vacuum starts. So ``migrate`` sets, on the outbox only:
 
 Analyze and insert-driven vacuum stay on PostgreSQL's defaults: every row is updated
 soon after its insert, so the dead-version trigger above already fires, and the
-claim's plans do not depend on fresh statistics (see queries.sql "statement_settings").
+claim's plans do not depend on fresh statistics (see delivery.sql "statement_settings").
 
 Who decides: a key in ``database.autovacuum`` is the operator's value and is applied by
 every ``migrate`` (the value ``"default"`` removes the parameter: PostgreSQL's default

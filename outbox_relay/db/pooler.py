@@ -43,7 +43,7 @@ from psycopg.transaction import Transaction
 
 from .schema import EXECUTABLE
 
-# queries.sql section "bound_statement" (transaction-local statement_timeout), its
+# delivery.sql section "bound_statement" (transaction-local statement_timeout), its
 # comment lines left out: they would travel with every statement.
 _BOUND_STATEMENT = EXECUTABLE["bound_statement"]
 _SETTINGS_STATEMENT = EXECUTABLE["statement_settings"]
@@ -121,7 +121,7 @@ def execute_with_settings(
     cursor: psycopg.Cursor[Any], query: Query, params: Params | None, settings: dict[str, str]
 ) -> None:
     """Execute ``query`` under transaction-local ``settings``: a set_config statement
-    (queries.sql "statement_settings") pipelined in front of it, one Sync, one round trip.
+    (delivery.sql "statement_settings") pipelined in front of it, one Sync, one round trip.
     In autocommit both run in one implicit transaction, so the settings end with it;
     in an explicit transaction they last until it ends. Through a transaction pooler
     the statement's statement_timeout rides in the same set_config. The caller

@@ -1,4 +1,4 @@
-"""The SQL of ``queries.sql``, loaded once, bound to one outbox table.
+"""The SQL of ``sql/*.sql`` (one file per job), loaded once, bound to one outbox table.
 
 Identifiers (table, index, trigger, function names) are composed with
 ``psycopg.sql.Identifier`` so a configured table name is always quoted and can
@@ -23,7 +23,16 @@ GRANT_KINDS = ("relay", "operator", "writer")
 
 
 # The files of sql/ whose sections are loaded; a section name is unique across them.
-SQL_FILES: tuple[str, ...] = ("queries.sql", "migrations.sql")
+SQL_FILES: tuple[str, ...] = (
+    "schema.sql",
+    "migrations.sql",
+    "delivery.sql",
+    "monitoring.sql",
+    "operator.sql",
+    "write.sql",
+    "inbox.sql",
+    "grants.sql",
+)
 
 
 def _load_sections() -> dict[str, str]:
@@ -44,7 +53,7 @@ QUERIES: dict[str, str] = _load_sections()
 
 
 def _strip_comments(text: str) -> str:
-    """Without its whole-line ``--`` comments: they stay in queries.sql for the reader
+    """Without its whole-line ``--`` comments: they stay in the .sql files for the reader
     but are not sent with every statement (psycopg would also parse them for
     placeholders)."""
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()
@@ -53,7 +62,7 @@ def _strip_comments(text: str) -> str:
 #: The statements as sent to the server.
 EXECUTABLE: dict[str, str] = {name: _strip_comments(body) for name, body in QUERIES.items()}
 
-# Index layout (the DDL is in queries.sql, section "index_<key>"; the index is named
+# Index layout (the DDL is in sql/schema.sql, section "index_<key>"; the index is named
 # "<table>_<key>_idx"). Every index costs WAL on each insert or update that enters it,
 # so an index exists only where a statement of this layout reads it.
 # pending: the claim, the backlog gauges; processing: reclaim, reap, expired leases,
@@ -66,7 +75,7 @@ ORDERING_INDEXES: tuple[str, ...] = ("aggregate_active", "aggregate_dead")
 # aggregate: replaced by the two ordering indexes, which leave dead rows out; unfinished_created and
 # done: the gauges read the claim's indexes and purge walks the primary key (fewer indexes to write per row).
 OBSOLETE_INDEXES: tuple[str, ...] = ("aggregate", "unfinished_created", "done")
-# New pages are filled to half (see queries.sql, set_fillfactor).
+# New pages are filled to half (see sql/schema.sql, set_fillfactor).
 FILLFACTOR = 50
 
 
@@ -81,7 +90,7 @@ def _short(name: str, suffix: str) -> str:
 
 @dataclass(frozen=True)
 class TableSql:
-    """Statements of queries.sql with the identifiers of one outbox table filled in."""
+    """Statements of sql/*.sql with the identifiers of one outbox table filled in."""
 
     table: str  # "outbox" or "schema.outbox", validated by config
 
@@ -176,7 +185,7 @@ class TableSql:
         return sql.SQL(EXECUTABLE[name]).format(**names)
 
     def grants(self, kind: str, role: str, *, database: str | None = None) -> list[sql.Composed]:
-        """GRANT statements (queries.sql ``grant_<kind>``) for a role of one kind:
+        """GRANT statements (sql/grants.sql ``grant_<kind>``) for a role of one kind:
         ``relay`` (run), ``operator`` (status, dead, purge) or ``writer`` (enqueue).
         ``database`` adds CONNECT."""
         if kind not in GRANT_KINDS:

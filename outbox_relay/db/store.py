@@ -160,7 +160,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def finalize_params(items: Sequence[FinalizeItem]) -> dict[str, Any]:
-    """The parameters of queries.sql "finalize" for a batch's decisions: delivered
+    """The parameters of delivery.sql "finalize" for a batch's decisions: delivered
     rows as two arrays of their own (the common case, usually the whole batch), every
     other outcome in six parallel arrays (usually empty)."""
     done_ids: list[int] = []
@@ -191,7 +191,7 @@ def _bigint_array(values: Sequence[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
-# Planner settings of the claim and the finalize (queries.sql "statement_settings"
+# Planner settings of the claim and the finalize (delivery.sql "statement_settings"
 # says why): plans that touch only the rows of the batch, whatever the statistics say.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off"}
 FINALIZE_SETTINGS = {"enable_bitmapscan": "off"}  # also the heartbeat's extend_lease (the same join)
@@ -713,7 +713,7 @@ class OutboxStore:
                         params, after=after, batch=limit, max_batch_bytes=bytes_left(), first_always=not rows
                     )
                     found = cur.execute(self.sql.query("claim_ordered_heads"), head_params).fetchall()
-                    if found:  # the last aggregate in the column's collation order (see queries.sql)
+                    if found:  # the last aggregate in the column's collation order (see delivery.sql)
                         last_aggregate[0] = found[0][-1]
                     return [Claimed(*r[:-1]) for r in found]
 

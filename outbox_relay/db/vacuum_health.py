@@ -5,7 +5,7 @@ dead entries in the claim's indexes) that only vacuum removes, and vacuum remove
 nothing newer than the oldest xmin horizon of the database. One long transaction, a
 forgotten prepared transaction or a replication slot fed by a standby's
 ``hot_standby_feedback`` holds that horizon back; the table and its indexes then grow
-for as long as it stays. This module names the holder (queries.sql
+for as long as it stays. This module names the holder (sql/monitoring.sql
 ``xmin_horizon_holders``) for the gauge ``outbox_relay_xmin_horizon_age_seconds``,
 ``status``, the console and the warning log line, and reads the table's vacuum figures
 (``vacuum_figures``).
@@ -173,7 +173,7 @@ class VacuumFigures:
 
 
 def holders_from_rows(rows: list[dict[str, Any]]) -> list[XminHolder]:
-    """queries.sql ``xmin_horizon_holders`` rows -> holders (ages as the database gave them)."""
+    """sql/monitoring.sql ``xmin_horizon_holders`` rows -> holders (ages as the database gave them)."""
     return [
         XminHolder(
             kind=str(r["kind"]),

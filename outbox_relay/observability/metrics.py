@@ -2,7 +2,7 @@
 
 Counters are counted in process. Gauges describing the table are read from the
 database every ``metrics.refresh_interval_seconds`` with the cheap, index-backed
-queries of ``queries.sql`` under a statement timeout (a queue depth above
+queries of ``db/sql/monitoring.sql`` under a statement timeout (a queue depth above
 ``metrics.exact_count_limit`` comes from an exact count made at most every
 ``metrics.exact_count_interval_seconds``, see _SlowExactCount); if a refresh fails the
 gauges are reset rather than left frozen at a stale value, and

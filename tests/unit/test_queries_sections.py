@@ -1,4 +1,4 @@
-"""Every named section of queries.sql formats with the identifiers of a table: a brace
+"""Every named section of db/sql/*.sql formats with the identifiers of a table: a brace
 in a comment that ends a section (or a missing placeholder) fails here, not at the
 first call in production."""
 
@@ -25,3 +25,13 @@ EXTRA = {
 def test_section_formats(name: str) -> None:
     composed = TableSql("app.outbox").query(name, **EXTRA)
     assert isinstance(composed, sql.Composed) and len(list(composed)) > 0
+
+
+def test_every_file_of_the_sql_folder_is_loaded():
+    """A section in a file the loader does not list would be missing at run time."""
+    from importlib import resources
+
+    from outbox_relay.db import schema
+
+    on_disk = {p.name for p in resources.files(schema.__package__).joinpath("sql").iterdir() if p.name.endswith(".sql")}
+    assert on_disk == set(schema.SQL_FILES)

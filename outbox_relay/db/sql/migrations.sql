@@ -1,6 +1,6 @@
 -- The record of numbered migrations (db/migrations.py lists the steps). One companion
 -- table per outbox table, in its schema: the steps applied to that table, each once.
--- Loaded with queries.sql; the same placeholders apply.
+-- Loaded with the other sql/*.sql files; the same placeholders apply.
 
 -- name: create_migrations_table
 -- step is the primary key: a step recorded twice is an error, never a silent repeat.

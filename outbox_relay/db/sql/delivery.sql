@@ -1,0 +1,387 @@
+-- Delivery: reap, claim (plain and ordered), the fenced finalize, lease extension, and the per-statement planner settings.
+-- One named section per statement ("-- name: <name>"); names are unique across sql/*.sql.
+-- {table} is the quoted, possibly schema-qualified outbox table; {idx_*}, {fn_notify},
+-- {trg_notify} and {channel} are other quoted identifiers derived from it
+-- (schema.py). They are filled in with psycopg.sql, never with string formatting.
+-- Parameters use psycopg's %(name)s style, so a literal percent sign is written %%.
+-- Every time is the database's clock (now()), never a worker's.
+
+-- name: mark_idle
+-- A worker found nothing to claim: ask inserts to notify.
+UPDATE {state_table} SET relays_idle = true WHERE NOT relays_idle
+
+-- name: mark_busy
+-- A notification arrived, workers are awake: inserts need not notify for now.
+UPDATE {state_table} SET relays_idle = false WHERE relays_idle
+
+-- name: reap
+-- Poison rows: claimed max_attempts times and never finalized (a worker died every
+-- time). They never reach a finalize, so the claim is where they go dead. The CTE
+-- keeps the last owner for the log line (RETURNING shows the row after the update).
+WITH victims AS (
+    SELECT id, lease_owner FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'dead',
+    last_error = 'lease expired after ' || o.attempts || ' attempts without an outcome (worker crash or hang?)',
+    lease_owner = NULL,
+    lease_until = NULL
+FROM victims
+WHERE o.id = victims.id
+RETURNING o.id, o.lease_version, victims.lease_owner
+
+-- name: claim
+-- The whole claim in one statement (one round trip, atomic in autocommit): reap
+-- poison rows (as in "reap") and take up to LIMIT rows: expired leases first (the
+-- oldest work), then due pending rows, each read from its own partial index in
+-- order and cut by LIMIT, so the cost does not grow with the backlog. SKIP LOCKED
+-- makes concurrent claims take disjoint rows; the UPDATE makes ownership durable:
+-- owner, deadline and a new fencing token. Reaped rows come back with reaped = true.
+-- %(excluded_types)s: event types left to the ordered claim (empty: none).
+-- Byte budget: the batch takes rows while their payload + headers text add up to at
+-- most %(max_batch_bytes)s (a running sum in claim order; the first row is always
+-- taken, so a single larger row is claimed alone), so
+-- a batch of large events cannot exhaust the relay's memory. Only %(candidates)s rows
+-- are looked at (the worker sizes it from the rows it saw last time), because sizing
+-- a row detoasts its payload. A row above %(max_message_bytes)s (NULL: no limit) is
+-- claimed without its payload: it goes dead at once, never held in memory.
+-- Where the two index scans start (claim_cursor.py), so that neither walks the dead
+-- entries piled up at the front of its index while vacuum is held back: the processing
+-- index at {leases_from} (NULL: the front), below which no live lease was left by the
+-- last claims; the due index at {due_from_at} / {due_from_id} (NULL: the front). The
+-- store fills them with parameters, anything else gets NULL: the whole claim from the
+-- front. due_at: a claimed due row's key, where later claims start.
+WITH victims AS (
+    SELECT id, lease_owner FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+      AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
+    FOR UPDATE SKIP LOCKED
+), reaped AS (
+    UPDATE {table} AS o
+    SET status = 'dead',
+        last_error = 'lease expired after ' || o.attempts || ' attempts without an outcome (worker crash or hang?)',
+        lease_owner = NULL,
+        lease_until = NULL
+    FROM victims
+    WHERE o.id = victims.id
+    RETURNING o.id, o.lease_version, victims.lease_owner
+), expired AS (
+    SELECT id, 0 AS part, lease_until AS sort_at,
+           octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
+    FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+      AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
+      AND NOT (event_type = ANY(%(excluded_types)s))
+    ORDER BY lease_until
+    LIMIT %(candidates)s
+    FOR UPDATE SKIP LOCKED
+), due AS (
+    SELECT id, 1 AS part, available_at AS sort_at,
+           octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
+    FROM {table}
+    WHERE status = 'pending' AND available_at <= now()
+      AND ({due_from_at}::timestamptz IS NULL
+           OR (available_at, id) >= ({due_from_at}::timestamptz, {due_from_id}::bigint))
+      AND NOT (event_type = ANY(%(excluded_types)s))
+    ORDER BY available_at, id
+    LIMIT %(candidates)s
+    FOR UPDATE SKIP LOCKED
+), picked AS (
+    SELECT id, row_bytes, part FROM (
+        SELECT id, row_bytes, part,
+               row_number() OVER w AS n,
+               sum(row_bytes) OVER w AS bytes_through
+        FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS both_kinds
+        WINDOW w AS (ORDER BY part, sort_at, id)
+    ) AS sized
+    WHERE n <= %(batch)s AND (n = 1 OR bytes_through <= %(max_batch_bytes)s)
+), claimed AS (
+    UPDATE {table} AS o
+    SET status = 'processing',
+        lease_owner = %(owner)s,
+        lease_until = now() + make_interval(secs => %(lease_seconds)s),
+        lease_version = o.lease_version + 1,
+        attempts = o.attempts + 1
+    FROM picked
+    WHERE o.id = picked.id
+    RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+              CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
+                   ELSE o.payload::text END AS payload,
+              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes,
+              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at
+)
+SELECT false AS reaped, claimed.id, claimed.lease_version, claimed.attempts, claimed.aggregate_type,
+       claimed.aggregate_id, claimed.event_type, claimed.payload, claimed.topic, claimed.headers,
+       claimed.created_at, claimed.row_bytes, NULL::text AS reaped_owner, claimed.due_at
+FROM claimed
+UNION ALL
+SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
+       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner, NULL::timestamptz
+FROM reaped
+{claim_report}
+
+-- name: claim_report
+-- Appended to "claim" by the store (claim_cursor.py): one more row (reaped = NULL)
+-- with how many expired leases the statement looked at and its clock.
+UNION ALL
+SELECT NULL, (SELECT count(*) FROM expired), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       now()
+
+-- name: claim_ordered_heads
+-- Ordered event types: only the head of an aggregate is claimable, i.e. its first
+-- pending/processing row of an ordered type, and only if no earlier row of an ordered
+-- type is dead (a dead head blocks its aggregate until retried or skipped). Instead of
+-- scanning rows — most of which wait behind a head in flight when aggregates are hot —
+-- this walks the distinct aggregate_ids of {idx_aggregate_active} (pending and
+-- processing rows only) with a recursive skip scan, one index probe per aggregate,
+-- starting after %(after)s so successive claims go round the aggregates instead of
+-- always favouring the first ones. Aggregates whose only unfinished rows are dead are
+-- not in that index, so they cost nothing however many pile up; a blocked aggregate
+-- (dead head, pending rows behind it) is visited and turned down by one probe of
+-- {idx_aggregate_dead}. %(all_ordered)s = true means ["*"].
+WITH RECURSIVE aggregates AS (
+    (SELECT a.aggregate_id FROM {table} AS a
+     WHERE a.status IN ('pending', 'processing')
+       AND (%(after)s::text IS NULL OR a.aggregate_id > %(after)s)  -- NULL: from the start ('' is an id)
+     ORDER BY a.aggregate_id LIMIT 1)
+    UNION ALL
+    SELECT (SELECT n.aggregate_id FROM {table} AS n
+            WHERE n.status IN ('pending', 'processing') AND n.aggregate_id > aggregates.aggregate_id
+            ORDER BY n.aggregate_id LIMIT 1)
+    FROM aggregates
+    WHERE aggregates.aggregate_id IS NOT NULL
+), heads AS (
+    SELECT h.id
+    FROM aggregates
+    CROSS JOIN LATERAL (
+        SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts
+        FROM {table} AS f
+        WHERE f.aggregate_id = aggregates.aggregate_id
+          AND f.status IN ('pending', 'processing')
+          AND (%(all_ordered)s OR f.event_type = ANY(%(ordered_types)s))
+        ORDER BY f.id
+        LIMIT 1
+    ) AS h
+    WHERE aggregates.aggregate_id IS NOT NULL
+      AND ((h.status = 'pending' AND h.available_at <= now())
+        OR (h.status = 'processing' AND h.lease_until < now() AND h.attempts < %(max_attempts)s))
+      AND NOT EXISTS (
+          SELECT 1 FROM {table} AS d
+          WHERE d.aggregate_id = aggregates.aggregate_id AND d.status = 'dead' AND d.id < h.id
+            AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s)))
+    LIMIT %(batch)s
+), candidates AS (
+    -- = ANY(ARRAY(...)): the heads are computed once and looked up by primary key,
+    -- whatever the planner believes about the table (with statistics from a moment
+    -- when nothing was pending it would otherwise re-run the skip scan per row).
+    SELECT o.id, octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
+    FROM {table} AS o
+    WHERE o.id = ANY(ARRAY(SELECT id FROM heads))
+      AND ((o.status = 'pending' AND o.available_at <= now())
+        OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
+    FOR UPDATE OF o SKIP LOCKED
+), picked AS (
+    -- The byte budget, as in "claim": heads while their running sum fits what is left
+    -- of %(max_batch_bytes)s; the first one always when %(first_always)s (nothing else
+    -- was claimed yet), so one large head is claimed alone rather than never.
+    SELECT id, row_bytes FROM (
+        SELECT id, row_bytes, row_number() OVER w AS n, sum(row_bytes) OVER w AS bytes_through
+        FROM candidates WINDOW w AS (ORDER BY id)
+    ) AS sized
+    WHERE (%(first_always)s AND n = 1) OR bytes_through <= %(max_batch_bytes)s
+), claimed AS (
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease_seconds)s),
+    lease_version = o.lease_version + 1,
+    attempts = o.attempts + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+          CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+)
+-- last_aggregate: where the next claim's round-robin starts. Computed here because
+-- "after" must follow the column's collation (the skip scan's order), which for
+-- en_US or ICU collations is not Python's code-point order.
+SELECT claimed.*, max(claimed.aggregate_id) OVER () AS last_aggregate FROM claimed
+
+-- name: claim_ordered_runs
+-- Behind each head just claimed (and still held by this transaction), take the
+-- contiguous run of the aggregate's next ordered rows that are pending and due,
+-- stopping at the first row that is not (processing, not yet due, or behind a dead
+-- row). Nobody else can claim these rows while their head is unfinished, so order is
+-- kept. Pending/processing rows come from {idx_aggregate_active}, the first dead row
+-- behind the head (if any) from {idx_aggregate_dead}.
+WITH heads AS (
+    SELECT h.aggregate_id, h.head_id,
+           coalesce((SELECT min(d.id) FROM {table} AS d
+                     WHERE d.aggregate_id = h.aggregate_id AND d.status = 'dead' AND d.id > h.head_id
+                       AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))),
+                    9223372036854775807) AS dead_id
+    FROM unnest(%(aggregate_ids)s::text[], %(head_ids)s::bigint[]) AS h(aggregate_id, head_id)
+), followers AS (
+    SELECT f.id,
+           bool_and(f.status = 'pending' AND f.available_at <= now() AND f.id < f.dead_id)
+               OVER (PARTITION BY f.aggregate_id ORDER BY f.id) AS contiguous
+    FROM heads
+    CROSS JOIN LATERAL (
+        SELECT r.id, r.aggregate_id, r.status, r.available_at, heads.dead_id
+        FROM {table} AS r
+        WHERE r.aggregate_id = heads.aggregate_id
+          AND r.id > heads.head_id
+          AND r.status IN ('pending', 'processing')
+          AND (%(all_ordered)s OR r.event_type = ANY(%(ordered_types)s))
+        ORDER BY r.id
+        LIMIT %(run_length)s
+    ) AS f
+), locked AS (
+    SELECT t.id, octet_length(t.payload::text) + coalesce(octet_length(t.headers::text), 0) AS row_bytes
+    FROM {table} AS t
+    WHERE t.id = ANY(ARRAY(SELECT id FROM followers WHERE contiguous))  -- once, by primary key
+      AND t.status = 'pending'
+    ORDER BY t.id          -- cutting at %(room)s keeps a prefix of every run
+    LIMIT %(room)s
+    FOR UPDATE OF t SKIP LOCKED
+), picked AS (
+    -- The byte budget left after the heads; a cut in id order keeps a prefix of every run.
+    SELECT id, row_bytes FROM (
+        SELECT id, row_bytes, sum(row_bytes) OVER (ORDER BY id) AS bytes_through FROM locked
+    ) AS sized
+    WHERE bytes_through <= %(max_batch_bytes)s
+)
+UPDATE {table} AS o
+SET status = 'processing',
+    lease_owner = %(owner)s,
+    lease_until = now() + make_interval(secs => %(lease_seconds)s),
+    lease_version = o.lease_version + 1,
+    attempts = o.attempts + 1
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+          CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+
+-- name: finalize
+-- Every outcome of a batch in ONE fenced statement (one round trip): the decisions
+-- come in as arrays (decision.py decides, this only writes). Only the claim that
+-- still holds lease_version may write; rows that do not match are lost leases.
+-- {strict} is either empty or "AND o.lease_until > now()" (strict lease policy).
+--   done:    %(done_ids)s / %(done_versions)s (array literals: usually the whole batch).
+--            The table's mode (on_done in {state_table}, set by migrate) says:
+--            keep:   done_at = now(), last_error cleared
+--            delete: the row is deleted — a DELETE record instead of a new row version
+--   every other outcome comes as six parallel arrays (usually empty):
+--   pending: due after delay_seconds; a NULL error keeps the previous last_error
+--            (a release is not a failure); refund = 1 gives the claim's attempt back
+--   dead:    last_error = the reason
+-- The six arrays travel in binary format (the b placeholders).
+-- coalesce(o.status = 'processing', false): the same test (status is never NULL) in a
+-- form the planner cannot match to the processing index's predicate, so the rows are
+-- looked up by primary key. Matched, the planner chose, whenever its statistics said
+-- few rows were processing, to read the whole processing index and hash-join it with
+-- the batch: while vacuum is held back that index holds a dead entry for every row
+-- finalized since, and the finalize then read all of them (1.15 s per 1000-row batch
+-- after 150 000 deliveries behind a held snapshot, instead of a few ms).
+WITH decided AS (
+    SELECT f.id, f.version, 'done'::text AS status, 0::float8 AS delay_seconds, NULL::text AS error, 0 AS refund
+    FROM unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
+    UNION ALL
+    SELECT * FROM unnest(%(ids)b::bigint[], %(versions)b::bigint[], %(statuses)b::text[],
+                         %(delays)b::float8[], %(errors)b::text[], %(refunds)b::int[])
+             AS f(id, version, status, delay_seconds, error, refund)
+), mode AS (
+    SELECT coalesce((SELECT on_done = 'delete' FROM {state_table}), false) AS delete_done
+), deleted AS (
+    -- (SELECT ...) rather than a join with mode: a condition without columns of the
+    -- joined tables is checked once, before the join, so a keep-mode table never runs
+    -- this join. The delivered rows come as arrays of their own, not as "decided WHERE
+    -- status = 'done'", and o.id = ANY(them): the planner then knows how many there
+    -- are and looks them up by primary key. With statistics taken while hardly any row
+    -- was processing (the usual case: autovacuum's ANALYZE of an idle outbox), it
+    -- otherwise guessed ~5 delivered rows and rescanned them for every processing row:
+    -- 0.2-0.8 s per 1000-row batch instead of ~5 ms. FINALIZE_SETTINGS (store.py):
+    -- no bitmap scans, whose reading of the processing index grew with every row
+    -- finalized since the last VACUUM (a bitmap scan never marks an index entry dead;
+    -- an index scan does, and skips it from then on).
+    DELETE FROM {table} AS o
+    USING unnest(%(done_ids)s::bigint[], %(done_versions)s::bigint[]) AS f(id, version)
+    WHERE (SELECT delete_done FROM mode)
+      AND o.id = ANY(%(done_ids)s::bigint[])
+      AND o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
+    RETURNING o.id
+), updated AS (
+    UPDATE {table} AS o
+    SET status = f.status,
+        done_at = CASE WHEN f.status = 'done' THEN now() ELSE o.done_at END,
+        available_at = CASE WHEN f.status = 'pending' THEN now() + make_interval(secs => f.delay_seconds)
+                            ELSE o.available_at END,
+        attempts = greatest(o.attempts - f.refund, 0),
+        last_error = CASE WHEN f.status = 'done' THEN NULL ELSE coalesce(f.error, o.last_error) END,
+        lease_owner = NULL,
+        lease_until = NULL
+    FROM decided AS f, mode
+    WHERE NOT (mode.delete_done AND f.status = 'done')
+      -- every id of the batch, as an array: a primary key lookup whatever the
+      -- statistics say about the table's size (see "deleted")
+      AND o.id = ANY(%(done_ids)s::bigint[] || %(ids)b::bigint[])
+      AND o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
+    RETURNING o.id
+)
+SELECT id FROM deleted
+UNION ALL
+SELECT id FROM updated
+
+-- name: extend_lease
+-- Heartbeat: push the deadline of rows this claim still owns. {strict}: under the
+-- strict policy an expired lease is not revived (the owner could then finalize).
+-- coalesce(...): rows by primary key, never the processing index (see "finalize").
+UPDATE {table} AS o
+SET lease_until = now() + make_interval(secs => %(lease_seconds)s)
+FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
+WHERE o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
+RETURNING o.id
+
+-- name: status_of
+SELECT id, status FROM {table} WHERE id = ANY(%(ids)s)
+
+-- name: state_of
+SELECT id, status, lease_version FROM {table} WHERE id = ANY(%(ids)s)
+
+-- name: aggregate_lock
+-- Transaction-scoped: held until the caller commits, so two writers of one aggregate
+-- commit in the order they obtained ids. The key space is shared with other advisory
+-- lock users only through this hash of (table, aggregate_id).
+SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
+
+-- name: statement_settings
+-- Planner settings of the claim and the finalize, set transaction-locally by a
+-- statement pipelined in front of them (one round trip; pooler.execute_with_settings,
+-- store.py CLAIM_SETTINGS / FINALIZE_SETTINGS). Both must touch only the rows they
+-- work on, with and without statistics that describe the table:
+-- - the claim reads its partial indexes in order and stops after LIMIT rows
+--   (enable_bitmapscan = off). Without statistics that know the backlog (a table
+--   filled faster than autovacuum's ANALYZE follows, or restored without statistics)
+--   the planner expects a few hundred pending rows and prefers a bitmap scan of ALL
+--   of them plus a sort: every claim then read, sized and sorted the whole backlog
+--   (243 ms per claim at a 300 000-row backlog instead of 8 ms), a quadratic drain.
+-- - the finalize (and the heartbeat's extend_lease, the same join) reads the processing
+--   index with an index scan, never a bitmap scan
+--   (see "finalize").
+-- Also carries the transaction_pooler's statement_timeout when the statement needs
+-- one (pooler.py).
+SELECT set_config(name, value, true) FROM unnest(%s::text[], %s::text[]) AS s(name, value)
+
+-- name: bound_statement
+-- database.transaction_pooler: the statement_timeout of the one statement (or the
+-- one transaction) that follows in the same transaction, set inside it because a
+-- transaction-pooling proxy takes no startup options and keeps no session state.
+-- is_local = true: it ends with the transaction, so nothing leaks to the next
+-- client of the server connection (pooler.py).
+SELECT set_config('statement_timeout', %s, true)
+
+-- Consumer side (outbox_relay.consumer): the inbox table lives in the CONSUMER's
+-- database; {table} is the inbox table there.
