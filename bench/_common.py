@@ -53,7 +53,7 @@ def pct(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return float("nan")
-    rank = max(1, min(len(ordered), int(round(q / 100.0 * len(ordered) + 0.5))))
+    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
     return ordered[rank - 1]
 
 
@@ -65,16 +65,23 @@ def median(values: Sequence[float]) -> float:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dsn", help="use this PostgreSQL instead of starting an embedded PostgreSQL 18")
     parser.add_argument("--bootstrap", help="use this Kafka cluster instead of starting a broker")
-    parser.add_argument("--broker", choices=("kafka", "tansu"), default=default_broker(),
-                        help="the broker started when --bootstrap is not given: a real Apache Kafka node "
-                             "(outbox_relay._embedded.kafka; the default when Java and the Kafka jars or Maven "
-                             "are there) or the embedded tansu broker (Python only); default: %(default)s")
+    parser.add_argument(
+        "--broker",
+        choices=("kafka", "tansu"),
+        default=default_broker(),
+        help="the broker started when --bootstrap is not given: a real Apache Kafka node "
+        "(outbox_relay._embedded.kafka; the default when Java and the Kafka jars or Maven "
+        "are there) or the embedded tansu broker (Python only); default: %(default)s",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the bench schemas (with --dsn) for inspection")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
-    parser.add_argument("--database-cpus", metavar="LIST",
-                        help="pin PostgreSQL (its postmaster and every backend) to these CPUs, e.g. 0, and this "
-                             "process, the broker and the relay to the others: the database on a host of its own, "
-                             "as in production, instead of sharing its cores with the relay and the broker")
+    parser.add_argument(
+        "--database-cpus",
+        metavar="LIST",
+        help="pin PostgreSQL (its postmaster and every backend) to these CPUs, e.g. 0, and this "
+        "process, the broker and the relay to the others: the database on a host of its own, "
+        "as in production, instead of sharing its cores with the relay and the broker",
+    )
 
 
 @contextlib.contextmanager
@@ -98,8 +105,10 @@ def servers(args: argparse.Namespace, *, need_broker: bool = True) -> Iterator[t
             dsn = pg.dsn
         if database_cpus:
             pinned = pin_postgres(dsn, database_cpus)
-            say(f"PostgreSQL pinned to CPU {sorted(database_cpus)} ({pinned} processes); "
-                f"this process, the broker and the relay to CPU {sorted(os.sched_getaffinity(0))}")
+            say(
+                f"PostgreSQL pinned to CPU {sorted(database_cpus)} ({pinned} processes); "
+                f"this process, the broker and the relay to CPU {sorted(os.sched_getaffinity(0))}"
+            )
         bootstrap = getattr(args, "bootstrap", None)
         if need_broker and not bootstrap:
             if getattr(args, "broker", "tansu") == "kafka":
@@ -143,7 +152,7 @@ def broker_label(args: argparse.Namespace) -> str:
 
 
 def parse_cpus(text: str | None) -> set[int]:
-    """"0" / "0,2" / "0-1" -> a set of CPU numbers (empty for None)."""
+    """ "0" / "0,2" / "0-1" -> a set of CPU numbers (empty for None)."""
     cpus: set[int] = set()
     for part in (text or "").split(","):
         part = part.strip()
@@ -173,7 +182,7 @@ def _ppid(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def server_version(dsn: str) -> str:
@@ -187,8 +196,9 @@ def new_table(prefix: str) -> str:
     return f"bench_{prefix}_{RUN_ID}.outbox"
 
 
-def migrate(dsn: str, table: str, *, notify_trigger: bool = True, ordering: bool = False,
-            on_done: str = "keep") -> None:
+def migrate(
+    dsn: str, table: str, *, notify_trigger: bool = True, ordering: bool = False, on_done: str = "keep"
+) -> None:
     """``outbox-relay migrate``; ``ordering``: as with relay.ordered_event_types set;
     ``on_done``: the table's relay.on_done mode."""
     store = OutboxStore(dsn, table, pool_size=1)
@@ -221,8 +231,17 @@ def payload_json(seq: int, size: int) -> str:
     return json.dumps(base, separators=(",", ":"))
 
 
-def copy_backlog(conn: psycopg.Connection[Any], table: str, n: int, *, aggregates: int, payload_bytes: int,
-                 aggregate_type: str = "order", event_type: str = "OrderCreated", start: int = 0) -> None:
+def copy_backlog(
+    conn: psycopg.Connection[Any],
+    table: str,
+    n: int,
+    *,
+    aggregates: int,
+    payload_bytes: int,
+    aggregate_type: str = "order",
+    event_type: str = "OrderCreated",
+    start: int = 0,
+) -> None:
     """COPY ``n`` rows into ``table`` inside the caller's transaction (application columns only)."""
     stmt = sql.SQL("COPY {} (aggregate_type, aggregate_id, event_type, payload) FROM STDIN").format(ident(table))
     with conn.cursor() as cur, cur.copy(stmt) as copy:
@@ -249,8 +268,9 @@ def add_dead_aggregates(dsn: str, table: str, n: int, *, payload_bytes: int = 20
     if n <= 0:
         return
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL(DEAD_AGGREGATES_SQL).format(table=ident(table)),
-                     {"n": n, "pad": max(0, payload_bytes - 40)})
+        conn.execute(
+            sql.SQL(DEAD_AGGREGATES_SQL).format(table=ident(table)), {"n": n, "pad": max(0, payload_bytes - 40)}
+        )
         conn.execute(sql.SQL("VACUUM (ANALYZE) {}" if analyze else "VACUUM {}").format(ident(table)))
 
 
@@ -266,8 +286,10 @@ def wait_drained(conn: psycopg.Connection[Any], table: str, *, timeout: float, i
     The probe is two EXISTS on the pending and processing partial indexes: cheap enough
     to poll every 10 ms without loading the database the way a count(*) of done rows
     would. The caller checks the done count afterwards."""
-    probe = sql.SQL("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending') "
-                    "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing')").format(t=ident(table))
+    probe = sql.SQL(
+        "SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending') "
+        "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing')"
+    ).format(t=ident(table))
     deadline = time.monotonic() + timeout
     while True:
         (busy,) = conn.execute(probe).fetchone()
@@ -287,12 +309,13 @@ def create_topic(bootstrap: str, topic: str, partitions: int = 4) -> None:
 
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
     try:
-        futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1)],
-                                      operation_timeout=10, request_timeout=15)
+        futures = admin.create_topics(
+            [NewTopic(topic, num_partitions=partitions, replication_factor=1)], operation_timeout=10, request_timeout=15
+        )
         for fut in futures.values():
             with contextlib.suppress(KafkaException):
                 fut.result(timeout=15)
-    except Exception as exc:  # noqa: BLE001 - auto-creation on first produce is the fallback
+    except Exception as exc:  # auto-creation on first produce is the fallback
         say(f"  note: could not pre-create topic {topic}: {exc}")
 
 
@@ -316,15 +339,17 @@ def relay_command() -> list[str]:
 
 def relay_env(dsn: str, table: str, bootstrap: str, topic: str, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
-    env.update({
-        "OUTBOX_RELAY_DATABASE__DSN": dsn,
-        "OUTBOX_RELAY_DATABASE__TABLE": table,
-        "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
-        "OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE": topic,
-        "OUTBOX_RELAY_METRICS__PORT": "0",
-        "OUTBOX_RELAY_LOG__FORMAT": "json",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    })
+    env.update(
+        {
+            "OUTBOX_RELAY_DATABASE__DSN": dsn,
+            "OUTBOX_RELAY_DATABASE__TABLE": table,
+            "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+            "OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE": topic,
+            "OUTBOX_RELAY_METRICS__PORT": "0",
+            "OUTBOX_RELAY_LOG__FORMAT": "json",
+            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        }
+    )
     env.update(more)
     return env
 
@@ -340,10 +365,15 @@ class RelayProcess:
     """``outbox-relay run`` in a subprocess; logs go to a file (never a pipe that could fill)."""
 
     def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
-        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         self.log_path = Path(self._log.name)
-        self.proc = subprocess.Popen([*relay_command(), "run", *args], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [*relay_command(), "run", *args],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.returncode: int | None = None
 
     @property

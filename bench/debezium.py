@@ -105,9 +105,21 @@ def debezium_classpath() -> str:
     c.say(f"fetching Kafka Connect + Debezium {DEBEZIUM_VERSION} with Maven ...")
     cache.parent.mkdir(parents=True, exist_ok=True)
     partial = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
-    done = subprocess.run([mvn, "-q", "-B", "-f", str(POM), "dependency:build-classpath",
-                           f"-Dmdep.outputFile={partial}", "-Dmdep.includeScope=runtime"],
-                          capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [
+            mvn,
+            "-q",
+            "-B",
+            "-f",
+            str(POM),
+            "dependency:build-classpath",
+            f"-Dmdep.outputFile={partial}",
+            "-Dmdep.includeScope=runtime",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0 or not partial.is_file():
         tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-5:])
         raise SystemExit(f"Maven could not fetch Debezium: {tail}")
@@ -148,8 +160,14 @@ class LogicalPostgres:
         self.user = "postgres" if os.geteuid() == 0 else None
 
     def _run(self, *argv: str) -> None:
-        subprocess.run([str(self.bin_dir / argv[0]), *argv[1:]], check=True, user=self.user,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+        subprocess.run(
+            [str(self.bin_dir / argv[0]), *argv[1:]],
+            check=True,
+            user=self.user,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
 
     def start(self) -> LogicalPostgres:
         self.dir.mkdir(mode=0o700)
@@ -157,10 +175,13 @@ class LogicalPostgres:
         if self.user:
             shutil.chown(self.dir, self.user, self.user)
         self._run("initdb", "-D", str(self.dir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C")
-        options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir} "
-                   "-c wal_level=logical -c max_connections=100 -c max_wal_size=4GB")
-        self._run("pg_ctl", "start", "-w", "-t", "60", "-D", str(self.dir), "-l", str(self.dir / "server.log"),
-                  "-o", options)
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir} "
+            "-c wal_level=logical -c max_connections=100 -c max_wal_size=4GB"
+        )
+        self._run(
+            "pg_ctl", "start", "-w", "-t", "60", "-D", str(self.dir), "-l", str(self.dir / "server.log"), "-o", options
+        )
         return self
 
     @property
@@ -222,8 +243,12 @@ def wal_lsn(conn: psycopg.Connection[Any]) -> str:
 
 
 def wal_bytes(conn: psycopg.Connection[Any], start: str, end: str) -> int:
-    return int(conn.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)",  # type: ignore[index]
-                            (end, start)).fetchone()[0])
+    return int(
+        conn.execute(
+            "SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)",  # type: ignore[index]
+            (end, start),
+        ).fetchone()[0]
+    )
 
 
 # --- the Kafka side --------------------------------------------------------------------------
@@ -233,8 +258,9 @@ def create_log_append_topic(bootstrap: str, topic: str, partitions: int) -> bool
     from confluent_kafka.admin import AdminClient, NewTopic
 
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
-    new = NewTopic(topic, num_partitions=partitions, replication_factor=1,
-                   config={"message.timestamp.type": "LogAppendTime"})
+    new = NewTopic(
+        topic, num_partitions=partitions, replication_factor=1, config={"message.timestamp.type": "LogAppendTime"}
+    )
     try:
         admin.create_topics([new], operation_timeout=15, request_timeout=20)[topic].result(timeout=30)
         return True
@@ -251,8 +277,15 @@ class TopicWatcher:
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-dbz-{c.RUN_ID}",
-                                   "enable.auto.commit": False, "fetch.wait.max.ms": 10, "log_level": 3})
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-dbz-{c.RUN_ID}",
+                "enable.auto.commit": False,
+                "fetch.wait.max.ms": 10,
+                "log_level": 3,
+            }
+        )
         self._consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
         self.seen: dict[int, tuple[float, float]] = {}
         self.messages = 0
@@ -330,8 +363,9 @@ class Writer:
 
     def __init__(self, dsn: str, table: str, args: argparse.Namespace) -> None:
         self.dsn = dsn
-        self.insert = sql.SQL("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-                              "VALUES (%s, %s, %s, %s) RETURNING id").format(c.ident(table))
+        self.insert = sql.SQL(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES (%s, %s, %s, %s) RETURNING id"
+        ).format(c.ident(table))
         self.args = args
         self.committed: dict[int, float] = {}
         self._lock = threading.Lock()
@@ -343,8 +377,15 @@ class Writer:
         with self._lock:
             self._seq += 1
             seq = self._seq
-        row = conn.execute(self.insert, (AGGREGATE_TYPE, f"agg-{seq % self.args.aggregates}", "OrderCreated",
-                                         c.payload_json(seq, self.args.payload_bytes))).fetchone()
+        row = conn.execute(
+            self.insert,
+            (
+                AGGREGATE_TYPE,
+                f"agg-{seq % self.args.aggregates}",
+                "OrderCreated",
+                c.payload_json(seq, self.args.payload_bytes),
+            ),
+        ).fetchone()
         now = time.time()
         event_id = int(row[0])  # type: ignore[index]
         with self._lock:
@@ -392,8 +433,9 @@ class Writer:
             with lock:
                 ids.extend(mine)
 
-        workers = [threading.Thread(target=run, args=(n // threads + (1 if i < n % threads else 0),))
-                   for i in range(threads)]
+        workers = [
+            threading.Thread(target=run, args=(n // threads + (1 if i < n % threads else 0),)) for i in range(threads)
+        ]
         for w in workers:
             w.start()
         for w in workers:
@@ -429,9 +471,8 @@ class Reader:
         return proc_cpu_seconds(self.pid) if self.proc is not None else float("nan")
 
     def _popen(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
-        self._log = open(log_path, "ab")  # closed in stop()
-        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def start(self) -> None:
         raise NotImplementedError
@@ -478,13 +519,15 @@ class Reader:
 class RelayReader(Reader):
     name = "outbox-relay"
 
-    def __init__(self, dsn: str, table: str, bootstrap: str, topic_prefix: str, work: Path,
-                 args: argparse.Namespace) -> None:
+    def __init__(
+        self, dsn: str, table: str, bootstrap: str, topic_prefix: str, work: Path, args: argparse.Namespace
+    ) -> None:
         super().__init__()
         self.table = table
         c.migrate(dsn, table)
-        self.env = c.relay_env(dsn, table, bootstrap, f"{topic_prefix}.{{aggregate_type}}",
-                               OUTBOX_RELAY_KAFKA__MESSAGE_FORMAT="debezium")
+        self.env = c.relay_env(
+            dsn, table, bootstrap, f"{topic_prefix}.{{aggregate_type}}", OUTBOX_RELAY_KAFKA__MESSAGE_FORMAT="debezium"
+        )
         self.argv = [*c.relay_command(), "run", "--workers", str(args.workers)]
         self.log_path = work / "relay.log"
 
@@ -492,17 +535,21 @@ class RelayReader(Reader):
         self._popen(self.argv, self.env, self.log_path)
 
     def backlog(self, conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        rows, size = conn.execute(sql.SQL("SELECT count(*), coalesce(sum(pg_column_size(t.*)), 0) FROM {} AS t "
-                                          "WHERE status IN ('pending', 'processing')").format(c.ident(self.table))
-                                  ).fetchone()  # type: ignore[misc]
+        rows, size = conn.execute(
+            sql.SQL(
+                "SELECT count(*), coalesce(sum(pg_column_size(t.*)), 0) FROM {} AS t "
+                "WHERE status IN ('pending', 'processing')"
+            ).format(c.ident(self.table))
+        ).fetchone()  # type: ignore[misc]
         return {"rows_waiting": int(rows), "bytes_waiting_in_rows": int(size), "slot_retained_bytes": None}
 
 
 class DebeziumReader(Reader):
     name = "Debezium"
 
-    def __init__(self, dsn: str, table: str, bootstrap: str, topic_prefix: str, work: Path,
-                 args: argparse.Namespace) -> None:
+    def __init__(
+        self, dsn: str, table: str, bootstrap: str, topic_prefix: str, work: Path, args: argparse.Namespace
+    ) -> None:
         super().__init__()
         self.table = table
         schema = table.split(".")[0]
@@ -566,8 +613,16 @@ class DebeziumReader(Reader):
         self.connector_file = work / "connector.properties"
         self.worker_file.write_text("".join(f"{k}={v}\n" for k, v in worker.items()))
         self.connector_file.write_text("".join(f"{k}={v}\n" for k, v in connector.items()))
-        self.argv = [java_binary(), f"-Xmx{args.connect_heap_mb}m", f"-Dlog4j2.configurationFile={LOG4J2}",
-                     "-cp", debezium_classpath(), CONNECT_MAIN, str(self.worker_file), str(self.connector_file)]
+        self.argv = [
+            java_binary(),
+            f"-Xmx{args.connect_heap_mb}m",
+            f"-Dlog4j2.configurationFile={LOG4J2}",
+            "-cp",
+            debezium_classpath(),
+            CONNECT_MAIN,
+            str(self.worker_file),
+            str(self.connector_file),
+        ]
         self.env = dict(os.environ)
         self.log_path = work / "connect.log"
 
@@ -575,13 +630,20 @@ class DebeziumReader(Reader):
         self._popen(self.argv, self.env, self.log_path)
 
     def backlog(self, conn: psycopg.Connection[Any]) -> dict[str, Any]:
-        row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), "
-                           "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) "
-                           "FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)).fetchone()
+        row = conn.execute(
+            "SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn), "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn) "
+            "FROM pg_replication_slots WHERE slot_name = %s",
+            (self.slot,),
+        ).fetchone()
         retained = int(row[0]) if row and row[0] is not None else None
         unconfirmed = int(row[1]) if row and row[1] is not None else None
-        return {"rows_waiting": None, "bytes_waiting_in_rows": None, "slot_retained_bytes": retained,
-                "slot_unconfirmed_bytes": unconfirmed}
+        return {
+            "rows_waiting": None,
+            "bytes_waiting_in_rows": None,
+            "slot_retained_bytes": retained,
+            "slot_unconfirmed_bytes": unconfirmed,
+        }
 
     def _rest(self, verb: str) -> None:
         """PUT /connectors/<name>/<verb> on the worker's REST API, then wait until the
@@ -612,8 +674,11 @@ class DebeziumReader(Reader):
     def cleanup(self, conn: psycopg.Connection[Any]) -> None:
         """A slot left behind would keep every later WAL segment on the server."""
         with contextlib.suppress(psycopg.Error):
-            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                         "WHERE slot_name = %s AND NOT active", (self.slot,))
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE slot_name = %s AND NOT active",
+                (self.slot,),
+            )
         with contextlib.suppress(psycopg.Error):
             conn.execute(sql.SQL("DROP PUBLICATION IF EXISTS {}").format(sql.Identifier(self.publication)))
 
@@ -642,14 +707,19 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
     partitions = args.partitions
     log_append = create_log_append_topic(bootstrap, topic, partitions)
     work.mkdir(parents=True, exist_ok=True)
-    reader: Reader = (RelayReader if kind == "relay" else DebeziumReader)(dsn, table, bootstrap, topic_prefix,
-                                                                          work, args)
+    reader: Reader = (RelayReader if kind == "relay" else DebeziumReader)(
+        dsn, table, bootstrap, topic_prefix, work, args
+    )
     pg_cpu = PostgresCpu(dsn)
     writer = Writer(dsn, table, args)
     watcher = TopicWatcher(bootstrap, topic, partitions)
     conn = psycopg.connect(dsn, autocommit=True)
-    report: dict[str, Any] = {"system": reader.name, "table": table, "topic": topic,
-                              "latency_clock": "broker LogAppendTime" if log_append else "consumer receive"}
+    report: dict[str, Any] = {
+        "system": reader.name,
+        "table": table,
+        "topic": topic,
+        "latency_clock": "broker LogAppendTime" if log_append else "consumer receive",
+    }
     try:
         # 1. start-up
         c.say(f"[{kind}] start")
@@ -660,8 +730,10 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
 
         # 2. latency at a fixed rate, after --warm-seconds at that rate (a JVM just
         # started compiles its hot paths during the first seconds of load)
-        c.say(f"[{kind}] latency: {args.rate:g} events/s, {args.warm_seconds:g}s warm-up, "
-              f"{args.latency_seconds:g}s measured")
+        c.say(
+            f"[{kind}] latency: {args.rate:g} events/s, {args.warm_seconds:g}s warm-up, "
+            f"{args.latency_seconds:g}s measured"
+        )
         writer.start_paced(args.rate)
         time.sleep(args.warm_seconds)
         lsn0, cpu0, pg0, t0 = wal_lsn(conn), reader.cpu(), pg_cpu.seconds(), time.time()
@@ -676,8 +748,11 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         rcv = [(received - writer.committed[i]) * 1000.0 for i, (_, received) in arrived.items()]
         n = len(window)
         report["latency"] = {
-            "events": n, "p50_ms": round(c.pct(lat, 50), 1), "p99_ms": round(c.pct(lat, 99), 1),
-            "max_ms": round(max(lat), 1), "received_p50_ms": round(c.pct(rcv, 50), 1),
+            "events": n,
+            "p50_ms": round(c.pct(lat, 50), 1),
+            "p99_ms": round(c.pct(lat, 99), 1),
+            "max_ms": round(max(lat), 1),
+            "received_p50_ms": round(c.pct(rcv, 50), 1),
             "received_p99_ms": round(c.pct(rcv, 99), 1),
             "process_cpu_s_per_1000": round((cpu1 - cpu0) / n * 1000, 3),
             "postgres_cpu_s_per_1000": round((pg1 - pg0) / n * 1000, 3),
@@ -698,13 +773,17 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         caught_up = watcher.wait_for(waiting, args.timeout)
         writer.stop_paced()
         report["outage"] = {
-            "stopped_seconds": args.stop_seconds, "events_written_meanwhile": None,
+            "stopped_seconds": args.stop_seconds,
+            "events_written_meanwhile": None,
             "events_behind_at_restart": behind,
             "wal_written_while_stopped_bytes": wal_meanwhile,
-            **held, "catch_up_seconds": round(caught_up - restart_at, 2), "exit_code_at_stop": exit_stop,
+            **held,
+            "catch_up_seconds": round(caught_up - restart_at, 2),
+            "exit_code_at_stop": exit_stop,
         }
-        report["outage"]["events_written_meanwhile"] = len(writer.ids_between(restart_at - args.stop_seconds,
-                                                                             restart_at))
+        report["outage"]["events_written_meanwhile"] = len(
+            writer.ids_between(restart_at - args.stop_seconds, restart_at)
+        )
 
         # 4. flat out: a backlog drained
         c.say(f"[{kind}] flat out: {args.events} events, one per transaction, then drained")
@@ -751,9 +830,13 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         with watcher._lock:
             delivered = expected & watcher.seen.keys()
             total = watcher.messages
-        report["check"] = {"expected": len(expected), "delivered": len(delivered),
-                           "missing": len(expected) - len(delivered), "messages": total,
-                           "duplicates": total - len(watcher.seen)}
+        report["check"] = {
+            "expected": len(expected),
+            "delivered": len(delivered),
+            "missing": len(expected) - len(delivered),
+            "messages": total,
+            "duplicates": total - len(watcher.seen),
+        }
         return report
     except Exception:
         report["failed"] = True
@@ -798,16 +881,25 @@ def main() -> int:
     c.add_server_args(parser)
     parser.add_argument("--systems", default="relay,debezium", help="which to run, in this order")
     parser.add_argument("--rate", type=float, default=200.0, help="events/s of the paced writer")
-    parser.add_argument("--warm-seconds", type=float, default=10.0,
-                        help="seconds at --rate before the latency window opens")
+    parser.add_argument(
+        "--warm-seconds", type=float, default=10.0, help="seconds at --rate before the latency window opens"
+    )
     parser.add_argument("--latency-seconds", type=float, default=20.0)
-    parser.add_argument("--cold-drain", dest="drain_warm", action="store_false",
-                        help="drain the flat-out backlog with a freshly started process; by default the "
-                             "connector is paused and resumed through Connect's REST API (its JVM stays warm) "
-                             "and the relay, which has no JIT to warm, is restarted")
+    parser.add_argument(
+        "--cold-drain",
+        dest="drain_warm",
+        action="store_false",
+        help="drain the flat-out backlog with a freshly started process; by default the "
+        "connector is paused and resumed through Connect's REST API (its JVM stays warm) "
+        "and the relay, which has no JIT to warm, is restarted",
+    )
     parser.add_argument("--logs", metavar="DIR", help="copy the relay's and the Connect worker's logs here")
-    parser.add_argument("--stop-seconds", type=float, default=15.0,
-                        help="how long the relay / the connector is stopped while the writer goes on")
+    parser.add_argument(
+        "--stop-seconds",
+        type=float,
+        default=15.0,
+        help="how long the relay / the connector is stopped while the writer goes on",
+    )
     parser.add_argument("--events", type=int, default=20000, help="backlog of the flat-out drain")
     parser.add_argument("--writer-threads", type=int, default=4, help="writers of the flat-out backlog")
     parser.add_argument("--aggregates", type=int, default=100)
@@ -815,18 +907,32 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=4)
     parser.add_argument("--workers", type=int, default=4, help="outbox-relay run --workers")
     parser.add_argument("--connect-heap-mb", type=int, default=512, help="-Xmx of the Kafka Connect JVM")
-    parser.add_argument("--debezium-table", choices=("plain", "relay"), default="plain",
-                        help="the connector's outbox: the application's columns only (what a Debezium user "
-                             "keeps; default) or the relay's own table with its indexes")
-    parser.add_argument("--connector-prop", action="append", metavar="KEY=VALUE",
-                        help="override a connector property (repeatable), e.g. poll.interval.ms=100")
-    parser.add_argument("--worker-prop", action="append", metavar="KEY=VALUE",
-                        help="override a Connect worker property (repeatable)")
-    parser.add_argument("--pg-bin", help="PostgreSQL bin directory for the run's own server "
-                                         "(default: the embedded PostgreSQL 18's)")
+    parser.add_argument(
+        "--debezium-table",
+        choices=("plain", "relay"),
+        default="plain",
+        help="the connector's outbox: the application's columns only (what a Debezium user "
+        "keeps; default) or the relay's own table with its indexes",
+    )
+    parser.add_argument(
+        "--connector-prop",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a connector property (repeatable), e.g. poll.interval.ms=100",
+    )
+    parser.add_argument(
+        "--worker-prop", action="append", metavar="KEY=VALUE", help="override a Connect worker property (repeatable)"
+    )
+    parser.add_argument(
+        "--pg-bin", help="PostgreSQL bin directory for the run's own server (default: the embedded PostgreSQL 18's)"
+    )
     parser.add_argument("--fetch-only", action="store_true", help="fetch the Debezium jars with Maven and exit")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="seconds any one wait (start-up, a drain) may take before the run fails")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds any one wait (start-up, a drain) may take before the run fails",
+    )
     args = parser.parse_args()
 
     if args.fetch_only:
@@ -848,12 +954,29 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    report = {"benchmark": "debezium", "postgresql": version, "broker": c.broker_label(args),
-              "settings": {k: getattr(args, k) for k in ("rate", "warm_seconds", "latency_seconds", "stop_seconds",
-                                                         "events", "writer_threads", "workers", "payload_bytes",
-                                                         "partitions", "debezium_table", "connect_heap_mb",
-                                                         "drain_warm")},
-              "systems": results}
+    report = {
+        "benchmark": "debezium",
+        "postgresql": version,
+        "broker": c.broker_label(args),
+        "settings": {
+            k: getattr(args, k)
+            for k in (
+                "rate",
+                "warm_seconds",
+                "latency_seconds",
+                "stop_seconds",
+                "events",
+                "writer_threads",
+                "workers",
+                "payload_bytes",
+                "partitions",
+                "debezium_table",
+                "connect_heap_mb",
+                "drain_warm",
+            )
+        },
+        "systems": results,
+    }
     c.emit(report, text_report(report), args.json)
     ok = all(r["check"]["missing"] == 0 for r in results)
     return 0 if ok else 1
@@ -862,46 +985,77 @@ def main() -> int:
 def text_report(report: dict[str, Any]) -> list[str]:
     s = report["settings"]
     rows: list[tuple[str, ...]] = [
-        ("events/s flat out (first -> last in Kafka)", *(str(r["flat_out"]["events_per_s"])
-                                                         for r in report["systems"])),
-        ("events/s flat out, second half of the drain", *(str(r["flat_out"]["events_per_s_second_half"])
-                                                          for r in report["systems"])),
-        ("events/s flat out, from start or resume", *(str(r["flat_out"]["events_per_s_from_start"])
-                                                   for r in report["systems"])),
+        (
+            "events/s flat out (first -> last in Kafka)",
+            *(str(r["flat_out"]["events_per_s"]) for r in report["systems"]),
+        ),
+        (
+            "events/s flat out, second half of the drain",
+            *(str(r["flat_out"]["events_per_s_second_half"]) for r in report["systems"]),
+        ),
+        (
+            "events/s flat out, from start or resume",
+            *(str(r["flat_out"]["events_per_s_from_start"]) for r in report["systems"]),
+        ),
         (f"insert->Kafka p50 at {s['rate']:g}/s (ms)", *(str(r["latency"]["p50_ms"]) for r in report["systems"])),
         (f"insert->Kafka p99 at {s['rate']:g}/s (ms)", *(str(r["latency"]["p99_ms"]) for r in report["systems"])),
-        ("process CPU s / 1000 events, flat out", *(str(r["flat_out"]["process_cpu_s_per_1000"])
-                                                    for r in report["systems"])),
-        (f"process CPU s / 1000 events at {s['rate']:g}/s", *(str(r["latency"]["process_cpu_s_per_1000"])
-                                                            for r in report["systems"])),
-        ("PostgreSQL CPU s / 1000 events, flat out", *(str(r["flat_out"]["postgres_cpu_s_per_1000"])
-                                                       for r in report["systems"])),
-        (f"PostgreSQL CPU s / 1000 events at {s['rate']:g}/s", *(str(r["latency"]["postgres_cpu_s_per_1000"])
-                                                               for r in report["systems"])),
+        (
+            "process CPU s / 1000 events, flat out",
+            *(str(r["flat_out"]["process_cpu_s_per_1000"]) for r in report["systems"]),
+        ),
+        (
+            f"process CPU s / 1000 events at {s['rate']:g}/s",
+            *(str(r["latency"]["process_cpu_s_per_1000"]) for r in report["systems"]),
+        ),
+        (
+            "PostgreSQL CPU s / 1000 events, flat out",
+            *(str(r["flat_out"]["postgres_cpu_s_per_1000"]) for r in report["systems"]),
+        ),
+        (
+            f"PostgreSQL CPU s / 1000 events at {s['rate']:g}/s",
+            *(str(r["latency"]["postgres_cpu_s_per_1000"]) for r in report["systems"]),
+        ),
         ("peak RSS (MB)", *(str(r["peak_rss_mb"]) for r in report["systems"])),
-        (f"WAL bytes / event at {s['rate']:g}/s (writer + reader)", *(str(r["latency"]["wal_bytes_per_event"])
-                                                                    for r in report["systems"])),
-        ("WAL bytes / event, writer alone (backlog)", *(str(r["flat_out"]["writer_wal_bytes_per_event"])
-                                                        for r in report["systems"])),
-        ("WAL bytes / event, reader alone (drain)", *(str(r["flat_out"]["reader_wal_bytes_per_event"])
-                                                      for r in report["systems"])),
-        (f"stopped {s['stop_seconds']:g}s: events written meanwhile", *(str(r["outage"]["events_written_meanwhile"])
-                                                                       for r in report["systems"])),
-        ("  WAL retained by the replication slot (MB)", *(_mb(r["outage"]["slot_retained_bytes"])
-                                                          for r in report["systems"])),
+        (
+            f"WAL bytes / event at {s['rate']:g}/s (writer + reader)",
+            *(str(r["latency"]["wal_bytes_per_event"]) for r in report["systems"]),
+        ),
+        (
+            "WAL bytes / event, writer alone (backlog)",
+            *(str(r["flat_out"]["writer_wal_bytes_per_event"]) for r in report["systems"]),
+        ),
+        (
+            "WAL bytes / event, reader alone (drain)",
+            *(str(r["flat_out"]["reader_wal_bytes_per_event"]) for r in report["systems"]),
+        ),
+        (
+            f"stopped {s['stop_seconds']:g}s: events written meanwhile",
+            *(str(r["outage"]["events_written_meanwhile"]) for r in report["systems"]),
+        ),
+        (
+            "  WAL retained by the replication slot (MB)",
+            *(_mb(r["outage"]["slot_retained_bytes"]) for r in report["systems"]),
+        ),
         ("  rows waiting in the outbox", *(_or_dash(r["outage"]["rows_waiting"]) for r in report["systems"])),
-        ("  catch-up after restart, start-up included (s)", *(str(r["outage"]["catch_up_seconds"])
-                                                              for r in report["systems"])),
+        (
+            "  catch-up after restart, start-up included (s)",
+            *(str(r["outage"]["catch_up_seconds"]) for r in report["systems"]),
+        ),
         ("start-up to first delivery (s)", *(str(r["ready_seconds"]) for r in report["systems"])),
-        ("checked: missing / duplicates", *(f"{r['check']['missing']} / {r['check']['duplicates']}"
-                                            for r in report["systems"])),
+        (
+            "checked: missing / duplicates",
+            *(f"{r['check']['missing']} / {r['check']['duplicates']}" for r in report["systems"]),
+        ),
     ]
     head = ("", *(r["system"] for r in report["systems"]))
     width = max(len(r[0]) for r in rows) + 2
-    lines = [f"debezium: PostgreSQL {report['postgresql']}, broker {report['broker']}, "
-             f"{s['payload_bytes']}-byte payloads, one event per transaction; latency clock: "
-             f"{report['systems'][0]['latency_clock'] if report['systems'] else '-'}",
-             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    lines = [
+        f"debezium: PostgreSQL {report['postgresql']}, broker {report['broker']}, "
+        f"{s['payload_bytes']}-byte payloads, one event per transaction; latency clock: "
+        f"{report['systems'][0]['latency_clock'] if report['systems'] else '-'}",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     del width
     return lines

@@ -60,17 +60,25 @@ def main() -> None:
         try:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 c.say(f"inserting {args.done} done rows, ANALYZE ...")
-                conn.execute(sql.SQL(
-                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, done_at)"
-                    " SELECT 'order', 'o-' || (g %% 10000), 'OrderPaid', '{{}}', 'done', now()"
-                    " FROM generate_series(1, %s) AS g").format(t), (args.done,))
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, done_at)"
+                        " SELECT 'order', 'o-' || (g %% 10000), 'OrderPaid', '{{}}', 'done', now()"
+                        " FROM generate_series(1, %s) AS g"
+                    ).format(t),
+                    (args.done,),
+                )
                 conn.execute(sql.SQL("VACUUM ANALYZE {}").format(t))
                 c.say(f"bulk failure: {args.dead} dead rows ...")
-                conn.execute(sql.SQL(
-                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, attempts, last_error)"
-                    " SELECT 'payment', 'p-' || (g %% 10000), CASE WHEN g %% 4 = 0 THEN 'OrderCreated'"
-                    " ELSE 'PaymentCaptured' END, '{{}}', 'dead', 12, 'retries exhausted: UNKNOWN_TOPIC_OR_PART'"
-                    " FROM generate_series(1, %s) AS g").format(t), (args.dead,))
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
+                        " last_error) SELECT 'payment', 'p-' || (g %% 10000), CASE WHEN g %% 4 = 0 THEN 'OrderCreated'"
+                        " ELSE 'PaymentCaptured' END, '{{}}', 'dead', 12, 'retries exhausted: UNKNOWN_TOPIC_OR_PART'"
+                        " FROM generate_series(1, %s) AS g"
+                    ).format(t),
+                    (args.dead,),
+                )
             store = OutboxStore(dsn, table, pool_size=2, statement_timeout_ms=60_000)
             with store:
                 capped_ms, stats = timed(lambda: store.stats(count_cap=cap), args.reps)
@@ -91,9 +99,21 @@ def main() -> None:
                 f"  {'filtered dead count':<34}{filtered!s:>16}{'':>16}{filtered_ms:>14.1f}"
                 f"   (true: {args.dead - args.dead // 4})",
             ]
-            c.emit({"dead": args.dead, "done": args.done, "capped_ms": capped_ms, "capped_dead": stats.queue_depth["dead"],
-                    "exact_cold_ms": cold_ms, "exact_warm_ms": warm_ms, "filtered_ms": filtered_ms,
-                    "exact_dead": cold["dead"].n, "filtered": filtered.n}, lines, args.json)
+            c.emit(
+                {
+                    "dead": args.dead,
+                    "done": args.done,
+                    "capped_ms": capped_ms,
+                    "capped_dead": stats.queue_depth["dead"],
+                    "exact_cold_ms": cold_ms,
+                    "exact_warm_ms": warm_ms,
+                    "filtered_ms": filtered_ms,
+                    "exact_dead": cold["dead"].n,
+                    "filtered": filtered.n,
+                },
+                lines,
+                args.json,
+            )
         finally:
             if not args.keep:
                 c.drop_schema(dsn, table)

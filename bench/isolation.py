@@ -87,8 +87,12 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=200, help="outbox rows to write (default 200)")
     parser.add_argument("--bad", type=int, default=1, help="rows whose payload violates the schema (default 1)")
     parser.add_argument("--aggregates", type=int, default=20, help="distinct aggregate ids (default 20)")
-    parser.add_argument("--partitions", type=int, default=1,
-                        help="partitions of the topic (default 1: the whole batch is one record batch)")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="partitions of the topic (default 1: the whole batch is one record batch)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="relay worker threads (default 2)")
     parser.add_argument("--batch-size", type=int, default=1000, help="relay.batch_size (default 1000)")
     parser.add_argument("--ordered", action="store_true", help="claim the event type in per-aggregate order")
@@ -101,8 +105,10 @@ def main() -> int:
     topic = f"isolation_{RUN_ID}"
     table = new_table("isolation")
     bad = bad_positions(args.rows, args.bad)
-    with tempfile.TemporaryDirectory(prefix="outbox-relay-isolation-") as tmp, servers(args, need_broker=False) as (
-            dsn, _):
+    with (
+        tempfile.TemporaryDirectory(prefix="outbox-relay-isolation-") as tmp,
+        servers(args, need_broker=False) as (dsn, _),
+    ):
         schema_dir = Path(tmp) / "schema"
         schema_dir.mkdir()
         (schema_dir / f"{topic}.json").write_text(json.dumps(VALUE_SCHEMA))
@@ -111,19 +117,31 @@ def main() -> int:
             create_topic(broker.bootstrap_servers, topic, partitions=args.partitions)
             migrate(dsn, table)
             with psycopg.connect(dsn) as conn, conn.cursor() as cur:
-                insert = sql.SQL("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-                                 "VALUES ('order', %s, 'OrderPlaced', %s)").format(ident(table))
-                cur.executemany(insert, [
-                    (f"agg-{i % args.aggregates}",
-                     json.dumps({"amount": "not-a-number" if i in bad else i, "seq": i}))
-                    for i in range(args.rows)
-                ])
+                insert = sql.SQL(
+                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+                    "VALUES ('order', %s, 'OrderPlaced', %s)"
+                ).format(ident(table))
+                cur.executemany(
+                    insert,
+                    [
+                        (
+                            f"agg-{i % args.aggregates}",
+                            json.dumps({"amount": "not-a-number" if i in bad else i, "seq": i}),
+                        )
+                        for i in range(args.rows)
+                    ],
+                )
             metrics_port = free_port()
-            env = relay_env(dsn, table, broker.bootstrap_servers, topic,
-                            OUTBOX_RELAY_METRICS__PORT=str(metrics_port),
-                            OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
-                            OUTBOX_RELAY_RELAY__BATCH_SIZE=str(args.batch_size),
-                            OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES=json.dumps(["OrderPlaced"] if args.ordered else []))
+            env = relay_env(
+                dsn,
+                table,
+                broker.bootstrap_servers,
+                topic,
+                OUTBOX_RELAY_METRICS__PORT=str(metrics_port),
+                OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
+                OUTBOX_RELAY_RELAY__BATCH_SIZE=str(args.batch_size),
+                OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES=json.dumps(["OrderPlaced"] if args.ordered else []),
+            )
             say(f"running outbox-relay run --workers {args.workers} on {args.rows} rows ({len(bad)} bad) ...")
             relay = RelayProcess(["--workers", str(args.workers)], env)
             started = time.monotonic()
@@ -135,7 +153,8 @@ def main() -> int:
                 probe = sql.SQL(
                     "SELECT EXISTS (SELECT 1 FROM {t} o WHERE o.status = 'processing' OR (o.status = 'pending' "
                     "AND NOT (%s AND EXISTS (SELECT 1 FROM {t} d WHERE d.aggregate_id = o.aggregate_id "
-                    "AND d.status = 'dead' AND d.id < o.id))))").format(t=ident(table))
+                    "AND d.status = 'dead' AND d.id < o.id))))"
+                ).format(t=ident(table))
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     while time.monotonic() - started < args.timeout:
                         if not conn.execute(probe, (args.ordered,)).fetchone()[0]:  # type: ignore[index]
@@ -152,8 +171,9 @@ def main() -> int:
 
             statuses = count_by_status(dsn, table)
             with psycopg.connect(dsn, autocommit=True) as conn:
-                rows = conn.execute(sql.SQL("SELECT id, status, attempts, last_error FROM {} ORDER BY id"
-                                            ).format(ident(table))).fetchall()
+                rows = conn.execute(
+                    sql.SQL("SELECT id, status, attempts, last_error FROM {} ORDER BY id").format(ident(table))
+                ).fetchall()
             first_id = rows[0][0]
             bad_ids = {first_id + i for i in bad}
             dead_reasons: dict[str, int] = {}
@@ -169,19 +189,30 @@ def main() -> int:
             bad_dead = sum(1 for row_id, status, _, _ in rows if row_id in bad_ids and status == "dead")
             good_dead = sum(1 for row_id, status, _, _ in rows if row_id not in bad_ids and status == "dead")
             delivered = statuses.get("done", 0)
-            unique, total = unique_message_ids(broker.bootstrap_servers, topic, delivered,
-                                               timeout=30) if delivered else (0, 0)
+            unique, total = (
+                unique_message_ids(broker.bootstrap_servers, topic, delivered, timeout=30) if delivered else (0, 0)
+            )
         if not args.keep:
             drop_schema(dsn, table)
 
     report = {
-        "rows": args.rows, "bad": len(bad), "partitions": args.partitions, "workers": args.workers,
+        "rows": args.rows,
+        "bad": len(bad),
+        "partitions": args.partitions,
+        "workers": args.workers,
         "batch_size": args.batch_size,
-        "ordered": args.ordered, "settled": settled, "seconds": round(elapsed, 2),
-        "statuses": statuses, "bad_rows_dead": bad_dead, "good_rows_dead": good_dead,
-        "good_rows_by_attempts": dict(sorted(good_attempts.items())), "dead_reasons": dead_reasons,
+        "ordered": args.ordered,
+        "settled": settled,
+        "seconds": round(elapsed, 2),
+        "statuses": statuses,
+        "bad_rows_dead": bad_dead,
+        "good_rows_dead": good_dead,
+        "good_rows_by_attempts": dict(sorted(good_attempts.items())),
+        "dead_reasons": dead_reasons,
         "burned_reasons": burned_reasons,
-        "topic_unique_message_ids": unique, "topic_messages": total, "isolated_total": isolated,
+        "topic_unique_message_ids": unique,
+        "topic_messages": total,
+        "isolated_total": isolated,
     }
     lines = [
         f"rows {args.rows} ({len(bad)} violate the topic's schema), partitions {args.partitions}, "

@@ -33,8 +33,10 @@ from confluent_kafka import KafkaError, Producer
 
 from outbox_relay._embedded.embedded import EmbeddedBroker
 
-SCHEMA = {"type": "object", "properties": {"value": {"type": "object", "properties": {
-    "amount": {"type": "integer"}}, "required": ["amount"]}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {"value": {"type": "object", "properties": {"amount": {"type": "integer"}}, "required": ["amount"]}},
+}
 
 
 class Verdicts:
@@ -45,13 +47,21 @@ class Verdicts:
     def callback(self, index: int) -> Callable[[KafkaError | None, Any], None]:
         def on_delivery(err: KafkaError | None, _msg: Any) -> None:
             self.errors[index] = err
+
         return on_delivery
 
 
 def _producer(bootstrap: str, **overrides: Any) -> Producer:
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "acks": "all", "log_level": 0,
-                            "enable.idempotence": False, "linger.ms": 0, "batch.num.messages": 1,
-                            "max.in.flight.requests.per.connection": 5, "message.timeout.ms": 20_000}
+    conf: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "acks": "all",
+        "log_level": 0,
+        "enable.idempotence": False,
+        "linger.ms": 0,
+        "batch.num.messages": 1,
+        "max.in.flight.requests.per.connection": 5,
+        "message.timeout.ms": 20_000,
+    }
     conf.update(overrides)
     producer = Producer(conf)
     producer.list_topics(timeout=10)  # connect before the clock starts
@@ -129,16 +139,25 @@ def main() -> int:
                 started = time.monotonic()
                 verdicts = strategy(broker.bootstrap_servers, f"strategy-{name}", values)
                 seconds = time.monotonic() - started
-                wrong = sum(1 for i in range(args.messages)
-                            if (verdicts.errors.get(i, KafkaError(KafkaError._MSG_TIMED_OUT)) is None) == (i in bad))
+                wrong = sum(
+                    1
+                    for i in range(args.messages)
+                    if (verdicts.errors.get(i, KafkaError(KafkaError._MSG_TIMED_OUT)) is None) == (i in bad)
+                )
                 codes: dict[str, int] = {}
                 for err in verdicts.errors.values():
                     if err is not None:
                         codes[err.name()] = codes.get(err.name(), 0) + 1
-                report["strategies"][name] = {"seconds": round(seconds, 3), "requests": verdicts.requests,
-                                              "wrong_verdicts": wrong, "errors": codes}
-    lines = [f"{args.messages} messages, {len(bad)} violate the schema (tansu, one partition)",
-             f"{'strategy':<20} {'seconds':>8} {'requests':>9} {'wrong':>6}  errors"]
+                report["strategies"][name] = {
+                    "seconds": round(seconds, 3),
+                    "requests": verdicts.requests,
+                    "wrong_verdicts": wrong,
+                    "errors": codes,
+                }
+    lines = [
+        f"{args.messages} messages, {len(bad)} violate the schema (tansu, one partition)",
+        f"{'strategy':<20} {'seconds':>8} {'requests':>9} {'wrong':>6}  errors",
+    ]
     for name, r in report["strategies"].items():
         lines.append(f"{name:<20} {r['seconds']:8.3f} {r['requests']:9d} {r['wrong_verdicts']:6d}  {r['errors']}")
     emit(report, lines, args.json)

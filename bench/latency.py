@@ -53,15 +53,17 @@ class TopicWatcher:
     def __init__(self, bootstrap: str, topic: str, partitions: int, probe_topic: str | None = None) -> None:
         from confluent_kafka import Consumer, TopicPartition
 
-        self._consumer = Consumer({
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-latency-{c.RUN_ID}-{topic}",  # required by librdkafka; never joined (assign)
-            "enable.auto.commit": False,
-            "auto.offset.reset": "earliest",
-            "fetch.wait.max.ms": 5,
-            "fetch.min.bytes": 1,
-            "log_level": 3,
-        })
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-latency-{c.RUN_ID}-{topic}",  # required by librdkafka; never joined (assign)
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "fetch.wait.max.ms": 5,
+                "fetch.min.bytes": 1,
+                "log_level": 3,
+            }
+        )
         assignment = [TopicPartition(topic, p, 0) for p in range(partitions)]
         if probe_topic:
             assignment.append(TopicPartition(probe_topic, 0, 0))
@@ -117,8 +119,9 @@ class ConsumerPathProbe:
     def __init__(self, bootstrap: str, topic: str, interval: float = 0.05) -> None:
         from confluent_kafka import Producer
 
-        self._producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True,
-                                   "linger.ms": 0, "log_level": 3})
+        self._producer = Producer(
+            {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 0, "log_level": 3}
+        )
         self._topic = topic
         self._interval = interval
         self.acked: dict[int, float] = {}
@@ -133,9 +136,13 @@ class ConsumerPathProbe:
         while not self._stop.wait(self._interval):
             n += 1
             seq = n
-            self._producer.produce(self._topic, value=b"probe", headers=[("probe", str(seq))], partition=0,
-                                   on_delivery=lambda err, _m, seq=seq: err is None and self.acked.setdefault(
-                                       seq, time.time()))
+            self._producer.produce(
+                self._topic,
+                value=b"probe",
+                headers=[("probe", str(seq))],
+                partition=0,
+                on_delivery=lambda err, _m, seq=seq: err is None and self.acked.setdefault(seq, time.time()),
+            )
             self._producer.flush(5)
 
     def stop(self) -> None:
@@ -179,8 +186,9 @@ def _partitions(bootstrap: str, topic: str) -> int:
     return len(t.partitions) if t is not None and t.partitions else 4
 
 
-def paced_writer(dsn: str, table: str, rate: float, seconds: float, *, payload_bytes: int, aggregates: int,
-                 start_seq: int = 0) -> tuple[list[int], float]:
+def paced_writer(
+    dsn: str, table: str, rate: float, seconds: float, *, payload_bytes: int, aggregates: int, start_seq: int = 0
+) -> tuple[list[int], float]:
     """Single-row transactions via enqueue(), evenly paced. Returns (ids, achieved rate)."""
     ids: list[int] = []
     interval = 1.0 / rate
@@ -194,9 +202,18 @@ def paced_writer(dsn: str, table: str, rate: float, seconds: float, *, payload_b
             if delay > 0:
                 time.sleep(delay)
             with conn.transaction():
-                ids.append(int(enqueue(conn, aggregate_type="order", aggregate_id=f"agg-{seq % aggregates}",
-                                       event_type="OrderCreated", payload=c.payload_json(seq, payload_bytes),
-                                       table=table)))
+                ids.append(
+                    int(
+                        enqueue(
+                            conn,
+                            aggregate_type="order",
+                            aggregate_id=f"agg-{seq % aggregates}",
+                            event_type="OrderCreated",
+                            payload=c.payload_json(seq, payload_bytes),
+                            table=table,
+                        )
+                    )
+                )
             seq += 1
             next_at += interval
         achieved = len(ids) / (time.monotonic() - begin)
@@ -237,8 +254,9 @@ def measure_mode(dsn: str, bootstrap: str, args: argparse.Namespace, *, wakeups:
     try:
         relay.wait_started()
         c.say(f"latency, wake-ups {label}: warming up ...")
-        warm_ids, _ = paced_writer(dsn, table, 20, 1.0, payload_bytes=args.payload_bytes,
-                                   aggregates=args.aggregates, start_seq=10_000_000)
+        warm_ids, _ = paced_writer(
+            dsn, table, 20, 1.0, payload_bytes=args.payload_bytes, aggregates=args.aggregates, start_seq=10_000_000
+        )
         with psycopg.connect(dsn, autocommit=True) as poll:
             c.wait_drained(poll, table, timeout=60, interval=0.05)
         watcher = TopicWatcher(bootstrap, topic, _partitions(bootstrap, topic), probe_topic)
@@ -248,8 +266,9 @@ def measure_mode(dsn: str, bootstrap: str, args: argparse.Namespace, *, wakeups:
         with contextlib.suppress(OSError):
             hist_before = scrape_histogram(metrics_port, hist_name)
         c.say(f"latency, wake-ups {label}: {args.rate:g} events/s for {args.seconds:g}s ...")
-        ids, achieved = paced_writer(dsn, table, args.rate, args.seconds, payload_bytes=args.payload_bytes,
-                                     aggregates=args.aggregates)
+        ids, achieved = paced_writer(
+            dsn, table, args.rate, args.seconds, payload_bytes=args.payload_bytes, aggregates=args.aggregates
+        )
         seen = wait_seen(watcher, set(ids), 60)
         with contextlib.suppress(OSError):
             hist_after = scrape_histogram(metrics_port, hist_name)
@@ -261,16 +280,19 @@ def measure_mode(dsn: str, bootstrap: str, args: argparse.Namespace, *, wakeups:
         code = relay.stop()
     with psycopg.connect(dsn, autocommit=True) as conn:
         times = conn.execute(
-            sql.SQL("SELECT id, extract(epoch FROM created_at)::float8,"
-                    " extract(epoch FROM done_at - created_at)::float8 * 1000 FROM {} WHERE id = ANY(%s)").format(
-                c.ident(table)), (ids,)).fetchall()
+            sql.SQL(
+                "SELECT id, extract(epoch FROM created_at)::float8,"
+                " extract(epoch FROM done_at - created_at)::float8 * 1000 FROM {} WHERE id = ANY(%s)"
+            ).format(c.ident(table)),
+            (ids,),
+        ).fetchall()
     created = {i: t for i, t, _ in times}
     finalized_ms = [d for _, _, d in times if d is not None]
     visible_ms = [(watcher.seen[i][0] - created[i]) * 1000 for i in ids if i in watcher.seen]
-    produced_ms = [(watcher.seen[i][1] - created[i]) * 1000 for i in ids
-                   if i in watcher.seen and watcher.seen[i][1] is not None]
-    consumer_path_ms = [(watcher.probes_seen[k] - t) * 1000 for k, t in probe.acked.items()
-                        if k in watcher.probes_seen]
+    produced_ms = [
+        (watcher.seen[i][1] - created[i]) * 1000 for i in ids if i in watcher.seen and watcher.seen[i][1] is not None
+    ]
+    consumer_path_ms = [(watcher.probes_seen[k] - t) * 1000 for k, t in probe.acked.items() if k in watcher.probes_seen]
     hist_p50 = histogram_quantile_bound(hist_before, hist_after, 0.5) if hist_after else None
     hist_p99 = histogram_quantile_bound(hist_before, hist_after, 0.99) if hist_after else None
     depth = c.count_by_status(dsn, table)
@@ -286,13 +308,21 @@ def measure_mode(dsn: str, bootstrap: str, args: argparse.Namespace, *, wakeups:
     def summary(values: list[float]) -> dict[str, float | None]:
         if not values:
             return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "max_ms": None}
-        return {"p50_ms": round(c.pct(values, 50), 2), "p90_ms": round(c.pct(values, 90), 2),
-                "p99_ms": round(c.pct(values, 99), 2), "max_ms": round(max(values), 2)}
+        return {
+            "p50_ms": round(c.pct(values, 50), 2),
+            "p90_ms": round(c.pct(values, 90), 2),
+            "p99_ms": round(c.pct(values, 99), 2),
+            "max_ms": round(max(values), 2),
+        }
 
     result = {
-        "wakeups": wakeups, "events": len(ids), "rate_per_second": round(achieved, 1),
-        "received": seen, "rows": depth,
-        "visible": summary(visible_ms), "produced": summary(produced_ms),
+        "wakeups": wakeups,
+        "events": len(ids),
+        "rate_per_second": round(achieved, 1),
+        "received": seen,
+        "rows": depth,
+        "visible": summary(visible_ms),
+        "produced": summary(produced_ms),
         # done_at - created_at: the relay finalizes a row only after its delivery report,
         # so this bounds insert->ack from above, on the database clock alone
         "finalized": summary(finalized_ms),
@@ -300,10 +330,13 @@ def measure_mode(dsn: str, bootstrap: str, args: argparse.Namespace, *, wakeups:
         # the relay's own created_at -> delivery report histogram: bucket bounds holding p50/p99
         "relay_histogram_p50_le_ms": None if hist_p50 is None else hist_p50 * 1000,
         "relay_histogram_p99_le_ms": None if hist_p99 is None else hist_p99 * 1000,
-        "ok": not problems, "problems": problems,
+        "ok": not problems,
+        "problems": problems,
     }
-    c.say(f"    wake-ups {label}: visible p50 {result['visible']['p50_ms']} ms, p99 {result['visible']['p99_ms']} ms; "
-          f"finalized p50 {result['finalized']['p50_ms']} ms")
+    c.say(
+        f"    wake-ups {label}: visible p50 {result['visible']['p50_ms']} ms, p99 {result['visible']['p99_ms']} ms; "
+        f"finalized p50 {result['finalized']['p50_ms']} ms"
+    )
     return result
 
 
@@ -321,8 +354,14 @@ def insert_round(dsn: str, table: str, writers: int, seconds: float, payload_byt
         n = 0
         while time.monotonic() < stop_at[0]:
             with conn.transaction():
-                enqueue(conn, aggregate_type="order", aggregate_id=f"agg-{(i * 7919 + n) % aggregates}",
-                        event_type="OrderCreated", payload=payload, table=table)
+                enqueue(
+                    conn,
+                    aggregate_type="order",
+                    aggregate_id=f"agg-{(i * 7919 + n) % aggregates}",
+                    event_type="OrderCreated",
+                    payload=payload,
+                    table=table,
+                )
             n += 1
         counts[i] = n
 
@@ -355,8 +394,10 @@ class RelayFlagEmulator:
         self._idle_every = idle_every
         self.received = 0
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._listen_loop, daemon=True),
-                         threading.Thread(target=self._idle_loop, daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._listen_loop, daemon=True),
+            threading.Thread(target=self._idle_loop, daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -419,8 +460,12 @@ def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> d
     from outbox_relay.db.schema import TableSql
 
     del bootstrap
-    tables = {"no_trigger": c.new_table("ins_notrg"), "trigger_relays_busy": c.new_table("ins_busy"),
-              "trigger_relay_running": c.new_table("ins_run"), "trigger_relays_idle": c.new_table("ins_idle")}
+    tables = {
+        "no_trigger": c.new_table("ins_notrg"),
+        "trigger_relays_busy": c.new_table("ins_busy"),
+        "trigger_relay_running": c.new_table("ins_run"),
+        "trigger_relays_idle": c.new_table("ins_idle"),
+    }
     c.migrate(dsn, tables["no_trigger"], notify_trigger=False)
     c.migrate(dsn, tables["trigger_relays_busy"], notify_trigger=True)
     c.migrate(dsn, tables["trigger_relay_running"], notify_trigger=True)
@@ -438,10 +483,13 @@ def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> d
             order = keys if r % 2 == 0 else list(reversed(keys))
             for key in order:
                 c.checkpoint(dsn)
-                c.say(f"insert cost: round {r + 1}/{args.insert_rounds}, {key}, {args.writers} writers, "
-                      f"{per_round:g}s ...")
-                totals[key] += insert_round(dsn, tables[key], args.writers, per_round, args.payload_bytes,
-                                            args.aggregates)
+                c.say(
+                    f"insert cost: round {r + 1}/{args.insert_rounds}, {key}, {args.writers} writers, "
+                    f"{per_round:g}s ..."
+                )
+                totals[key] += insert_round(
+                    dsn, tables[key], args.writers, per_round, args.payload_bytes, args.aggregates
+                )
     finally:
         listener.close()
         emulator.close()
@@ -455,21 +503,26 @@ def measure_insert_cost(dsn: str, bootstrap: str, args: argparse.Namespace) -> d
     if not args.keep:
         for table in tables.values():
             c.drop_schema(dsn, table)
-    return {"writers": args.writers, "seconds_each": seconds, "rounds": args.insert_rounds,
-            "inserts_per_second_without_trigger": round(rates["no_trigger"], 1),
-            "inserts_per_second_with_trigger": round(rates["trigger_relays_busy"], 1),
-            "inserts_per_second_trigger_relays_idle": round(rates["trigger_relays_idle"], 1),
-            "inserts_per_second_trigger_relay_running": round(rates["trigger_relay_running"], 1),
-            "notifications_received_relay_running": emulator.received,
-            "cost_percent_relay_running": cost("trigger_relay_running"),
-            "notifications_received_relays_idle": listener.received,
-            "cost_percent": cost("trigger_relays_busy"),
-            "cost_percent_relays_idle": cost("trigger_relays_idle")}
+    return {
+        "writers": args.writers,
+        "seconds_each": seconds,
+        "rounds": args.insert_rounds,
+        "inserts_per_second_without_trigger": round(rates["no_trigger"], 1),
+        "inserts_per_second_with_trigger": round(rates["trigger_relays_busy"], 1),
+        "inserts_per_second_trigger_relays_idle": round(rates["trigger_relays_idle"], 1),
+        "inserts_per_second_trigger_relay_running": round(rates["trigger_relay_running"], 1),
+        "notifications_received_relay_running": emulator.received,
+        "cost_percent_relay_running": cost("trigger_relay_running"),
+        "notifications_received_relays_idle": listener.received,
+        "cost_percent": cost("trigger_relays_busy"),
+        "cost_percent_relays_idle": cost("trigger_relays_idle"),
+    }
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     c.add_server_args(parser)
     parser.add_argument("--rate", type=float, default=200.0, help="events/s of the paced writer (default 200)")
     parser.add_argument("--seconds", type=float, default=15.0, help="duration of each latency run (default 15)")
@@ -477,22 +530,32 @@ def main() -> int:
     parser.add_argument("--aggregates", type=int, default=100)
     parser.add_argument("--payload-bytes", type=int, default=200)
     parser.add_argument("--writers", type=int, default=4, help="concurrent writers for the insert cost (default 4)")
-    parser.add_argument("--insert-seconds", type=float, default=10.0,
-                        help="total insert time per configuration (default 10)")
-    parser.add_argument("--insert-rounds", type=int, default=2,
-                        help="alternating rounds the insert time is split into (default 2)")
-    parser.add_argument("--idle-every-ms", type=float, default=100.0,
-                        help="insert cost: how often the emulated relay marks itself idle (default 100)")
+    parser.add_argument(
+        "--insert-seconds", type=float, default=10.0, help="total insert time per configuration (default 10)"
+    )
+    parser.add_argument(
+        "--insert-rounds", type=int, default=2, help="alternating rounds the insert time is split into (default 2)"
+    )
+    parser.add_argument(
+        "--idle-every-ms",
+        type=float,
+        default=100.0,
+        help="insert cost: how often the emulated relay marks itself idle (default 100)",
+    )
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-insert-cost", action="store_true")
     parser.add_argument("--target-p50-ms", type=float, default=20.0)
     parser.add_argument("--target-cost-percent", type=float, default=10.0)
     args = parser.parse_args()
 
-    report: dict[str, Any] = {"benchmark": "latency", "rate": args.rate, "seconds": args.seconds,
-                              "relay_workers": args.workers,
-                              "poll_interval_seconds": DEFAULTS.relay.poll_interval_seconds,
-                              "broker": c.broker_label(args)}
+    report: dict[str, Any] = {
+        "benchmark": "latency",
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "relay_workers": args.workers,
+        "poll_interval_seconds": DEFAULTS.relay.poll_interval_seconds,
+        "broker": c.broker_label(args),
+    }
     with c.servers(args) as (dsn, bootstrap):
         report["postgresql"] = c.server_version(dsn)
         if not args.skip_latency:
@@ -504,9 +567,11 @@ def main() -> int:
             report["insert_cost"] = measure_insert_cost(dsn, bootstrap, args)
 
     targets = {}
-    lines = [f"latency: insert -> broker, {args.rate:g} events/s single-row enqueue() transactions for "
-             f"{args.seconds:g}s, relay --workers {args.workers}, PostgreSQL {report['postgresql']}, "
-             f"broker {report['broker']}"]
+    lines = [
+        f"latency: insert -> broker, {args.rate:g} events/s single-row enqueue() transactions for "
+        f"{args.seconds:g}s, relay --workers {args.workers}, PostgreSQL {report['postgresql']}, "
+        f"broker {report['broker']}"
+    ]
     ok = True
     if not args.skip_latency:
         lines.append(f"  {'':<17}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}   (ms after the row's created_at)")
@@ -514,36 +579,48 @@ def main() -> int:
             m = report[key]
             ok &= m["ok"]
             check = f"{m['received']}/{m['events']} received" if m["ok"] else "FAILED: " + "; ".join(m["problems"])
-            lines.append(f"  wake-ups {('on' if m['wakeups'] else 'off')}: {m['rate_per_second']:.0f} events/s, "
-                         f"{check}; relay's own histogram: p50 <= {m['relay_histogram_p50_le_ms']} ms, "
-                         f"p99 <= {m['relay_histogram_p99_le_ms']} ms")
+            lines.append(
+                f"  wake-ups {('on' if m['wakeups'] else 'off')}: {m['rate_per_second']:.0f} events/s, "
+                f"{check}; relay's own histogram: p50 <= {m['relay_histogram_p50_le_ms']} ms, "
+                f"p99 <= {m['relay_histogram_p99_le_ms']} ms"
+            )
             for name in ("produced", "finalized", "visible"):
                 v = m[name]
                 lines.append(f"    {name:<15}{v['p50_ms']!s:>9}{v['p90_ms']!s:>9}{v['p99_ms']!s:>9}{v['max_ms']!s:>9}")
             d = m["consumer_path_delay"]
-            lines.append(f"    (this broker's ack -> consumer receive delay, probe messages: p50 {d['p50_ms']} ms, "
-                         f"p99 {d['p99_ms']} ms)")
+            lines.append(
+                f"    (this broker's ack -> consumer receive delay, probe messages: p50 {d['p50_ms']} ms, "
+                f"p99 {d['p99_ms']} ms)"
+            )
         lines.append("  produced  = producer CreateTime - created_at: handed to the producer (lower bound of ack)")
         lines.append("  finalized = done_at - created_at: row finalized after its delivery report (upper bound of ack)")
         lines.append("  visible   = consumer receive - created_at: includes the broker's fetch delay (see probes)")
         p50 = report["wakeups_on"]["finalized"]["p50_ms"]
-        targets["p50_with_wakeups"] = {"target": f"<= {args.target_p50_ms:g} ms", "value": p50,
-                                       "met": p50 is not None and p50 <= args.target_p50_ms}
+        targets["p50_with_wakeups"] = {
+            "target": f"<= {args.target_p50_ms:g} ms",
+            "value": p50,
+            "met": p50 is not None and p50 <= args.target_p50_ms,
+        }
     if not args.skip_insert_cost:
         ic = report["insert_cost"]
-        lines.append(f"  insert throughput, {ic['writers']} writers, single-row transactions, "
-                     f"{ic['seconds_each']:g}s each: without trigger {ic['inserts_per_second_without_trigger']:,.0f}/s; "
-                     f"with trigger, relays busy {ic['inserts_per_second_with_trigger']:,.0f}/s "
-                     f"(cost {ic['cost_percent']}%); relay running (flag re-armed every {args.idle_every_ms:g} ms) "
-                     f"{ic['inserts_per_second_trigger_relay_running']:,.0f}/s (cost {ic['cost_percent_relay_running']}%, "
-                     f"{ic['notifications_received_relay_running']} notifications); relays idle, every insert notifies "
-                     f"{ic['inserts_per_second_trigger_relays_idle']:,.0f}/s (cost {ic['cost_percent_relays_idle']}%)")
+        lines.append(
+            f"  insert throughput, {ic['writers']} writers, single-row transactions, "
+            f"{ic['seconds_each']:g}s each: without trigger {ic['inserts_per_second_without_trigger']:,.0f}/s; "
+            f"with trigger, relays busy {ic['inserts_per_second_with_trigger']:,.0f}/s "
+            f"(cost {ic['cost_percent']}%); relay running (flag re-armed every {args.idle_every_ms:g} ms) "
+            f"{ic['inserts_per_second_trigger_relay_running']:,.0f}/s (cost {ic['cost_percent_relay_running']}%, "
+            f"{ic['notifications_received_relay_running']} notifications); relays idle, every insert notifies "
+            f"{ic['inserts_per_second_trigger_relays_idle']:,.0f}/s (cost {ic['cost_percent_relays_idle']}%)"
+        )
         # The target applies to the state a relay is in while writers insert at full
         # speed (busy: its claims keep finding rows, so it never marks itself idle);
         # the re-armed and always-notify cases are reported beside it.
         steady = ic["cost_percent"]
-        targets["trigger_insert_cost"] = {"target": f"<= {args.target_cost_percent:g}%", "value": steady,
-                                          "met": steady <= args.target_cost_percent}
+        targets["trigger_insert_cost"] = {
+            "target": f"<= {args.target_cost_percent:g}%",
+            "value": steady,
+            "met": steady <= args.target_cost_percent,
+        }
     for key, t in targets.items():
         lines.append(f"  {key:<22} {t['value']!s:>8}   target {t['target']:<9} {'met' if t['met'] else 'NOT MET'}")
     report["targets"] = targets

@@ -81,22 +81,28 @@ def raise_max_connections(dsn: str, wanted: int) -> None:
         current = int(row[0]) if row else 0
     if current >= wanted:
         return
-    raise SystemExit(f"max_connections is {current}; this run needs about {wanted} "
-                     "(ALTER SYSTEM SET max_connections and restart, or fewer --sources)")
+    raise SystemExit(
+        f"max_connections is {current}; this run needs about {wanted} "
+        "(ALTER SYSTEM SET max_connections and restart, or fewer --sources)"
+    )
 
 
 def relay_connections(dsn: str, prefix: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname LIKE %s "
-                           "AND application_name LIKE 'outbox-relay%%'", (prefix + "%",)).fetchone()
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname LIKE %s AND application_name LIKE 'outbox-relay%%'",
+            (prefix + "%",),
+        ).fetchone()
         return int(row[0]) if row else 0
 
 
 def xact_commits(dsn: str, prefix: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = conn.execute("SELECT coalesce(sum(xact_commit + xact_rollback), 0) FROM pg_stat_database "
-                           "WHERE datname LIKE %s", (prefix + "%",)).fetchone()
+        row = conn.execute(
+            "SELECT coalesce(sum(xact_commit + xact_rollback), 0) FROM pg_stat_database WHERE datname LIKE %s",
+            (prefix + "%",),
+        ).fetchone()
         return int(row[0]) if row else 0
 
 
@@ -142,9 +148,13 @@ def pss_kb(pid: int) -> int:
 def backend_pss_kb(dsn: str, prefix: str, application: str) -> tuple[int, int]:
     """(backends, summed Pss in kB) of the sessions of ``application`` in the bench databases."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        pids = [int(r[0]) for r in conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE datname LIKE %s AND application_name = %s",
-            (prefix + "%", application)).fetchall()]
+        pids = [
+            int(r[0])
+            for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname LIKE %s AND application_name = %s",
+                (prefix + "%", application),
+            ).fetchall()
+        ]
     return len(pids), sum(pss_kb(pid) for pid in pids)
 
 
@@ -155,8 +165,9 @@ def wait_sources_ready(port: int, n: int, timeout: float) -> float:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
                 text = resp.read().decode()
-            up = sum(1 for line in text.splitlines()
-                     if line.startswith("outbox_relay_source_up{") and line.endswith(" 1.0"))
+            up = sum(
+                1 for line in text.splitlines() if line.startswith("outbox_relay_source_up{") and line.endswith(" 1.0")
+            )
             if up >= n:
                 return time.monotonic() - started
         except OSError:
@@ -201,12 +212,14 @@ def multi_env(dsn: str, prefix: str, bootstrap: str, topic: str, workers: int, *
     env = relay_env(dsn, "outbox", bootstrap, topic, **more)
     env.pop("OUTBOX_RELAY_DATABASE__TABLE", None)
     env.pop("OUTBOX_RELAY_DATABASE__DSN", None)
-    env.update({
-        "OUTBOX_RELAY_DISCOVERY__DSN": dsn,
-        "OUTBOX_RELAY_DISCOVERY__DATABASE_PATTERN": prefix.replace("_", r"\_") + "%",
-        "OUTBOX_RELAY_DISCOVERY__REFRESH_INTERVAL_SECONDS": "5",
-        "OUTBOX_RELAY_RELAY__WORKERS": str(workers),
-    })
+    env.update(
+        {
+            "OUTBOX_RELAY_DISCOVERY__DSN": dsn,
+            "OUTBOX_RELAY_DISCOVERY__DATABASE_PATTERN": prefix.replace("_", r"\_") + "%",
+            "OUTBOX_RELAY_DISCOVERY__REFRESH_INTERVAL_SECONDS": "5",
+            "OUTBOX_RELAY_RELAY__WORKERS": str(workers),
+        }
+    )
     return env
 
 
@@ -215,16 +228,17 @@ def fill(dsn: str, name: str, rows: int, aggregate_type: str = "bench", *, not_b
     (``release_and_drain`` makes them all due at one moment)."""
     available = f"make_timestamptz({not_before_year}, 1, 1, 0, 0, 0)" if not_before_year else "now()"
     with psycopg.connect(db_dsn(dsn, name), autocommit=True) as conn:
-        conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, available_at) "
-                     "SELECT %s, 'agg-' || (g %% 100), 'BenchEvent', "
-                     f"jsonb_build_object('seq', g, 'note', repeat('x', 150)), {available} "
-                     "FROM generate_series(1, %s) g",
-                     (aggregate_type, rows))
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, available_at) "
+            "SELECT %s, 'agg-' || (g %% 100), 'BenchEvent', "
+            f"jsonb_build_object('seq', g, 'note', repeat('x', 150)), {available} "
+            "FROM generate_series(1, %s) g",
+            (aggregate_type, rows),
+        )
         conn.execute("ANALYZE outbox")
 
 
-def release_and_drain(dsn: str, names: list[str], relay: RelayProcess, rows_held: int,
-                      timeout: float = 3600) -> float:
+def release_and_drain(dsn: str, names: list[str], relay: RelayProcess, rows_held: int, timeout: float = 3600) -> float:
     """Make the held-back rows due (database after database), then measure the steady
     rate: rows finalized per second from the moment every database is released until
     90 % of all rows are done (what the relay sustains with every source busy, not the
@@ -236,8 +250,10 @@ def release_and_drain(dsn: str, names: list[str], relay: RelayProcess, rows_held
             conn.execute("UPDATE outbox SET available_at = now() WHERE status = 'pending'")
     t1, d1 = time.monotonic(), published_done(port)
     if d1 >= 0.5 * rows_held:
-        say(f"  note: {d1:.0f} of {rows_held} rows were done before every database was released; "
-            "rate measured from the first release")
+        say(
+            f"  note: {d1:.0f} of {rows_held} rows were done before every database was released; "
+            "rate measured from the first release"
+        )
         t1, d1 = first, 0.0
     target = 0.9 * rows_held
     while (done := published_done(port)) < target:
@@ -259,8 +275,11 @@ def published_done(port: int) -> float:
         except OSError:
             if attempt == 4:
                 raise
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("outbox_relay_published_total{") and 'outcome="done"' in line)
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("outbox_relay_published_total{") and 'outcome="done"' in line
+    )
 
 
 def left(dsn: str, names: list[str]) -> int:
@@ -283,15 +302,23 @@ def main() -> None:
     add_server_args(parser)
     parser.add_argument("--sources", type=int, default=200, help="databases, each with its outbox (200)")
     parser.add_argument("--workers", type=int, default=4, help="relay.workers of every relay (4)")
-    parser.add_argument("--per-process-sample", type=int, default=10,
-                        help="single-source relays started for the one-process-per-database figures (10)")
+    parser.add_argument(
+        "--per-process-sample",
+        type=int,
+        default=10,
+        help="single-source relays started for the one-process-per-database figures (10)",
+    )
     parser.add_argument("--listen-sample", type=int, default=50, help="LISTEN sessions for phase 3 (50)")
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="length of each idle window (20)")
     parser.add_argument("--rows-per-source", type=int, default=1000, help="rows per database, phase 4 (1000)")
     parser.add_argument("--backlog", type=int, default=1_000_000, help="rows of the busy source, phase 5 (1e6)")
     parser.add_argument("--quiet-interval", type=float, default=0.2, help="s between the quiet source's rows")
-    parser.add_argument("--quiet-seconds", type=float, default=60.0,
-                        help="how long the quiet source writes while the backlog drains (60)")
+    parser.add_argument(
+        "--quiet-seconds",
+        type=float,
+        default=60.0,
+        help="how long the quiet source writes while the backlog drains (60)",
+    )
     parser.add_argument("--skip", default="", help="comma-separated phases to skip (1-5)")
     args = parser.parse_args()
     skip = {int(p) for p in args.skip.split(",") if p.strip()}
@@ -320,8 +347,9 @@ def main() -> None:
     emit(report, lines, args.json)
 
 
-def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines: list[str], prefix: str,
-        names: list[str]) -> None:
+def run(
+    args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines: list[str], prefix: str, names: list[str]
+) -> None:
     with servers(args) as (dsn, bootstrap):
         assert bootstrap is not None
         raise_max_connections(dsn, args.sources * 2 + args.per_process_sample * (args.workers + 5) + 50)
@@ -346,12 +374,14 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                     relay.stop()
                     relay.cleanup()
                 report["one_process_idle"] = one
-                lines.append(f"one process, {args.sources} idle sources: RSS {one['rss_mb']:.0f} MB, "
-                             f"{one['connections']} connections ({one['connections'] / args.sources:.2f}/source), "
-                             f"{one['xacts_per_second']:.0f} transactions/s "
-                             f"({one['xacts_per_second'] / args.sources:.2f}/source), PostgreSQL CPU "
-                             f"{one['postgres_cpu_percent']:.1f}%, relay CPU {one['relay_cpu_percent']:.1f}% "
-                             f"(all sources ready {ready_s:.1f}s after start)")
+                lines.append(
+                    f"one process, {args.sources} idle sources: RSS {one['rss_mb']:.0f} MB, "
+                    f"{one['connections']} connections ({one['connections'] / args.sources:.2f}/source), "
+                    f"{one['xacts_per_second']:.0f} transactions/s "
+                    f"({one['xacts_per_second'] / args.sources:.2f}/source), PostgreSQL CPU "
+                    f"{one['postgres_cpu_percent']:.1f}%, relay CPU {one['relay_cpu_percent']:.1f}% "
+                    f"(all sources ready {ready_s:.1f}s after start)"
+                )
                 say("  " + lines[-1])
             if 2 not in skip:
                 k = min(args.per_process_sample, args.sources)
@@ -359,8 +389,9 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                 relays = []
                 try:
                     for name in names[:k]:
-                        env = relay_env(db_dsn(dsn, name), "outbox", bootstrap, topic,
-                                        OUTBOX_RELAY_RELAY__WORKERS=str(args.workers))
+                        env = relay_env(
+                            db_dsn(dsn, name), "outbox", bootstrap, topic, OUTBOX_RELAY_RELAY__WORKERS=str(args.workers)
+                        )
                         relays.append(RelayProcess([], env))
                     for r in relays:
                         r.wait_started(120)
@@ -371,16 +402,26 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                         r.stop()
                         r.cleanup()
                 scale = args.sources / k
-                per = {key: sample[key] * scale for key in
-                       ("rss_mb", "connections", "xacts_per_second", "postgres_cpu_percent", "relay_cpu_percent")}
+                per = {
+                    key: sample[key] * scale
+                    for key in (
+                        "rss_mb",
+                        "connections",
+                        "xacts_per_second",
+                        "postgres_cpu_percent",
+                        "relay_cpu_percent",
+                    )
+                }
                 report["per_process_idle_sample"] = dict(sample, processes=k)
                 report["per_process_idle_scaled"] = per
-                lines.append(f"{k} single-source relays, idle: RSS {sample['rss_mb']:.0f} MB, "
-                             f"{sample['connections']} connections, {sample['xacts_per_second']:.0f} transactions/s, "
-                             f"PostgreSQL CPU {sample['postgres_cpu_percent']:.1f}%; scaled to {args.sources}: "
-                             f"RSS {per['rss_mb']:.0f} MB, {per['connections']:.0f} connections, "
-                             f"{per['xacts_per_second']:.0f} transactions/s, "
-                             f"PostgreSQL CPU {per['postgres_cpu_percent']:.0f}%")
+                lines.append(
+                    f"{k} single-source relays, idle: RSS {sample['rss_mb']:.0f} MB, "
+                    f"{sample['connections']} connections, {sample['xacts_per_second']:.0f} transactions/s, "
+                    f"PostgreSQL CPU {sample['postgres_cpu_percent']:.1f}%; scaled to {args.sources}: "
+                    f"RSS {per['rss_mb']:.0f} MB, {per['connections']:.0f} connections, "
+                    f"{per['xacts_per_second']:.0f} transactions/s, "
+                    f"PostgreSQL CPU {per['postgres_cpu_percent']:.0f}%"
+                )
                 say("  " + lines[-1])
             if 3 not in skip:
                 k = min(args.listen_sample, args.sources)
@@ -388,8 +429,7 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                 held = []
                 try:
                     for name in names[:k]:
-                        conn = psycopg.connect(db_dsn(dsn, name), autocommit=True,
-                                               application_name="msb-listen")
+                        conn = psycopg.connect(db_dsn(dsn, name), autocommit=True, application_name="msb-listen")
                         conn.execute("LISTEN msb_wake")
                         held.append(conn)
                     time.sleep(1)
@@ -411,15 +451,19 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                     "relay_backend_pss_kb": relay_pss / max(1, n_relay),
                     "relay_connections_per_source": n_relay / args.sources,
                 }
-                lines.append(f"idle source: a LISTEN session costs a backend of {listen_pss / max(1, n_listen):.0f} "
-                             f"kB Pss (and 0 queries/s) in addition to the pool's connection; probing costs "
-                             f"the pool's one connection ({relay_pss / max(1, n_relay):.0f} kB Pss per backend, "
-                             f"{n_relay / args.sources:.2f} connections/source) and the queries of phase 1")
+                lines.append(
+                    f"idle source: a LISTEN session costs a backend of {listen_pss / max(1, n_listen):.0f} "
+                    f"kB Pss (and 0 queries/s) in addition to the pool's connection; probing costs "
+                    f"the pool's one connection ({relay_pss / max(1, n_relay):.0f} kB Pss per backend, "
+                    f"{n_relay / args.sources:.2f} connections/source) and the queries of phase 1"
+                )
                 say("  " + lines[-1])
             if 4 not in skip:
                 total = args.rows_per_source * args.sources
-                say(f"phase 4: throughput, {args.rows_per_source} rows in each of {args.sources} databases "
-                    f"({total} rows) vs {total} rows in one database ...")
+                say(
+                    f"phase 4: throughput, {args.rows_per_source} rows in each of {args.sources} databases "
+                    f"({total} rows) vs {total} rows in one database ..."
+                )
                 for name in names:
                     fill(dsn, name, args.rows_per_source, not_before_year=2100)
                 relay = RelayProcess([], multi_env(dsn, prefix, bootstrap, topic, args.workers))
@@ -432,8 +476,9 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                     relay.cleanup()
                 reset(dsn, names)
                 fill(dsn, names[0], total, not_before_year=2100)
-                env = relay_env(db_dsn(dsn, names[0]), "outbox", bootstrap, topic,
-                                OUTBOX_RELAY_RELAY__WORKERS=str(args.workers))
+                env = relay_env(
+                    db_dsn(dsn, names[0]), "outbox", bootstrap, topic, OUTBOX_RELAY_RELAY__WORKERS=str(args.workers)
+                )
                 single = RelayProcess([], env)
                 try:
                     single.wait_started(120)
@@ -443,11 +488,17 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                     single.stop()
                     single.cleanup()
                 reset(dsn, names[:1])
-                report["throughput"] = {"rows": total, "multi_rows_per_second": multi_rate,
-                                        "single_rows_per_second": single_rate, "ratio": multi_rate / single_rate}
-                lines.append(f"throughput, {total} rows: one process over {args.sources} sources "
-                             f"{multi_rate:,.0f} rows/s, one single-source relay over one database "
-                             f"{single_rate:,.0f} rows/s: ratio {multi_rate / single_rate:.2f}")
+                report["throughput"] = {
+                    "rows": total,
+                    "multi_rows_per_second": multi_rate,
+                    "single_rows_per_second": single_rate,
+                    "ratio": multi_rate / single_rate,
+                }
+                lines.append(
+                    f"throughput, {total} rows: one process over {args.sources} sources "
+                    f"{multi_rate:,.0f} rows/s, one single-source relay over one database "
+                    f"{single_rate:,.0f} rows/s: ratio {multi_rate / single_rate:.2f}"
+                )
                 say("  " + lines[-1])
             if 5 not in skip:
                 busy, quiet = names[0], names[1]
@@ -462,30 +513,43 @@ def run(args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines:
                         deadline = time.monotonic() + args.quiet_seconds
                         written = 0
                         while time.monotonic() < deadline and not stop.is_set():
-                            qconn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
-                                          "VALUES ('quiet', 'q', 'QuietEvent', '{}')")
+                            qconn.execute(
+                                "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+                                "VALUES ('quiet', 'q', 'QuietEvent', '{}')"
+                            )
                             written += 1
                             time.sleep(args.quiet_interval)
                         backlog_left = left(dsn, [busy])
                         deadline = time.monotonic() + 60
                         while left(dsn, [quiet]) and time.monotonic() < deadline:
                             time.sleep(0.2)
-                        latencies = [float(r[0]) for r in qconn.execute(
-                            "SELECT extract(epoch FROM done_at - created_at) FROM outbox WHERE done_at IS NOT NULL"
-                        ).fetchall()]
+                        latencies = [
+                            float(r[0])
+                            for r in qconn.execute(
+                                "SELECT extract(epoch FROM done_at - created_at) FROM outbox WHERE done_at IS NOT NULL"
+                            ).fetchall()
+                        ]
                 finally:
                     relay.stop()
                     relay.cleanup()
                 reset(dsn, [busy, quiet])
                 report["quiet_latency"] = {
-                    "rows": written, "finalized": len(latencies), "p50_seconds": median(latencies),
-                    "p99_seconds": pct(latencies, 99), "max_seconds": max(latencies) if latencies else None,
-                    "backlog": args.backlog, "backlog_left_at_end": backlog_left}
-                lines.append(f"quiet source while another drains {args.backlog} rows: insert->finalize "
-                             f"p50 {median(latencies):.3f}s, p99 {pct(latencies, 99):.3f}s, max "
-                             f"{max(latencies):.3f}s over {len(latencies)} rows; backlog left at the end "
-                             f"{backlog_left} (it was still draining throughout)" if backlog_left else
-                             f"quiet p99 {pct(latencies, 99):.3f}s, but the backlog was drained before the end")
+                    "rows": written,
+                    "finalized": len(latencies),
+                    "p50_seconds": median(latencies),
+                    "p99_seconds": pct(latencies, 99),
+                    "max_seconds": max(latencies) if latencies else None,
+                    "backlog": args.backlog,
+                    "backlog_left_at_end": backlog_left,
+                }
+                lines.append(
+                    f"quiet source while another drains {args.backlog} rows: insert->finalize "
+                    f"p50 {median(latencies):.3f}s, p99 {pct(latencies, 99):.3f}s, max "
+                    f"{max(latencies):.3f}s over {len(latencies)} rows; backlog left at the end "
+                    f"{backlog_left} (it was still draining throughout)"
+                    if backlog_left
+                    else f"quiet p99 {pct(latencies, 99):.3f}s, but the backlog was drained before the end"
+                )
                 say("  " + lines[-1])
         finally:
             if not args.keep:

@@ -39,8 +39,13 @@ from psycopg import sql
 SCENARIOS = {
     "a": {"label": "50 000 x ~200 B", "rows": 50_000, "payload": 200, "big_every": 0, "big_payload": 0},
     "b": {"label": "3 000 x ~190 KB", "rows": 3_000, "payload": 190_000, "big_every": 0, "big_payload": 0},
-    "c": {"label": "5 000 x ~1 KB + 10 x ~900 KB", "rows": 5_010, "payload": 1_000, "big_every": 501,
-          "big_payload": 900_000},
+    "c": {
+        "label": "5 000 x ~1 KB + 10 x ~900 KB",
+        "rows": 5_010,
+        "payload": 1_000,
+        "big_every": 501,
+        "big_payload": 900_000,
+    },
 }
 
 
@@ -66,9 +71,16 @@ def read_ids(bootstrap: str, topic: str, expected: int, timeout: float = 300.0) 
     """message_id headers read back from ``topic`` (values are not kept: they can be large)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"mem-bench-{time.monotonic_ns()}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest", "log_level": 3,
-                         "fetch.max.bytes": 64 * 1024 * 1024})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"mem-bench-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log_level": 3,
+            "fetch.max.bytes": 64 * 1024 * 1024,
+        }
+    )
     ids: set[str] = set()
     try:
         meta = consumer.list_topics(topic, timeout=10).topics.get(topic)
@@ -87,8 +99,9 @@ def read_ids(bootstrap: str, topic: str, expected: int, timeout: float = 300.0) 
     return ids
 
 
-def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
-                 args: argparse.Namespace) -> dict[str, Any]:
+def run_scenario(
+    name: str, root: Path, index: int, dsn: str, bootstrap: str, args: argparse.Namespace
+) -> dict[str, Any]:
     spec = SCENARIOS[name]
     table = c.new_table(f"mem{name}{index}")
     topic = f"bench.memory.{c.RUN_ID}.{name}.{index}"
@@ -99,8 +112,14 @@ def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
     command = [sys.executable, "-m", "outbox_relay.operator.cli"]
     log = Path(f"/tmp/outbox-relay-memory-{c.RUN_ID}-{name}-{index}.log")
     with log.open("wb") as out:
-        proc = subprocess.Popen([*command, "run", "--workers", str(args.workers)], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=str(root))
+        proc = subprocess.Popen(
+            [*command, "run", "--workers", str(args.workers)],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=str(root),
+        )
     try:
         deadline = time.monotonic() + 60
         while '"relay started"' not in log.read_text(errors="replace"):
@@ -129,8 +148,12 @@ def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
             code = proc.wait(timeout=10)
     counts = c.count_by_status(dsn, table)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        table_mb = conn.execute("SELECT pg_total_relation_size(%s::regclass)", (
-            ".".join('"' + p + '"' for p in table.split(".")),)).fetchone()[0] / 1e6
+        table_mb = (
+            conn.execute(
+                "SELECT pg_total_relation_size(%s::regclass)", (".".join('"' + p + '"' for p in table.split(".")),)
+            ).fetchone()[0]
+            / 1e6
+        )
     c.say(f"[{name}] drained in {seconds:.1f} s; reading ids back ...")
     ids = read_ids(bootstrap, topic, spec["rows"])
     ok = counts == {"done": spec["rows"]} and len(ids) == spec["rows"] and code == 0
@@ -138,11 +161,19 @@ def run_scenario(name: str, root: Path, index: int, dsn: str, bootstrap: str,
         c.drop_schema(dsn, table)
         log.unlink(missing_ok=True)
     return {
-        "relay_root": str(root), "scenario": name, "label": spec["label"], "rows": spec["rows"],
-        "payload_mb": round(payload_bytes / 1e6, 1), "table_mb": round(table_mb, 1),
-        "seconds": round(seconds, 2), "events_per_second": round(spec["rows"] / seconds),
+        "relay_root": str(root),
+        "scenario": name,
+        "label": spec["label"],
+        "rows": spec["rows"],
+        "payload_mb": round(payload_bytes / 1e6, 1),
+        "table_mb": round(table_mb, 1),
+        "seconds": round(seconds, 2),
+        "events_per_second": round(spec["rows"] / seconds),
         "peak_rss_mb": round(hwm_kb / 1024, 1) if hwm_kb else None,
-        "statuses": counts, "unique_ids_read_back": len(ids), "exit_code": code, "verified": ok,
+        "statuses": counts,
+        "unique_ids_read_back": len(ids),
+        "exit_code": code,
+        "verified": ok,
     }
 
 
@@ -153,8 +184,11 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--warm-seconds", type=float, default=2.0)
     parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--relay-root", default=".",
-                        help="comma-separated checkouts whose relay code to run ('.' = this one), side by side")
+    parser.add_argument(
+        "--relay-root",
+        default=".",
+        help="comma-separated checkouts whose relay code to run ('.' = this one), side by side",
+    )
     parser.add_argument("--target-rss-mb", type=float, default=300.0)
     args = parser.parse_args()
     roots = [(c.ROOT if part.strip() == "." else Path(part.strip())).resolve() for part in args.relay_root.split(",")]
@@ -165,17 +199,28 @@ def main() -> int:
             for index, root in enumerate(roots):
                 c.say(f"== scenario {name}, relay code {root}")
                 results.append(run_scenario(name.strip(), root, index, dsn, bootstrap, args))
-    report = {"relay_roots": [str(r) for r in roots], "workers": args.workers, "runs": results,
-              "target_peak_rss_mb": args.target_rss_mb, "broker": c.broker_label(args)}
-    lines = [f"defaults, --workers {args.workers}, broker {c.broker_label(args)}",
-             f"{'relay code':<28}{'scenario':<32}{'table MB':>10}{'events/s':>10}{'peak RSS MB':>13}  verified"]
+    report = {
+        "relay_roots": [str(r) for r in roots],
+        "workers": args.workers,
+        "runs": results,
+        "target_peak_rss_mb": args.target_rss_mb,
+        "broker": c.broker_label(args),
+    }
+    lines = [
+        f"defaults, --workers {args.workers}, broker {c.broker_label(args)}",
+        f"{'relay code':<28}{'scenario':<32}{'table MB':>10}{'events/s':>10}{'peak RSS MB':>13}  verified",
+    ]
     for r in results:
-        lines.append(f"{Path(r['relay_root']).name[:27]:<28}{r['label']:<32}{r['table_mb']:>10}"
-                     f"{r['events_per_second']:>10}{r['peak_rss_mb']:>13}  {r['verified']}")
+        lines.append(
+            f"{Path(r['relay_root']).name[:27]:<28}{r['label']:<32}{r['table_mb']:>10}"
+            f"{r['events_per_second']:>10}{r['peak_rss_mb']:>13}  {r['verified']}"
+        )
     for root in roots:
         worst = max((r["peak_rss_mb"] or 0) for r in results if r["relay_root"] == str(root))
-        lines.append(f"{root}: worst peak RSS {worst} MB (target <= {args.target_rss_mb:g} MB: "
-                     f"{'met' if worst <= args.target_rss_mb else 'NOT met'})")
+        lines.append(
+            f"{root}: worst peak RSS {worst} MB (target <= {args.target_rss_mb:g} MB: "
+            f"{'met' if worst <= args.target_rss_mb else 'NOT met'})"
+        )
     c.emit(report, lines, args.json)
     return 0 if all(r["verified"] for r in results) else 1
 

@@ -43,8 +43,10 @@ from psycopg import sql
 CLAIM_PREFIX = "WITH victims AS"  # the plain claim (reap + claim in one statement)
 FINALIZE_PREFIX = "WITH decided AS"
 # The CLI of the relay under test, in either package layout (--relay-root may be older).
-CLI_MAIN = ("import sys\ntry:\n    from outbox_relay.operator.cli import main\nexcept ImportError:\n"
-            "    from outbox_relay.cli import main\nsys.argv[0] = 'outbox-relay'\nmain()")
+CLI_MAIN = (
+    "import sys\ntry:\n    from outbox_relay.operator.cli import main\nexcept ImportError:\n"
+    "    from outbox_relay.cli import main\nsys.argv[0] = 'outbox-relay'\nmain()"
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,9 +64,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--payload-bytes", type=int, default=200)
     p.add_argument("--relay-root", help="checkout whose relay (migrate + run) is measured; default: this one")
     p.add_argument("--label", default="", help="name of this relay in the report (e.g. before/after)")
-    p.add_argument("--autovacuum", choices=("migrate", "default"), default="migrate",
-                   help="default: RESET the table's autovacuum storage parameters after migrate "
-                        "(PostgreSQL's defaults), to measure what the settings migrate chooses change")
+    p.add_argument(
+        "--autovacuum",
+        choices=("migrate", "default"),
+        default="migrate",
+        help="default: RESET the table's autovacuum storage parameters after migrate "
+        "(PostgreSQL's defaults), to measure what the settings migrate chooses change",
+    )
     return p.parse_args()
 
 
@@ -112,10 +118,12 @@ def broker(args: argparse.Namespace) -> Any:
 
 
 # --- the relay under test -----------------------------------------------------------------
-def relay_env(args: argparse.Namespace, dsn: str, table: str, bootstrap: str, topic: str,
-              on_done: str) -> dict[str, str]:
-    env = c.relay_env(dsn, table, bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=on_done,
-                      OUTBOX_RELAY_METRICS__HOST="127.0.0.1")
+def relay_env(
+    args: argparse.Namespace, dsn: str, table: str, bootstrap: str, topic: str, on_done: str
+) -> dict[str, str]:
+    env = c.relay_env(
+        dsn, table, bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=on_done, OUTBOX_RELAY_METRICS__HOST="127.0.0.1"
+    )
     root = Path(args.relay_root).resolve() if args.relay_root else c.ROOT
     env["PYTHONPATH"] = str(root)
     return env
@@ -137,10 +145,16 @@ class Relay(c.RelayProcess):
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         import subprocess
 
-        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)
+        self._log = tempfile.NamedTemporaryFile(prefix="outbox-relay-bench-", suffix=".log", delete=False)  # noqa: SIM115 - closed in stop()
         self.log_path = Path(self._log.name)
-        self.proc = subprocess.Popen([sys.executable, "-c", CLI_MAIN, "run", *args], env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd="/")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CLI_MAIN, "run", *args],
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd="/",
+        )
         self.returncode = None
 
     def metrics_port(self) -> int:
@@ -183,7 +197,8 @@ class Writer(threading.Thread):
             "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
             "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', "
             "jsonb_build_object('seq', g, 'note', repeat('x', %(pad)s)) "
-            "FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g").format(c.ident(self.table))
+            "FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g"
+        ).format(c.ident(self.table))
         interval = self.per_txn / self.rate
         try:
             with psycopg.connect(self.dsn, autocommit=True, application_name="bench-writer") as conn:
@@ -197,14 +212,14 @@ class Writer(threading.Thread):
                         time.sleep(due - now)
                     else:
                         self.behind_max_seconds = max(self.behind_max_seconds, now - due)
-                    conn.execute(stmt, {"pad": self.pad, "first": self.written + 1,
-                                        "last": self.written + self.per_txn})
+                    conn.execute(
+                        stmt, {"pad": self.pad, "first": self.written + 1, "last": self.written + self.per_txn}
+                    )
                     self.written += self.per_txn
                     self.history.append((self.written, time.monotonic()))
                     n += 1
         except BaseException as exc:  # reported by the run
             self.error = exc
-
 
     def lag_seconds(self, delivered: int, now: float) -> float:
         """How long ago the first undelivered row was written (rows delivered in about
@@ -264,8 +279,11 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, floa
     """(calls, total ms) of the claim and finalize statements since the last reset."""
     out = {}
     for name, prefix in (("claim", CLAIM_PREFIX), ("finalize", FINALIZE_PREFIX)):
-        row = conn.execute("SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0) "
-                           "FROM pg_stat_statements WHERE query LIKE %s", (prefix + "%",)).fetchone()
+        row = conn.execute(
+            "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0) "
+            "FROM pg_stat_statements WHERE query LIKE %s",
+            (prefix + "%",),
+        ).fetchone()
         out[name] = (int(row[0]), float(row[1])) if row else (0, 0.0)
     return out
 
@@ -274,10 +292,15 @@ def table_figures(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
     row = conn.execute(
         "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid), s.n_dead_tup, s.autovacuum_count, s.vacuum_count "
         "FROM pg_class AS c LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid WHERE c.oid = %s::regclass",
-        (table,)).fetchone()
+        (table,),
+    ).fetchone()
     assert row is not None
-    return {"heap_mb": round(row[0] / 2**20, 1), "index_mb": round(row[1] / 2**20, 1),
-            "dead_tuples": int(row[2] or 0), "autovacuums": int(row[3] or 0) + int(row[4] or 0)}
+    return {
+        "heap_mb": round(row[0] / 2**20, 1),
+        "index_mb": round(row[1] / 2**20, 1),
+        "dead_tuples": int(row[2] or 0),
+        "autovacuums": int(row[3] or 0) + int(row[4] or 0),
+    }
 
 
 def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, holder_kind: str) -> dict[str, Any]:
@@ -289,13 +312,15 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
     with psycopg.connect(dsn, autocommit=True) as conn:
         reloptions = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)).fetchone()
         if args.autovacuum == "default":
-            for option in (reloptions[0] if reloptions and reloptions[0] else []):
+            for option in reloptions[0] if reloptions and reloptions[0] else []:
                 name = option.split("=", 1)[0]
                 if name.startswith("autovacuum_"):
                     conn.execute(sql.SQL("ALTER TABLE {} RESET ({})").format(c.ident(table), sql.SQL(name)))
             reloptions = conn.execute("SELECT reloptions FROM pg_class WHERE oid = %s::regclass", (table,)).fetchone()
-    c.say(f"[{args.label or 'relay'} {on_done} {holder_kind}] table {table}, "
-          f"reloptions {reloptions[0] if reloptions else None}")
+    c.say(
+        f"[{args.label or 'relay'} {on_done} {holder_kind}] table {table}, "
+        f"reloptions {reloptions[0] if reloptions else None}"
+    )
     relay = Relay(["--workers", str(args.workers)], env)
     writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
     holder = Holder(dsn, holder_kind)
@@ -338,17 +363,21 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
             totals = statement_totals(mon)
             window = {k: (totals[k][0] - last_totals[k][0], totals[k][1] - last_totals[k][1]) for k in totals}
             last_totals = totals
-            delivered = int(metrics.get('outbox_relay_published_total{outcome=done}', 0))
+            delivered = int(metrics.get("outbox_relay_published_total{outcome=done}", 0))
             phase = "baseline" if not held else ("held" if not released else "released")
             sample = {
-                "t": round(now - t0), "phase": phase, "written": writer.written, "delivered": delivered,
+                "t": round(now - t0),
+                "phase": phase,
+                "written": writer.written,
+                "delivered": delivered,
                 "backlog": writer.written - delivered,
                 "oldest_pending_s": metrics.get("outbox_relay_oldest_pending_age_seconds"),
                 "lag_s": round(writer.lag_seconds(delivered, now), 2),
                 "claim_ms": round(window["claim"][1] / window["claim"][0], 2) if window["claim"][0] else None,
                 "claims": window["claim"][0],
-                "finalize_ms": (round(window["finalize"][1] / window["finalize"][0], 2)
-                                if window["finalize"][0] else None),
+                "finalize_ms": (
+                    round(window["finalize"][1] / window["finalize"][0], 2) if window["finalize"][0] else None
+                ),
                 "xmin_gauge_s": metrics.get("outbox_relay_xmin_horizon_age_seconds"),
                 **table_figures(mon, table),
             }
@@ -368,8 +397,9 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
     return summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
 
 
-def wait_named(env: dict[str, str], port: int, holder: Holder, opened: float,
-               timeout: float) -> tuple[float | None, float | None]:
+def wait_named(
+    env: dict[str, str], port: int, holder: Holder, opened: float, timeout: float
+) -> tuple[float | None, float | None]:
     """Seconds until `status --json` names the holder, and until the relay's gauge shows
     an age of at least 1 s (short transactions of the writer and the relay itself keep
     it a few milliseconds above 0 all the time)."""
@@ -396,9 +426,17 @@ def wait_named(env: dict[str, str], port: int, holder: Holder, opened: float,
     return named, gauge
 
 
-def summarize(args: argparse.Namespace, on_done: str, holder: str, samples: list[dict[str, Any]],
-              named_after: float | None, gauge_after: float | None, writer: Writer, code: int,
-              warnings: list[str]) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace,
+    on_done: str,
+    holder: str,
+    samples: list[dict[str, Any]],
+    named_after: float | None,
+    gauge_after: float | None,
+    writer: Writer,
+    code: int,
+    warnings: list[str],
+) -> dict[str, Any]:
     def mean(values: list[float]) -> float | None:
         return round(sum(values) / len(values), 2) if values else None
 
@@ -407,14 +445,23 @@ def summarize(args: argparse.Namespace, on_done: str, holder: str, samples: list
     last_minute = [s for s in held if s["t"] >= held[-1]["t"] - 60] if held else []
     claim_base = mean([s["claim_ms"] for s in base if s["claim_ms"] is not None])
     claim_last = mean([s["claim_ms"] for s in last_minute if s["claim_ms"] is not None])
-    oldest = [s["oldest_pending_s"] for s in held
-              if s["oldest_pending_s"] is not None and s["oldest_pending_s"] == s["oldest_pending_s"]]
+    oldest = [
+        s["oldest_pending_s"]
+        for s in held
+        if s["oldest_pending_s"] is not None and s["oldest_pending_s"] == s["oldest_pending_s"]
+    ]
     lags = [s["lag_s"] for s in held]
     final = held[-1] if held else (samples[-1] if samples else {})
     return {
-        "label": args.label, "on_done": on_done, "holder": holder, "minutes_held": args.minutes,
-        "rate": args.rate, "written": writer.written, "writer_behind_max_s": round(writer.behind_max_seconds, 2),
-        "claim_ms_baseline": claim_base, "claim_ms_last_minute_held": claim_last,
+        "label": args.label,
+        "on_done": on_done,
+        "holder": holder,
+        "minutes_held": args.minutes,
+        "rate": args.rate,
+        "written": writer.written,
+        "writer_behind_max_s": round(writer.behind_max_seconds, 2),
+        "claim_ms_baseline": claim_base,
+        "claim_ms_last_minute_held": claim_last,
         "claim_ratio": round(claim_last / claim_base, 2) if claim_base and claim_last else None,
         "oldest_pending_max_s": round(max(oldest), 1) if oldest else None,
         "oldest_pending_gauge_samples": f"{len(oldest)}/{len(held)}",
@@ -422,11 +469,15 @@ def summarize(args: argparse.Namespace, on_done: str, holder: str, samples: list
         "lag_last_minute_max_s": max((s["lag_s"] for s in last_minute), default=None),
         "backlog_max": max((s["backlog"] for s in held), default=None),
         "backlog_end_of_hold": final.get("backlog"),
-        "heap_mb_end_of_hold": final.get("heap_mb"), "index_mb_end_of_hold": final.get("index_mb"),
+        "heap_mb_end_of_hold": final.get("heap_mb"),
+        "index_mb_end_of_hold": final.get("index_mb"),
         "dead_tuples_end_of_hold": final.get("dead_tuples"),
         "after_release": samples[-1] if samples else None,
-        "status_named_holder_after_s": named_after, "gauge_at_least_1s_after_s": gauge_after,
-        "relay_exit": code, "relay_warnings": warnings, "samples": samples,
+        "status_named_holder_after_s": named_after,
+        "gauge_at_least_1s_after_s": gauge_after,
+        "relay_exit": code,
+        "relay_warnings": warnings,
+        "samples": samples,
     }
 
 
@@ -445,20 +496,30 @@ def main() -> int:
                 finally:
                     if not args.keep:
                         c.drop_schema(dsn, table)
-    report = {"bench": "mvcc_pressure", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "postgresql": version, "relay_root": args.relay_root or str(c.ROOT), "label": args.label,
-              "cpus": os.cpu_count(), "runs": results}
-    lines = [f"mvcc_pressure {report['date']} PostgreSQL {version}, relay {args.label or report['relay_root']}",
-             f"{'on_done':<8}{'holder':<10}{'claim ms base':>14}{'claim ms held':>14}{'ratio':>7}"
-             f"{'oldest max s':>13}{'lag max s':>10}{'backlog max':>12}{'heap MB':>9}{'index MB':>9}"
-             f"{'dead tup':>10}{'named s':>8}"]
+    report = {
+        "bench": "mvcc_pressure",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "postgresql": version,
+        "relay_root": args.relay_root or str(c.ROOT),
+        "label": args.label,
+        "cpus": os.cpu_count(),
+        "runs": results,
+    }
+    lines = [
+        f"mvcc_pressure {report['date']} PostgreSQL {version}, relay {args.label or report['relay_root']}",
+        f"{'on_done':<8}{'holder':<10}{'claim ms base':>14}{'claim ms held':>14}{'ratio':>7}"
+        f"{'oldest max s':>13}{'lag max s':>10}{'backlog max':>12}{'heap MB':>9}{'index MB':>9}"
+        f"{'dead tup':>10}{'named s':>8}",
+    ]
     for r in results:
-        lines.append(f"{r['on_done']:<8}{r['holder']:<10}{r['claim_ms_baseline']!s:>14}"
-                     f"{r['claim_ms_last_minute_held']!s:>14}"
-                     f"{r['claim_ratio']!s:>7}{r['oldest_pending_max_s']!s:>13}{r['lag_max_s']!s:>10}"
-                     f"{r['backlog_max']!s:>12}"
-                     f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
-                     f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}")
+        lines.append(
+            f"{r['on_done']:<8}{r['holder']:<10}{r['claim_ms_baseline']!s:>14}"
+            f"{r['claim_ms_last_minute_held']!s:>14}"
+            f"{r['claim_ratio']!s:>7}{r['oldest_pending_max_s']!s:>13}{r['lag_max_s']!s:>10}"
+            f"{r['backlog_max']!s:>12}"
+            f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
+            f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}"
+        )
     c.emit(report, lines, args.json)
     return 0
 

@@ -72,16 +72,27 @@ def paced_inserts(dsn: str, table: str, rate: float, seconds: float) -> list[int
             if delay > 0:
                 time.sleep(delay)
             with conn.transaction():
-                ids.append(int(enqueue(conn, aggregate_type="order", aggregate_id=f"agg-{seq % 50}",
-                                       event_type="OrderCreated", payload=c.payload_json(seq, 200), table=table)))
+                ids.append(
+                    int(
+                        enqueue(
+                            conn,
+                            aggregate_type="order",
+                            aggregate_id=f"agg-{seq % 50}",
+                            event_type="OrderCreated",
+                            payload=c.payload_json(seq, 200),
+                            table=table,
+                        )
+                    )
+                )
             seq += 1
             next_at += 1.0 / rate
     return ids
 
 
 def insert_to_ack_ms(dsn: str, table: str, ids: list[int], timeout: float) -> list[float]:
-    query = sql.SQL("SELECT extract(epoch FROM done_at - created_at) * 1000 FROM {} "
-                    "WHERE id = ANY(%s) AND status = 'done'").format(c.ident(table))
+    query = sql.SQL(
+        "SELECT extract(epoch FROM done_at - created_at) * 1000 FROM {} WHERE id = ANY(%s) AND status = 'done'"
+    ).format(c.ident(table))
     deadline = time.monotonic() + timeout
     with psycopg.connect(dsn, autocommit=True) as conn:
         while True:
@@ -91,14 +102,22 @@ def insert_to_ack_ms(dsn: str, table: str, ids: list[int], timeout: float) -> li
             time.sleep(0.1)
 
 
-def run_one(dsn: str, bootstrap: str, proxy: TcpProxy | None, label: str, workers: int, batch: int,
-            args: argparse.Namespace, *, paced: bool) -> dict[str, Any]:
+def run_one(
+    dsn: str,
+    bootstrap: str,
+    proxy: TcpProxy | None,
+    label: str,
+    workers: int,
+    batch: int,
+    args: argparse.Namespace,
+    *,
+    paced: bool,
+) -> dict[str, Any]:
     table = c.new_table(f"{label}_{workers}x{batch}")
     topic = f"bench.{c.RUN_ID}.{label}.{workers}x{batch}"
     c.migrate(dsn, table)
     c.create_topic(bootstrap, topic)
-    env = c.relay_env(relay_dsn(dsn, proxy), table, bootstrap, topic,
-                      OUTBOX_RELAY_RELAY__BATCH_SIZE=str(batch))
+    env = c.relay_env(relay_dsn(dsn, proxy), table, bootstrap, topic, OUTBOX_RELAY_RELAY__BATCH_SIZE=str(batch))
     relay = c.RelayProcess(["--workers", str(workers)], env)
     result: dict[str, Any] = {"workers": workers, "batch_size": batch}
     try:
@@ -114,9 +133,15 @@ def run_one(dsn: str, bootstrap: str, proxy: TcpProxy | None, label: str, worker
         if paced:
             ids = paced_inserts(dsn, table, args.rate, args.paced_seconds)
             latencies = insert_to_ack_ms(dsn, table, ids, timeout=60)
-            result.update({"paced_rows": len(ids), "acked": len(latencies),
-                           "p50_ms": round(c.pct(latencies, 50), 1), "p90_ms": round(c.pct(latencies, 90), 1),
-                           "p99_ms": round(c.pct(latencies, 99), 1)})
+            result.update(
+                {
+                    "paced_rows": len(ids),
+                    "acked": len(latencies),
+                    "p50_ms": round(c.pct(latencies, 50), 1),
+                    "p90_ms": round(c.pct(latencies, 90), 1),
+                    "p99_ms": round(c.pct(latencies, 99), 1),
+                }
+            )
     finally:
         result["exit_code"] = relay.stop()
         result["warnings"] = relay.warnings(3)
@@ -124,8 +149,10 @@ def run_one(dsn: str, bootstrap: str, proxy: TcpProxy | None, label: str, worker
         if not args.keep:
             c.drop_schema(dsn, table)
     counts = result.get("rows_per_second")
-    c.say(f"  {label:<14} {workers:>2} x {batch:<5} {counts} rows/s"
-          + (f"  p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms" if paced else ""))
+    c.say(
+        f"  {label:<14} {workers:>2} x {batch:<5} {counts} rows/s"
+        + (f"  p50 {result['p50_ms']} ms  p99 {result['p99_ms']} ms" if paced else "")
+    )
     return result
 
 
@@ -135,8 +162,11 @@ def main() -> int:
     parser.add_argument("--rtts-ms", default="1,5,20", help="round-trip times to put on the relay's database link")
     parser.add_argument("--loss", type=float, default=0.01, help="fraction of chunks stalled like a lost segment")
     parser.add_argument("--loss-rtt-ms", type=float, default=1.0, help="round trip of the lossy condition")
-    parser.add_argument("--settings", default="4x1000,8x1000,16x1000",
-                        help="workers x batch size, comma-separated; the first also measures latency")
+    parser.add_argument(
+        "--settings",
+        default="4x1000,8x1000,16x1000",
+        help="workers x batch size, comma-separated; the first also measures latency",
+    )
     parser.add_argument("--events", type=int, default=20_000, help="backlog rows per throughput run")
     parser.add_argument("--rate", type=float, default=50.0, help="single-row inserts per second (latency)")
     parser.add_argument("--paced-seconds", type=float, default=6.0)
@@ -147,8 +177,12 @@ def main() -> int:
     conditions += [(f"rtt-{r:g}ms", float(r), 0.0) for r in (float(x) for x in args.rtts_ms.split(",") if x)]
     if args.loss > 0:
         conditions.append((f"loss-{args.loss * 100:g}pct", args.loss_rtt_ms, args.loss))
-    report: dict[str, Any] = {"date": dt.date.today().isoformat(), "events": args.events,
-                              "rate_per_second": args.rate, "conditions": {}}
+    report: dict[str, Any] = {
+        "date": dt.date.today().isoformat(),
+        "events": args.events,
+        "rate_per_second": args.rate,
+        "conditions": {},
+    }
     with c.servers(args) as (dsn, bootstrap):
         assert bootstrap is not None
         report["postgres"] = c.server_version(dsn)
@@ -160,23 +194,30 @@ def main() -> int:
                 proxy.delay_seconds = rtt_ms / 2000.0
                 proxy.loss = loss
             try:
-                runs = [run_one(dsn, bootstrap, proxy, label.replace("-", "").replace(".", ""), w, b, args,
-                                paced=(i == 0)) for i, (w, b) in enumerate(settings)]
+                runs = [
+                    run_one(dsn, bootstrap, proxy, label.replace("-", "").replace(".", ""), w, b, args, paced=(i == 0))
+                    for i, (w, b) in enumerate(settings)
+                ]
             finally:
                 if proxy is not None:
                     proxy.stop()
-            report["conditions"][label] = {"rtt_ms": rtt_ms if rtt_ms is not None else 0.0, "loss": loss,
-                                           "runs": runs}
-    lines = [f"network latency bench, {report['date']}, {args.events} rows per drain, PostgreSQL "
-             f"{report['postgres']}", "",
-             "| condition | " + " | ".join(f"{w} x {b} rows/s" for w, b in settings)
-             + " | insert->ack p50 / p90 / p99 ms (first setting) |",
-             "|---|" + "---|" * len(settings) + "---|"]
+            report["conditions"][label] = {"rtt_ms": rtt_ms if rtt_ms is not None else 0.0, "loss": loss, "runs": runs}
+    lines = [
+        f"network latency bench, {report['date']}, {args.events} rows per drain, PostgreSQL {report['postgres']}",
+        "",
+        "| condition | "
+        + " | ".join(f"{w} x {b} rows/s" for w, b in settings)
+        + " | insert->ack p50 / p90 / p99 ms (first setting) |",
+        "|---|" + "---|" * len(settings) + "---|",
+    ]
     for label, cond in report["conditions"].items():
         runs = cond["runs"]
         first = runs[0]
-        lines.append(f"| {label} | " + " | ".join(str(r.get("rows_per_second")) for r in runs)
-                     + f" | {first.get('p50_ms')} / {first.get('p90_ms')} / {first.get('p99_ms')} |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(str(r.get("rows_per_second")) for r in runs)
+            + f" | {first.get('p50_ms')} / {first.get('p90_ms')} / {first.get('p99_ms')} |"
+        )
     c.emit(report, lines, args.json)
     return 0
 

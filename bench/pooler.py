@@ -60,8 +60,8 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.transaction import Transaction
 
-from outbox_relay.db import store as store_module
 from outbox_relay._embedded.embedded import EmbeddedPgBouncer
+from outbox_relay.db import store as store_module
 from outbox_relay.db.pooler import PoolerConnection
 from outbox_relay.db.store import OutboxStore
 
@@ -163,8 +163,9 @@ def run_plain(conn: psycopg.Connection[Any], query: Any, params: dict[str, Any])
     return conn.execute(query, params).fetchall()  # PoolerConnection: bounded by its cursor
 
 
-def run_begin_set_local_commit_pipelined(conn: psycopg.Connection[Any], query: Any,
-                                         params: dict[str, Any]) -> list[Any]:
+def run_begin_set_local_commit_pipelined(
+    conn: psycopg.Connection[Any], query: Any, params: dict[str, Any]
+) -> list[Any]:
     with conn.pipeline():  # leaving it sends the one Sync
         conn.execute("BEGIN")
         conn.execute(f"SET LOCAL statement_timeout = {_TIMEOUT_OF[conn]}")
@@ -194,8 +195,17 @@ class SetLocalOwnRoundTrip(PoolerConnection):
 
 
 class Variant:
-    def __init__(self, name: str, dsn: str, runner: Runner, *, prepared: bool = False, pooler: bool = False,
-                 startup_timeout: bool = False, custom_plans: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        dsn: str,
+        runner: Runner,
+        *,
+        prepared: bool = False,
+        pooler: bool = False,
+        startup_timeout: bool = False,
+        custom_plans: bool = False,
+    ) -> None:
         self.name, self.dsn, self.runner = name, dsn, runner
         self.prepared, self.pooler, self.startup_timeout = prepared, pooler, startup_timeout
         self.custom_plans = custom_plans
@@ -228,16 +238,31 @@ class Variant:
 
 # --- the timed loop ----------------------------------------------------------------------
 def claim_params(batch: int) -> dict[str, Any]:
-    return {"owner": "bench", "batch": batch, "lease_seconds": 60.0, "max_attempts": 2_000_000_000,
-            "ordered_types": [], "all_ordered": False, "excluded_types": [],
-            "max_batch_bytes": 2**62, "candidates": batch, "max_message_bytes": None}
+    return {
+        "owner": "bench",
+        "batch": batch,
+        "lease_seconds": 60.0,
+        "max_attempts": 2_000_000_000,
+        "ordered_types": [],
+        "all_ordered": False,
+        "excluded_types": [],
+        "max_batch_bytes": 2**62,
+        "candidates": batch,
+        "max_message_bytes": None,
+    }
 
 
 def finalize_params(rows: list[Any]) -> dict[str, Any]:
     """Back to pending, due now, attempt refunded: the backlog keeps its size."""
     n = len(rows)
-    return {"ids": [r[1] for r in rows], "versions": [r[2] for r in rows], "statuses": ["pending"] * n,
-            "delays": [0.0] * n, "errors": [None] * n, "refunds": [1] * n}
+    return {
+        "ids": [r[1] for r in rows],
+        "versions": [r[2] for r in rows],
+        "statuses": ["pending"] * n,
+        "delays": [0.0] * n,
+        "errors": [None] * n,
+        "refunds": [1] * n,
+    }
 
 
 def rotated(items: list[Any], shift: int) -> list[Any]:
@@ -255,8 +280,9 @@ def cycle(conn: psycopg.Connection[Any], runner: Runner, sql_of: Any, batch: int
 
 def ordered_cycle(store: OutboxStore, batch: int) -> float:
     started = time.perf_counter()
-    result = store.claim(owner="bench", batch=batch, lease_seconds=60.0, max_attempts=2_000_000_000,
-                         ordered_types=["*"], run_length=1)
+    result = store.claim(
+        owner="bench", batch=batch, lease_seconds=60.0, max_attempts=2_000_000_000, ordered_types=["*"], run_length=1
+    )
     elapsed = time.perf_counter() - started
     store.reschedule([store_module.Reschedule(r.id, r.lease_version, 0.0, None, True) for r in result.rows])
     return elapsed
@@ -280,12 +306,20 @@ def main() -> int:
     c.add_server_args(parser)
     parser.add_argument("--rows", type=int, default=5000, help="pending rows in the table")
     parser.add_argument("--batch-sizes", default="1,100,1000", help="claim batch sizes, comma-separated")
-    parser.add_argument("--ops", type=int, default=400,
-                        help="claim+finalize cycles per variant at batch <= 10 (fewer for larger batches: "
-                             "ops*10/batch, at least 20), variants interleaved cycle by cycle")
+    parser.add_argument(
+        "--ops",
+        type=int,
+        default=400,
+        help="claim+finalize cycles per variant at batch <= 10 (fewer for larger batches: "
+        "ops*10/batch, at least 20), variants interleaved cycle by cycle",
+    )
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="added network round trip (forwarder), ms")
-    parser.add_argument("--probe-rtt-ms", type=float, default=10.0,
-                        help="round trip of the link that counts round trips (latency / this)")
+    parser.add_argument(
+        "--probe-rtt-ms",
+        type=float,
+        default=10.0,
+        help="round trip of the link that counts round trips (latency / this)",
+    )
     parser.add_argument("--probe-ops", type=int, default=10, help="operations timed behind that link")
     args = parser.parse_args()
     if args.probe_rtt_ms <= args.rtt_ms:
@@ -314,12 +348,21 @@ def main() -> int:
         delayed: list[Forwarder] = []
         direct_dsn, proxy_dsn = dsn, bouncer.dsn
         if args.rtt_ms > 0:
-            delayed = [Forwarder(target_of(dsn), delay_ms=args.rtt_ms),
-                       Forwarder(("127.0.0.1", bouncer.port), delay_ms=args.rtt_ms)]
+            delayed = [
+                Forwarder(target_of(dsn), delay_ms=args.rtt_ms),
+                Forwarder(("127.0.0.1", bouncer.port), delay_ms=args.rtt_ms),
+            ]
             direct_dsn, proxy_dsn = delayed[0].dsn(dsn), delayed[1].dsn(bouncer.dsn)
         try:
-            report = measure(args, batch_sizes, table, sql_of, direct_dsn, proxy_dsn,
-                             probes={"direct": probe_direct.dsn(dsn), "proxy": probe_proxy.dsn(bouncer.dsn)})
+            report = measure(
+                args,
+                batch_sizes,
+                table,
+                sql_of,
+                direct_dsn,
+                proxy_dsn,
+                probes={"direct": probe_direct.dsn(dsn), "proxy": probe_proxy.dsn(bouncer.dsn)},
+            )
         finally:
             for forwarder in (probe_direct, probe_proxy, *delayed):
                 forwarder.close()
@@ -330,8 +373,16 @@ def main() -> int:
     return 0
 
 
-def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of: Any, direct_dsn: str,
-            proxy_dsn: str, *, probes: dict[str, str]) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace,
+    batch_sizes: list[int],
+    table: str,
+    sql_of: Any,
+    direct_dsn: str,
+    proxy_dsn: str,
+    *,
+    probes: dict[str, str],
+) -> dict[str, Any]:
     variants = [
         Variant(DIRECT_CUSTOM, direct_dsn, run_plain, prepared=True, startup_timeout=True, custom_plans=True),
         Variant(DIRECT_GENERIC, direct_dsn, run_plain, prepared=True, startup_timeout=True),
@@ -341,8 +392,7 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
         Variant("proxy, BEGIN/SET LOCAL/stmt/COMMIT pipelined", proxy_dsn, run_begin_set_local_commit_pipelined),
         Variant("proxy, SET LOCAL own round trip", proxy_dsn, run_set_local_own_round_trip),
     ]
-    report: dict[str, Any] = {"rows": args.rows, "rtt_ms": args.rtt_ms, "ops": args.ops,
-                              "single": {}, "ordered": {}}
+    report: dict[str, Any] = {"rows": args.rows, "rtt_ms": args.rtt_ms, "ops": args.ops, "single": {}, "ordered": {}}
     c.say("checking which variants bound a statement ...")
     bounded = {v.name: v.bounded() for v in variants}
 
@@ -363,7 +413,7 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
         probed: dict[str, list[tuple[float, float]]] = {}
         # Round trips do not depend on the batch size: measured at the smallest, where
         # execution time varies least.
-        for v in (variants if batch == min(batch_sizes) else []):
+        for v in variants if batch == min(batch_sizes) else []:
             with v.connect(probes["direct" if v.dsn == direct_dsn else "proxy"]) as conn:
                 for _ in range(WARM_UP):
                     cycle(conn, v.runner, sql_of, batch)
@@ -384,16 +434,22 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
             for conn in conns.values():
                 conn.close()
         report["single"][str(batch)] = {
-            v.name: {"cycles": cycles, "claim_ms_p50": 1000 * c.median(timings[v.name][0]),
-                     "claim_ms_p90": 1000 * c.pct(timings[v.name][0], 90),
-                     "finalize_ms_p50": 1000 * c.median(timings[v.name][1]),
-                     "finalize_ms_p90": 1000 * c.pct(timings[v.name][1], 90),
-                     "claim_round_trips": trips(c.median([t[0] for t in probed[v.name]]),
-                                                c.median(timings[v.name][0])) if probed else None,
-                     "finalize_round_trips": trips(c.median([t[1] for t in probed[v.name]]),
-                                                   c.median(timings[v.name][1])) if probed else None,
-                     "bounded": bounded[v.name]}
-            for v in variants}
+            v.name: {
+                "cycles": cycles,
+                "claim_ms_p50": 1000 * c.median(timings[v.name][0]),
+                "claim_ms_p90": 1000 * c.pct(timings[v.name][0], 90),
+                "finalize_ms_p50": 1000 * c.median(timings[v.name][1]),
+                "finalize_ms_p90": 1000 * c.pct(timings[v.name][1], 90),
+                "claim_round_trips": trips(c.median([t[0] for t in probed[v.name]]), c.median(timings[v.name][0]))
+                if probed
+                else None,
+                "finalize_round_trips": trips(c.median([t[1] for t in probed[v.name]]), c.median(timings[v.name][1]))
+                if probed
+                else None,
+                "bounded": bounded[v.name],
+            }
+            for v in variants
+        }
 
     for batch in batch_sizes:
         c.say(f"ordered claim (one transaction), batch {batch} ...")
@@ -402,17 +458,21 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
         with contextlib.ExitStack() as stack:
             stores = {
                 "direct": stack.enter_context(OutboxStore(direct_dsn, table, pool_size=1)),
-                "pooler mode (set_config with the first statement)":
-                    stack.enter_context(pooler_store(proxy_dsn, table, PoolerConnection)),
-                "pooler, SET LOCAL own round trip":
-                    stack.enter_context(pooler_store(proxy_dsn, table, SetLocalOwnRoundTrip)),
+                "pooler mode (set_config with the first statement)": stack.enter_context(
+                    pooler_store(proxy_dsn, table, PoolerConnection)
+                ),
+                "pooler, SET LOCAL own round trip": stack.enter_context(
+                    pooler_store(proxy_dsn, table, SetLocalOwnRoundTrip)
+                ),
             }
             probed_stores = {
                 "direct": stack.enter_context(OutboxStore(probes["direct"], table, pool_size=1)),
-                "pooler mode (set_config with the first statement)":
-                    stack.enter_context(pooler_store(probes["proxy"], table, PoolerConnection)),
-                "pooler, SET LOCAL own round trip":
-                    stack.enter_context(pooler_store(probes["proxy"], table, SetLocalOwnRoundTrip)),
+                "pooler mode (set_config with the first statement)": stack.enter_context(
+                    pooler_store(probes["proxy"], table, PoolerConnection)
+                ),
+                "pooler, SET LOCAL own round trip": stack.enter_context(
+                    pooler_store(probes["proxy"], table, SetLocalOwnRoundTrip)
+                ),
             }
             for name, probed_store in (probed_stores if batch == min(batch_sizes) else {}).items():
                 ordered_cycle(probed_store, batch)
@@ -425,9 +485,13 @@ def measure(args: argparse.Namespace, batch_sizes: list[int], table: str, sql_of
                 for name in rotated(list(stores), op):
                     times[name].append(ordered_cycle(stores[name], batch))
         report["ordered"][str(batch)] = {
-            name: {"claim_ms_p50": 1000 * c.median(t), "claim_ms_p90": 1000 * c.pct(t, 90),
-                   "round_trips": trips(probed_times[name], c.median(t)) if probed_times else None}
-            for name, t in times.items()}
+            name: {
+                "claim_ms_p50": 1000 * c.median(t),
+                "claim_ms_p90": 1000 * c.pct(t, 90),
+                "round_trips": trips(probed_times[name], c.median(t)) if probed_times else None,
+            }
+            for name, t in times.items()
+        }
     return report
 
 
@@ -437,38 +501,53 @@ def _trips(value: float | None) -> str:
 
 def render(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     rtt = f"{report['rtt_ms']:g} ms added round trip" if report["rtt_ms"] else "loopback, no added delay"
-    lines = [f"PostgreSQL {report['server_version']}, pgbouncer pool_mode=transaction; {report['rows']} pending rows; "
-             f"{rtt}; variants interleaved cycle by cycle", ""]
+    lines = [
+        f"PostgreSQL {report['server_version']}, pgbouncer pool_mode=transaction; {report['rows']} pending rows; "
+        f"{rtt}; variants interleaved cycle by cycle",
+        "",
+    ]
     for batch, table in report["single"].items():
         cycles = next(iter(table.values()))["cycles"]
-        lines.append(f"claim + finalize, batch {batch}, {cycles} cycles: median (p90) ms per statement, "
-                     "round trips per statement")
+        lines.append(
+            f"claim + finalize, batch {batch}, {cycles} cycles: median (p90) ms per statement, "
+            "round trips per statement"
+        )
         lines.append(f"  {'variant':<46}{'claim':>16}{'finalize':>16}{'trips':>8}  bounded")
         for name, r in table.items():
-            lines.append(f"  {name:<46}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f})"
-                         f"{r['finalize_ms_p50']:>7.3f} ({r['finalize_ms_p90']:>6.3f})"
-                         f"{_trips(r['claim_round_trips']):>5}/{_trips(r['finalize_round_trips']):<4}  "
-                         f"{'yes' if r['bounded'] else 'NO'}")
+            lines.append(
+                f"  {name:<46}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f})"
+                f"{r['finalize_ms_p50']:>7.3f} ({r['finalize_ms_p90']:>6.3f})"
+                f"{_trips(r['claim_round_trips']):>5}/{_trips(r['finalize_round_trips']):<4}  "
+                f"{'yes' if r['bounded'] else 'NO'}"
+            )
         unprepared = table[DIRECT_UNPREPARED]
         reference, chosen = table["proxy, no timeout (reference)"], table["proxy, set_config pipelined (pooler mode)"]
         for name in (DIRECT_CUSTOM, DIRECT_GENERIC):
             prepared = table[name]
             claim_gain = unprepared["claim_ms_p50"] / prepared["claim_ms_p50"]
             finalize_gain = unprepared["finalize_ms_p50"] / prepared["finalize_ms_p50"]
-            helps = (prepared["claim_ms_p50"] + prepared["finalize_ms_p50"]
-                     < unprepared["claim_ms_p50"] + unprepared["finalize_ms_p50"])
-            lines.append(f"  {name} vs not prepared: claim x{claim_gain:.2f}, finalize x{finalize_gain:.2f} "
-                         f"({'faster' if helps else 'no faster'} in sum)")
-        lines.append(f"  the bound in pooler mode: claim {chosen['claim_ms_p50'] - reference['claim_ms_p50']:+.3f} ms, "
-                     f"finalize {chosen['finalize_ms_p50'] - reference['finalize_ms_p50']:+.3f} ms vs the unbounded "
-                     "statement through the proxy")
+            helps = (
+                prepared["claim_ms_p50"] + prepared["finalize_ms_p50"]
+                < unprepared["claim_ms_p50"] + unprepared["finalize_ms_p50"]
+            )
+            lines.append(
+                f"  {name} vs not prepared: claim x{claim_gain:.2f}, finalize x{finalize_gain:.2f} "
+                f"({'faster' if helps else 'no faster'} in sum)"
+            )
+        lines.append(
+            f"  the bound in pooler mode: claim {chosen['claim_ms_p50'] - reference['claim_ms_p50']:+.3f} ms, "
+            f"finalize {chosen['finalize_ms_p50'] - reference['finalize_ms_p50']:+.3f} ms vs the unbounded "
+            "statement through the proxy"
+        )
         lines.append("")
     for batch, table in report["ordered"].items():
-        lines.append(f"ordered claim (several statements, one transaction), batch {batch}: "
-                     "median (p90) ms, round trips")
+        lines.append(
+            f"ordered claim (several statements, one transaction), batch {batch}: median (p90) ms, round trips"
+        )
         for name, r in table.items():
-            lines.append(f"  {name:<52}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f})"
-                         f"{_trips(r['round_trips']):>6}")
+            lines.append(
+                f"  {name:<52}{r['claim_ms_p50']:>7.3f} ({r['claim_ms_p90']:>6.3f}){_trips(r['round_trips']):>6}"
+            )
         lines.append("")
     return lines
 

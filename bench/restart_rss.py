@@ -49,24 +49,44 @@ def main() -> None:
         out = []
         for _ in range(1000):
             seq += 1
-            out.append(Message(id=seq, topic="rss", key=f"agg-{seq % 500}",
-                               value=json.dumps({"seq": seq, "note": "x" * 100}),
-                               headers=[("message_id", str(seq))], aggregate_type="order",
-                               aggregate_id=str(seq), event_type="OrderCreated"))
+            out.append(
+                Message(
+                    id=seq,
+                    topic="rss",
+                    key=f"agg-{seq % 500}",
+                    value=json.dumps({"seq": seq, "note": "x" * 100}),
+                    headers=[("message_id", str(seq))],
+                    aggregate_type="order",
+                    aggregate_id=str(seq),
+                    event_type="OrderCreated",
+                )
+            )
         return out
 
     def sample(step: int, **more: object) -> None:
         gc.collect()
-        print(json.dumps({"restart": step, "rss_mb": rss_mb(), "threads": len(os.listdir("/proc/self/task")),
-                          "live_producers": sum(1 for o in gc.get_objects() if isinstance(o, Producer)), **more}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "restart": step,
+                    "rss_mb": rss_mb(),
+                    "threads": len(os.listdir("/proc/self/task")),
+                    "live_producers": sum(1 for o in gc.get_objects() if isinstance(o, Producer)),
+                    **more,
+                }
+            ),
+            flush=True,
+        )
 
     with EmbeddedObjectStore() as storage:
         broker = EmbeddedBroker(storage=storage).start()
         try:
-            settings = load_settings(None, database={"dsn": "postgresql://unused@127.0.0.1/unused", "table": "t"},
-                                     kafka={"bootstrap_servers": broker.bootstrap_servers, "topic_template": "rss"},
-                                     relay={"lease_seconds": 10})
+            settings = load_settings(
+                None,
+                database={"dsn": "postgresql://unused@127.0.0.1/unused", "table": "t"},
+                kafka={"bootstrap_servers": broker.bootstrap_servers, "topic_template": "rss"},
+                relay={"lease_seconds": 10},
+            )
             publisher = from_settings(settings)
             publisher.start()
             timeout = publisher.publish_timeout_seconds(10)
@@ -86,8 +106,9 @@ def main() -> None:
                 for _ in range(10):
                     if all(o is None for o in publisher.publish_batch(batch(), timeout_seconds=timeout)):
                         break
-                sample(step, producer_generation=publisher.generation,
-                       isolated_total=publisher.isolation.isolated_total)
+                sample(
+                    step, producer_generation=publisher.generation, isolated_total=publisher.isolation.isolated_total
+                )
             publisher.close()
         finally:
             broker.stop()

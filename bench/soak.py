@@ -95,9 +95,14 @@ class SteadyWriter(threading.Thread):
                 with conn.transaction():
                     for i in range(count):
                         seq = self.written + i
-                        enqueue(conn, aggregate_type="order", aggregate_id=f"agg-{seq % 500}",
-                                event_type="OrderCreated", payload={"seq": seq, "note": "x" * 100},
-                                table=self.table)
+                        enqueue(
+                            conn,
+                            aggregate_type="order",
+                            aggregate_id=f"agg-{seq % 500}",
+                            event_type="OrderCreated",
+                            payload={"seq": seq, "note": "x" * 100},
+                            table=self.table,
+                        )
                 self.written += count
                 owed -= count
             except psycopg.Error:
@@ -150,23 +155,41 @@ def rss_mb(pid: int) -> float | None:
 def open_sockets(pid: int) -> int | None:
     """Sockets the process holds (database pool + listener, broker connections)."""
     try:
-        return sum(1 for fd in os.listdir(f"/proc/{pid}/fd")
-                   if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"))
+        return sum(
+            1 for fd in os.listdir(f"/proc/{pid}/fd") if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        )
     except OSError:
         return None
 
 
-def sample(monitor: psycopg.Connection[Any], table: str, t: float, relay_a: c.RelayProcess,
-           relay_b: c.RelayProcess, writer: SteadyWriter) -> Sample:
+def sample(
+    monitor: psycopg.Connection[Any],
+    table: str,
+    t: float,
+    relay_a: c.RelayProcess,
+    relay_b: c.RelayProcess,
+    writer: SteadyWriter,
+) -> Sample:
     ident = c.ident(table)
-    age, backlog = monitor.execute(sql.SQL(
-        "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8, count(*) "
-        "FROM {} WHERE status IN ('pending', 'processing')").format(ident)).fetchone()
+    age, backlog = monitor.execute(
+        sql.SQL(
+            "SELECT coalesce(extract(epoch FROM now() - min(created_at)), 0)::float8, count(*) "
+            "FROM {} WHERE status IN ('pending', 'processing')"
+        ).format(ident)
+    ).fetchone()
     (connections,) = monitor.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'").fetchone()
-    return Sample(t=t, rss_a_mb=rss_mb(relay_a.pid), rss_b_mb=rss_mb(relay_b.pid),
-                  sockets_a=open_sockets(relay_a.pid), db_connections=int(connections),
-                  oldest_pending_age_seconds=float(age), backlog=int(backlog), written=writer.written)
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'outbox-relay'"
+    ).fetchone()
+    return Sample(
+        t=t,
+        rss_a_mb=rss_mb(relay_a.pid),
+        rss_b_mb=rss_mb(relay_b.pid),
+        sockets_a=open_sockets(relay_a.pid),
+        db_connections=int(connections),
+        oldest_pending_age_seconds=float(age),
+        backlog=int(backlog),
+        written=writer.written,
+    )
 
 
 def flat(points: list[tuple[float, float]]) -> dict[str, Any]:
@@ -183,17 +206,31 @@ def flat(points: list[tuple[float, float]]) -> dict[str, Any]:
     span = ts[-1] - ts[0]
     projected = slope * span
     allowed = max(3 * noise, 0.05 * abs(mean_v))
-    return {"flat": abs(projected) <= allowed, "slope_per_minute": round(slope * 60, 3),
-            "projected_change": round(projected, 2), "allowed_change": round(allowed, 2),
-            "mean": round(mean_v, 2), "first": round(vs[0], 2), "last": round(vs[-1], 2)}
+    return {
+        "flat": abs(projected) <= allowed,
+        "slope_per_minute": round(slope * 60, 3),
+        "projected_change": round(projected, 2),
+        "allowed_change": round(allowed, 2),
+        "mean": round(mean_v, 2),
+        "first": round(vs[0], 2),
+        "last": round(vs[-1], 2),
+    }
 
 
 # --- read-back -------------------------------------------------------------------------
 def _consumer(bootstrap: str, **more: object) -> Any:
     from confluent_kafka import Consumer
 
-    return Consumer({"bootstrap.servers": bootstrap, "group.id": f"soak-{c.RUN_ID}", "enable.auto.commit": False,
-                     "auto.offset.reset": "earliest", "log_level": 0, **more})
+    return Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"soak-{c.RUN_ID}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log_level": 0,
+            **more,
+        }
+    )
 
 
 def _message_id(msg: Any) -> int | None:
@@ -280,9 +317,17 @@ def read_delivery_log(path: Path) -> list[Report]:
         if len(parts) != 7:
             continue  # a line cut by SIGKILL
         t, pid, source, message_id, partition, offset, error = parts
-        reports.append(Report(float(t), int(pid), source, int(message_id),
-                              None if partition == "None" else int(partition),
-                              None if offset == "None" else int(offset), error))
+        reports.append(
+            Report(
+                float(t),
+                int(pid),
+                source,
+                int(message_id),
+                None if partition == "None" else int(partition),
+                None if offset == "None" else int(offset),
+                error,
+            )
+        )
     return reports
 
 
@@ -312,8 +357,13 @@ def duplicate_sequence_acks(reports: list[Report]) -> set[int]:
     return found
 
 
-def diagnose(missing: set[int], reports: list[Report], read_at: dict[tuple[int, int], int],
-             faults: list[Fault], start_epoch: float) -> dict[str, Any]:
+def diagnose(
+    missing: set[int],
+    reports: list[Report],
+    read_at: dict[tuple[int, int], int],
+    faults: list[Fault],
+    start_epoch: float,
+) -> dict[str, Any]:
     """Why ids finalized ``done`` never reached the reader, from the delivery reports
     the relays acted on and the (partition, offset) at which the reader saw each id.
 
@@ -333,8 +383,12 @@ def diagnose(missing: set[int], reports: list[Report], read_at: dict[tuple[int, 
             success.setdefault(r.message_id, []).append((index, r))
         else:
             errors[r.error] = errors.get(r.error, 0) + 1
-    kinds: dict[str, list[int]] = {"no_success_report": [], "acked_by_duplicate_sequence": [], "offset_reused": [],
-                                   "offset_never_read": []}
+    kinds: dict[str, list[int]] = {
+        "no_success_report": [],
+        "acked_by_duplicate_sequence": [],
+        "offset_reused": [],
+        "offset_never_read": [],
+    }
     for message_id in sorted(missing):
         acks = success.get(message_id, [])
         real = [r for index, r in acks if index not in dupseq]
@@ -342,8 +396,7 @@ def diagnose(missing: set[int], reports: list[Report], read_at: dict[tuple[int, 
             kinds["no_success_report"].append(message_id)
         elif not real:
             kinds["acked_by_duplicate_sequence"].append(message_id)
-        elif any(r.partition is not None and r.offset is not None and (r.partition, r.offset) in read_at
-                 for r in real):
+        elif any(r.partition is not None and r.offset is not None and (r.partition, r.offset) in read_at for r in real):
             kinds["offset_reused"].append(message_id)
         else:
             kinds["offset_never_read"].append(message_id)
@@ -351,14 +404,21 @@ def diagnose(missing: set[int], reports: list[Report], read_at: dict[tuple[int, 
     only_dupseq = {m for m, acks in success.items() if all(index in dupseq for index, _r in acks)}
     # When the DUPLICATE_SEQUENCE_NUMBER answers came: seconds after the last broker restart.
     restarts = [f.t for f in faults if f.kind == "broker-restart"]
-    answers = sorted({(round(reports[i].t, 1), reports[i].pid, reports[i].partition) for i in dupseq
-                      if reports[i].offset is None})
+    answers = sorted(
+        {(round(reports[i].t, 1), reports[i].pid, reports[i].partition) for i in dupseq if reports[i].offset is None}
+    )
     after_restart = []
     for t, pid, partition in answers:
         rel = t - start_epoch
         before = [x for x in restarts if x <= rel]
-        after_restart.append({"at_seconds": round(rel, 1), "relay_pid": pid, "partition": partition,
-                              "seconds_after_broker_restart": round(rel - before[-1], 1) if before else None})
+        after_restart.append(
+            {
+                "at_seconds": round(rel, 1),
+                "relay_pid": pid,
+                "partition": partition,
+                "seconds_after_broker_restart": round(rel - before[-1], 1) if before else None,
+            }
+        )
     return {
         "counts": {k: len(v) for k, v in kinds.items()},
         "success_reports": sum(len(v) for v in success.values()),
@@ -384,16 +444,22 @@ def plot(run: Run, path: Path, title: str) -> str | None:
     minutes = [s.t / 60 for s in run.samples]
     fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
     axes[0].plot(minutes, [s.rss_a_mb for s in run.samples], marker="o", label="relay A (never killed)")
-    axes[0].plot(minutes, [s.rss_b_mb for s in run.samples], marker=".", linestyle="--",
-                 label="relay B (SIGKILLed and restarted)")
+    axes[0].plot(
+        minutes,
+        [s.rss_b_mb for s in run.samples],
+        marker=".",
+        linestyle="--",
+        label="relay B (SIGKILLed and restarted)",
+    )
     axes[0].set_ylabel("RSS (MB)")
     axes[0].set_ylim(bottom=0)
     axes[1].plot(minutes, [s.oldest_pending_age_seconds for s in run.samples], marker="o", color="tab:red")
     axes[1].set_ylabel("oldest pending age (s)")
     axes[1].set_ylim(bottom=0)
     axes[2].plot(minutes, [s.sockets_a for s in run.samples], marker="o", label="relay A open sockets")
-    axes[2].plot(minutes, [s.db_connections for s in run.samples], marker=".", linestyle="--",
-                 label="relay backends (A + B)")
+    axes[2].plot(
+        minutes, [s.db_connections for s in run.samples], marker=".", linestyle="--", label="relay backends (A + B)"
+    )
     axes[2].set_ylabel("connections")
     axes[2].set_xlabel("minutes")
     axes[2].set_ylim(bottom=0)
@@ -422,13 +488,20 @@ def main() -> int:
     parser.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults (default 60)")
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples (default 10)")
     parser.add_argument("--short", action="store_true", help="1 minute, a fault every 15 s, a sample every 5 s")
-    parser.add_argument("--faults", default=",".join(FAULTS),
-                        help=f"the faults to strike in turn, comma-separated (default {','.join(FAULTS)})")
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"the faults to strike in turn, comma-separated (default {','.join(FAULTS)})",
+    )
     parser.add_argument("--workers", type=int, default=4, help="worker threads per relay (default 4)")
     parser.add_argument("--dsn", help="use this PostgreSQL instead of starting an embedded PostgreSQL 18")
     parser.add_argument("--plot", default=str(c.ROOT / "docs" / "images" / "soak.png"), help="PNG path ('' = no plot)")
-    parser.add_argument("--readback-timeout", type=float, default=300.0,
-                        help="seconds allowed, after the drain, until the reader has seen every id (default 300)")
+    parser.add_argument(
+        "--readback-timeout",
+        type=float,
+        default=300.0,
+        help="seconds allowed, after the drain, until the reader has seen every id (default 300)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON document on stdout")
     args = parser.parse_args()
     # SIGTERM (e.g. a CI timeout) unwinds like Ctrl-C, so every server started here is stopped.
@@ -464,15 +537,20 @@ def main() -> int:
         reader = LiveReader(broker.bootstrap_servers, topic, PARTITIONS)
         reader.start()
         stack.callback(reader.stop.set)
-        env = c.relay_env(dsn, table, broker.bootstrap_servers, topic,
-                          OUTBOX_RELAY_RELAY__WORKERS=str(args.workers),
-                          OUTBOX_RELAY_RELAY__LEASE_SECONDS="10",
-                          OUTBOX_RELAY_RELAY__MAX_ATTEMPTS="100",
-                          OUTBOX_RELAY_RELAY__BACKOFF_CAP_SECONDS="5",
-                          OUTBOX_RELAY_METRICS__ENABLED="false",
-                          OUTBOX_RELAY_LOG__LEVEL="INFO",
-                          # Diagnostics: every delivery report (id, partition, offset) to a file.
-                          OUTBOX_RELAY_DELIVERY_LOG=str(delivery_log))
+        env = c.relay_env(
+            dsn,
+            table,
+            broker.bootstrap_servers,
+            topic,
+            OUTBOX_RELAY_RELAY__WORKERS=str(args.workers),
+            OUTBOX_RELAY_RELAY__LEASE_SECONDS="10",
+            OUTBOX_RELAY_RELAY__MAX_ATTEMPTS="100",
+            OUTBOX_RELAY_RELAY__BACKOFF_CAP_SECONDS="5",
+            OUTBOX_RELAY_METRICS__ENABLED="false",
+            OUTBOX_RELAY_LOG__LEVEL="INFO",
+            # Diagnostics: every delivery report (id, partition, offset) to a file.
+            OUTBOX_RELAY_DELIVERY_LOG=str(delivery_log),
+        )
         relays = {"A": c.RelayProcess([], env), "B": c.RelayProcess([], env)}
         every_relay = list(relays.values())
         stack.callback(lambda: [r.stop(timeout=30) for r in every_relay])
@@ -492,9 +570,11 @@ def main() -> int:
             if now >= next_sample:
                 run.samples.append(sample(monitor, table, now, relays["A"], relays["B"], writer))
                 s = run.samples[-1]
-                c.say(f"  {now:6.0f}s written {s.written:>8}  backlog {s.backlog:>7}  oldest "
-                      f"{s.oldest_pending_age_seconds:6.1f}s  RSS A {s.rss_a_mb or 0:6.1f} MB  "
-                      f"sockets A {s.sockets_a}  backends {s.db_connections}")
+                c.say(
+                    f"  {now:6.0f}s written {s.written:>8}  backlog {s.backlog:>7}  oldest "
+                    f"{s.oldest_pending_age_seconds:6.1f}s  RSS A {s.rss_a_mb or 0:6.1f} MB  "
+                    f"sockets A {s.sockets_a}  backends {s.db_connections}"
+                )
                 next_sample += args.sample_every
             if now >= next_fault and now < seconds - 1:
                 kind = faults[fault_index % len(faults)]
@@ -515,7 +595,8 @@ def main() -> int:
                 else:
                     (terminated,) = monitor.execute(
                         "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                        "WHERE application_name = 'outbox-relay') AS t").fetchone()
+                        "WHERE application_name = 'outbox-relay') AS t"
+                    ).fetchone()
                     detail = f"{terminated} backends"
                 run.faults.append(Fault(now, kind, detail))
                 c.say(f"  {now:6.0f}s FAULT {kind} ({detail})")
@@ -531,8 +612,10 @@ def main() -> int:
         counts = c.count_by_status(dsn, table)
         ids = {r[0] for r in monitor.execute(sql.SQL("SELECT id FROM {}").format(c.ident(table))).fetchall()}
         alive = {name: r.proc.poll() is None for name, r in relays.items()}
-        c.say(f"drained {drain_seconds:.1f}s after the writer stopped; waiting for the reader to see all "
-              f"{len(ids)} ids ...")
+        c.say(
+            f"drained {drain_seconds:.1f}s after the writer stopped; waiting for the reader to see all "
+            f"{len(ids)} ids ..."
+        )
         read_started = time.monotonic()
         while not ids <= reader.seen and time.monotonic() - read_started < args.readback_timeout:
             time.sleep(0.5)
@@ -547,9 +630,13 @@ def main() -> int:
         missing_rows = []
         if ids - seen:
             # Where the undelivered rows sit in time, next to the faults (diagnosis).
-            missing_rows = monitor.execute(sql.SQL(
-                "SELECT id, extract(epoch FROM created_at)::float8, extract(epoch FROM done_at)::float8, attempts "
-                "FROM {} WHERE id = ANY(%s) ORDER BY id").format(c.ident(table)), (sorted(ids - seen),)).fetchall()
+            missing_rows = monitor.execute(
+                sql.SQL(
+                    "SELECT id, extract(epoch FROM created_at)::float8, extract(epoch FROM done_at)::float8, attempts "
+                    "FROM {} WHERE id = ANY(%s) ORDER BY id"
+                ).format(c.ident(table)),
+                (sorted(ids - seen),),
+            ).fetchall()
         exit_codes = {name: r.stop(timeout=60) for name, r in relays.items()}
         crashes = sum(r.log_text().count('"worker crashed"') for r in every_relay)
         warnings: dict[str, int] = {}
@@ -567,9 +654,16 @@ def main() -> int:
     missing = ids - seen
     first_restart = next((f.t for f in run.faults if f.kind == "broker-restart"), None)
     oldest_ok = len(oldest) >= min(OLDEST_CHECKED, len(ids)) and set(oldest) <= ids
-    ok = (not missing and oldest_ok and counts == {"done": len(ids)} and all(alive.values()) and crashes == 0
-          and rss["flat"] is not False and sockets["flat"] is not False
-          and all(code == 0 for code in exit_codes.values()))
+    ok = (
+        not missing
+        and oldest_ok
+        and counts == {"done": len(ids)}
+        and all(alive.values())
+        and crashes == 0
+        and rss["flat"] is not False
+        and sockets["flat"] is not False
+        and all(code == 0 for code in exit_codes.values())
+    )
     report = {
         "ok": ok,
         "postgres": c.server_version(dsn) if args.dsn else "18 (embedded)",
@@ -584,13 +678,22 @@ def main() -> int:
         "messages_read": messages,
         "duplicates": messages - len(seen),
         "missing": len(missing),
-        "oldest_readable_after_restarts": {"read": len(oldest), "all_known_ids": set(oldest) <= ids,
-                                           "first_broker_restart_at_seconds": first_restart},
+        "oldest_readable_after_restarts": {
+            "read": len(oldest),
+            "all_known_ids": set(oldest) <= ids,
+            "first_broker_restart_at_seconds": first_restart,
+        },
         "final_status": counts,
         "missing_diagnosis": diagnosis,
-        "missing_rows": [{"id": r[0], "created_at_seconds": round(r[1] - start_epoch, 1),
-                          "done_at_seconds": round(r[2] - start_epoch, 1) if r[2] else None, "attempts": r[3]}
-                         for r in missing_rows[:200]],
+        "missing_rows": [
+            {
+                "id": r[0],
+                "created_at_seconds": round(r[1] - start_epoch, 1),
+                "done_at_seconds": round(r[2] - start_epoch, 1) if r[2] else None,
+                "attempts": r[3],
+            }
+            for r in missing_rows[:200]
+        ],
         "relay_warnings": warnings,
         "relays_alive_at_end": alive,
         "graceful_exit_codes": exit_codes,
@@ -604,8 +707,10 @@ def main() -> int:
     }
     plot_note = None
     if args.plot:
-        title = (f"outbox-relay soak: {writer.written} events at {report['achieved_rate']:.0f}/s, "
-                 f"{len(run.faults)} faults, {len(missing)} missing, {report['duplicates']} duplicates")
+        title = (
+            f"outbox-relay soak: {writer.written} events at {report['achieved_rate']:.0f}/s, "
+            f"{len(run.faults)} faults, {len(missing)} missing, {report['duplicates']} duplicates"
+        )
         plot_note = plot(run, Path(args.plot), title)
         report["plot"] = plot_note or args.plot
     lines = [

@@ -64,13 +64,23 @@ class Config:
 
 CONFIGS: dict[str, Config] = {
     "keep": Config("keep", "defaults: done rows kept until purge, no ordered types"),
-    "keep-ordered": Config("keep-ordered", 'relay.ordered_event_types = ["*"]',
-                           {"OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["*"]'}, ordered=True),
-    "delete": Config("delete", 'relay.on_done = "delete": the finalize deletes delivered rows',
-                     {"OUTBOX_RELAY_RELAY__ON_DONE": "delete"}),
-    "delete-ordered": Config("delete-ordered", 'relay.on_done = "delete", relay.ordered_event_types = ["*"]',
-                             {"OUTBOX_RELAY_RELAY__ON_DONE": "delete",
-                              "OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["*"]'}, ordered=True),
+    "keep-ordered": Config(
+        "keep-ordered",
+        'relay.ordered_event_types = ["*"]',
+        {"OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["*"]'},
+        ordered=True,
+    ),
+    "delete": Config(
+        "delete",
+        'relay.on_done = "delete": the finalize deletes delivered rows',
+        {"OUTBOX_RELAY_RELAY__ON_DONE": "delete"},
+    ),
+    "delete-ordered": Config(
+        "delete-ordered",
+        'relay.on_done = "delete", relay.ordered_event_types = ["*"]',
+        {"OUTBOX_RELAY_RELAY__ON_DONE": "delete", "OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES": '["*"]'},
+        ordered=True,
+    ),
 }
 
 # --- WAL positions and records ------------------------------------------------------------
@@ -127,10 +137,20 @@ def records(conn: psycopg.Connection[Any], start: str, end: str, app_xids: list[
         if "could not find a valid record" not in str(exc):
             raise
         return []
-    return [{"who": who, "rmgr": rmgr, "type": rtype, "relation": rel, "records": int(n),
-             "record_bytes": int(rec or 0), "fpi_records": int(nfpi), "fpi_bytes": int(fpi or 0),
-             "space": int(space or 0)}
-            for who, rmgr, rtype, rel, n, rec, nfpi, fpi, space in rows]
+    return [
+        {
+            "who": who,
+            "rmgr": rmgr,
+            "type": rtype,
+            "relation": rel,
+            "records": int(n),
+            "record_bytes": int(rec or 0),
+            "fpi_records": int(nfpi),
+            "fpi_bytes": int(fpi or 0),
+            "space": int(space or 0),
+        }
+        for who, rmgr, rtype, rel, n, rec, nfpi, fpi, space in rows
+    ]
 
 
 def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[str, Any]:
@@ -151,14 +171,15 @@ def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[st
         "records_per_event": round(sum(r["records"] for r in mine) / events, 2),
         "fpi_records": sum(r["fpi_records"] for r in mine),
         "fpi_bytes_per_event": round(sum(r["fpi_bytes"] for r in mine) / events, 1),
-        "records_per_event_by_record": {k: round(v / events, 2)
-                                        for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
-                                        if v / events >= 0.01},
-        "bytes_per_event_by_relation": {k: round(v / events, 1)
-                                        for k, v in sorted(by_relation.items(), key=lambda kv: -kv[1])
-                                        if v / events >= 0.5},
-        "bytes_per_event_by_record": {k: round(v / events, 1)
-                                      for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]) if v / events >= 0.5},
+        "records_per_event_by_record": {
+            k: round(v / events, 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1]) if v / events >= 0.01
+        },
+        "bytes_per_event_by_relation": {
+            k: round(v / events, 1) for k, v in sorted(by_relation.items(), key=lambda kv: -kv[1]) if v / events >= 0.5
+        },
+        "bytes_per_event_by_record": {
+            k: round(v / events, 1) for k, v in sorted(by_type.items(), key=lambda kv: -kv[1]) if v / events >= 0.5
+        },
     }
 
 
@@ -166,22 +187,26 @@ def summarise(recs: list[dict[str, Any]], events: int, who: set[str]) -> dict[st
 def random_payload(seq: int, size: int) -> str:
     """JSON text of about ``size`` bytes whose content is random hex (incompressible for pglz)."""
     head = json.dumps({"seq": seq, "data": ""}, separators=(",", ":"))
-    return json.dumps({"seq": seq, "data": os.urandom(max(1, (size - len(head)) // 2)).hex()},
-                      separators=(",", ":"))
+    return json.dumps({"seq": seq, "data": os.urandom(max(1, (size - len(head)) // 2)).hex()}, separators=(",", ":"))
 
 
-def write_events(dsn: str, table: str, *, events: int, payload_bytes: int, aggregates: int, rate: float,
-                 tx_rows: int) -> tuple[list[int], float]:
+def write_events(
+    dsn: str, table: str, *, events: int, payload_bytes: int, aggregates: int, rate: float, tx_rows: int
+) -> tuple[list[int], float]:
     """The application: ``tx_rows`` single-row INSERTs per transaction, paced at ``rate``
     events/s. Returns the transactions' xids (32-bit, as pg_walinspect shows them) and seconds."""
-    stmt = sql.SQL("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-                   "VALUES ('order', %s, 'OrderPlaced', %s::jsonb)").format(c.ident(table))
+    stmt = sql.SQL(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+        "VALUES ('order', %s, 'OrderPlaced', %s::jsonb)"
+    ).format(c.ident(table))
     xids: list[int] = []
     started = time.monotonic()
     with psycopg.connect(dsn) as conn:
         for first in range(0, events, tx_rows):
-            batch = [(f"agg-{i % aggregates}", random_payload(i, payload_bytes))
-                     for i in range(first, min(events, first + tx_rows))]
+            batch = [
+                (f"agg-{i % aggregates}", random_payload(i, payload_bytes))
+                for i in range(first, min(events, first + tx_rows))
+            ]
             with conn.transaction(), conn.cursor() as cur:
                 cur.executemany(stmt, batch)
                 xid = int(cur.execute("SELECT pg_current_xact_id()::text").fetchone()[0])
@@ -199,15 +224,19 @@ def table_counters(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
     row = conn.execute(
         "SELECT n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del, n_live_tup, n_dead_tup,"
         " pg_table_size(relid), pg_indexes_size(relid) FROM pg_stat_user_tables WHERE relid = %s::regclass",
-        (table,)).fetchone()
-    keys = ("inserted", "updated", "hot_updated", "deleted", "live_tuples", "dead_tuples", "table_bytes",
-            "index_bytes")
+        (table,),
+    ).fetchone()
+    keys = ("inserted", "updated", "hot_updated", "deleted", "live_tuples", "dead_tuples", "table_bytes", "index_bytes")
     return dict(zip(keys, (int(v) for v in row), strict=True))
 
 
 def index_list(conn: psycopg.Connection[Any], table: str) -> list[str]:
-    return [r[0] for r in conn.execute(
-        "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = %s::regclass ORDER BY 1", (table,))]
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT indexrelid::regclass::text FROM pg_index WHERE indrelid = %s::regclass ORDER BY 1", (table,)
+        )
+    ]
 
 
 def settle_stats(seconds: float = 1.2) -> None:
@@ -215,8 +244,7 @@ def settle_stats(seconds: float = 1.2) -> None:
     time.sleep(seconds)
 
 
-def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int,
-            args: argparse.Namespace) -> dict[str, Any]:
+def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int, args: argparse.Namespace) -> dict[str, Any]:
     label = f"wal{config.name.replace('-', '')}{payload_bytes}"
     table = c.new_table(label)
     topic = f"bench.{c.RUN_ID}.{label}"
@@ -228,8 +256,13 @@ def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int,
         for statement in args.after_migrate:  # layout experiments: {table} is the outbox table
             conn.execute(sql.SQL(statement).format(table=c.ident(table)))
         indexes = index_list(conn, table)
-    result: dict[str, Any] = {"config": config.name, "payload_bytes": payload_bytes, "events": args.events,
-                              "table": table, "indexes": indexes}
+    result: dict[str, Any] = {
+        "config": config.name,
+        "payload_bytes": payload_bytes,
+        "events": args.events,
+        "table": table,
+        "indexes": indexes,
+    }
     relay = c.RelayProcess(["--workers", str(args.workers)], env)
     try:
         relay.wait_started()
@@ -239,10 +272,19 @@ def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int,
             settle_stats()
             stats0 = wal_stats(conn)
             start = current_lsn(conn)
-            c.say(f"  {config.name} ~{payload_bytes} B: writing {args.events} events at {args.rate:g}/s "
-                  "while the relay drains ...")
-            xids, write_seconds = write_events(dsn, table, events=args.events, payload_bytes=payload_bytes,
-                                               aggregates=args.aggregates, rate=args.rate, tx_rows=args.tx_rows)
+            c.say(
+                f"  {config.name} ~{payload_bytes} B: writing {args.events} events at {args.rate:g}/s "
+                "while the relay drains ..."
+            )
+            xids, write_seconds = write_events(
+                dsn,
+                table,
+                events=args.events,
+                payload_bytes=payload_bytes,
+                aggregates=args.aggregates,
+                rate=args.rate,
+                tx_rows=args.tx_rows,
+            )
             c.wait_drained(conn, table, timeout=args.timeout)
     finally:
         code = relay.stop()
@@ -278,29 +320,40 @@ def measure(dsn: str, bootstrap: str, config: Config, payload_bytes: int,
         v_end = current_lsn(conn)
         vacuum_space = lsn_diff(conn, v_start, v_end)
     unattributed = run_space - sum(r["space"] for r in recs)
-    result.update({
-        "write_seconds": round(write_seconds, 2), "app_transactions": len(xids),
-        "app": summarise(recs, args.events, {"app"}),
-        "relay": summarise(recs, args.events, {"other-xid", "no-xid"}),
-        "relay_no_xid": summarise(recs, args.events, {"no-xid"}),
-        "run_lsn_bytes": run_space, "run_unattributed_bytes": unattributed,
-        "retention": summarise(purge_recs, args.events, {"app", "other-xid", "no-xid"}),
-        "retention_output": purged,
-        "vacuum_bytes_per_event": round(vacuum_space / args.events, 1),
-        "pg_stat_wal_run": stats_delta(stats0, stats1), "pg_stat_wal_purge": stats_delta(stats2, stats3),
-        "table_after_run": after_run, "table_after_purge": after_purge,
-        "relay_exit_code": code, "relay_warnings": relay.warnings(),
-        "ok": not problems, "problems": problems,
-    })
+    result.update(
+        {
+            "write_seconds": round(write_seconds, 2),
+            "app_transactions": len(xids),
+            "app": summarise(recs, args.events, {"app"}),
+            "relay": summarise(recs, args.events, {"other-xid", "no-xid"}),
+            "relay_no_xid": summarise(recs, args.events, {"no-xid"}),
+            "run_lsn_bytes": run_space,
+            "run_unattributed_bytes": unattributed,
+            "retention": summarise(purge_recs, args.events, {"app", "other-xid", "no-xid"}),
+            "retention_output": purged,
+            "vacuum_bytes_per_event": round(vacuum_space / args.events, 1),
+            "pg_stat_wal_run": stats_delta(stats0, stats1),
+            "pg_stat_wal_purge": stats_delta(stats2, stats3),
+            "table_after_run": after_run,
+            "table_after_purge": after_purge,
+            "relay_exit_code": code,
+            "relay_warnings": relay.warnings(),
+            "ok": not problems,
+            "problems": problems,
+        }
+    )
     app, rel, ret = result["app"], result["relay"], result["retention"]
     result["relay_plus_retention_per_event"] = round(rel["bytes_per_event"] + ret["bytes_per_event"], 1)
-    result["relay_plus_retention_over_app"] = round(result["relay_plus_retention_per_event"]
-                                                    / app["bytes_per_event"], 2)
+    result["relay_plus_retention_over_app"] = round(
+        result["relay_plus_retention_per_event"] / app["bytes_per_event"], 2
+    )
     relay.cleanup()
     if not args.keep:
         c.drop_schema(dsn, table)
-    c.say(f"    app {app['bytes_per_event']} B/event, relay {rel['bytes_per_event']}, "
-          f"purge {ret['bytes_per_event']}" + ("" if not problems else f"  PROBLEMS: {problems}"))
+    c.say(
+        f"    app {app['bytes_per_event']} B/event, relay {rel['bytes_per_event']}, "
+        f"purge {ret['bytes_per_event']}" + ("" if not problems else f"  PROBLEMS: {problems}")
+    )
     return result
 
 
@@ -313,8 +366,15 @@ def measure_app_alone(dsn: str, payload_bytes: int, args: argparse.Namespace) ->
         c.checkpoint(dsn)
         start = current_lsn(conn)
         c.say(f"  app alone ~{payload_bytes} B: writing {args.events} events ...")
-        xids, _ = write_events(dsn, table, events=args.events, payload_bytes=payload_bytes,
-                               aggregates=args.aggregates, rate=args.rate, tx_rows=args.tx_rows)
+        xids, _ = write_events(
+            dsn,
+            table,
+            events=args.events,
+            payload_bytes=payload_bytes,
+            aggregates=args.aggregates,
+            rate=args.rate,
+            tx_rows=args.tx_rows,
+        )
         end = current_lsn(conn)
         space = lsn_diff(conn, start, end)
         app = summarise(records(conn, start, end, xids), args.events, {"app"})
@@ -324,11 +384,13 @@ def measure_app_alone(dsn: str, payload_bytes: int, args: argparse.Namespace) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     c.add_server_args(parser)
-    parser.add_argument("--configs", default="keep,delete",
-                        help=f"comma-separated subset of {','.join(CONFIGS)} (default keep,delete)")
+    parser.add_argument(
+        "--configs", default="keep,delete", help=f"comma-separated subset of {','.join(CONFIGS)} (default keep,delete)"
+    )
     parser.add_argument("--payload-bytes", default="200,1000", help="payload sizes (default 200,1000)")
     parser.add_argument("--events", type=int, default=20_000, help="events per measurement (default 20000)")
     parser.add_argument("--tx-rows", type=int, default=100, help="rows per application transaction (default 100)")
@@ -336,11 +398,19 @@ def main() -> int:
     parser.add_argument("--aggregates", type=int, default=1000, help="distinct aggregate ids (default 1000)")
     parser.add_argument("--workers", type=int, default=4, help="relay workers (default 4)")
     parser.add_argument("--warm-seconds", type=float, default=2.0, help="relay idle time before writing (default 2)")
-    parser.add_argument("--app-alone", action="store_true",
-                        help="also measure the writer into a table no relay reads (cross-check of the attribution)")
-    parser.add_argument("--after-migrate", action="append", default=[], metavar="SQL",
-                        help="layout experiment: run this statement after migrate ({table} = the outbox table), "
-                             "e.g. 'DROP INDEX ...' or 'ALTER TABLE {table} SET (fillfactor = 70)'; repeatable")
+    parser.add_argument(
+        "--app-alone",
+        action="store_true",
+        help="also measure the writer into a table no relay reads (cross-check of the attribution)",
+    )
+    parser.add_argument(
+        "--after-migrate",
+        action="append",
+        default=[],
+        metavar="SQL",
+        help="layout experiment: run this statement after migrate ({table} = the outbox table), "
+        "e.g. 'DROP INDEX ...' or 'ALTER TABLE {table} SET (fillfactor = 70)'; repeatable",
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args()
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -356,8 +426,10 @@ def main() -> int:
         version = c.server_version(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
-            server = {s: conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(s))).fetchone()[0]
-                      for s in ("wal_level", "data_checksums", "full_page_writes", "wal_compression")}
+            server = {
+                s: conn.execute(sql.SQL("SHOW {}").format(sql.Identifier(s))).fetchone()[0]
+                for s in ("wal_level", "data_checksums", "full_page_writes", "wal_compression")
+            }
         for name in names:
             for size in sizes:
                 results.append(measure(dsn, bootstrap, CONFIGS[name], size, args))
@@ -366,12 +438,22 @@ def main() -> int:
         with contextlib.suppress(psycopg.Error), psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP EXTENSION IF EXISTS pg_walinspect")
 
-    report = {"benchmark": "wal_cost", "postgresql": version, "server": server, "broker": c.broker_label(args),
-              "events": args.events,
-              "after_migrate": args.after_migrate,
-              "tx_rows": args.tx_rows, "rate": args.rate, "aggregates": args.aggregates, "workers": args.workers,
-              "configs": {n: CONFIGS[n].description for n in names}, "results": results, "app_alone": alone,
-              "correct": all(r["ok"] for r in results)}
+    report = {
+        "benchmark": "wal_cost",
+        "postgresql": version,
+        "server": server,
+        "broker": c.broker_label(args),
+        "events": args.events,
+        "after_migrate": args.after_migrate,
+        "tx_rows": args.tx_rows,
+        "rate": args.rate,
+        "aggregates": args.aggregates,
+        "workers": args.workers,
+        "configs": {n: CONFIGS[n].description for n in names},
+        "results": results,
+        "app_alone": alone,
+        "correct": all(r["ok"] for r in results),
+    }
     lines = [
         f"wal_cost: PostgreSQL {version} ({', '.join(f'{k}={v}' for k, v in server.items())}); "
         f"{args.events} events per run, {args.tx_rows}-row transactions at {args.rate:g} events/s, "
@@ -385,9 +467,12 @@ def main() -> int:
             f"{r['relay']['bytes_per_event']:>8.0f}{r['retention']['bytes_per_event']:>8.0f}"
             f"{r['relay_plus_retention_per_event']:>11.0f}{r['relay_plus_retention_over_app']:>7.2f}"
             f"{r['vacuum_bytes_per_event']:>8.0f}   {r['table_after_run']['dead_tuples']} / "
-            f"{r['table_after_purge']['dead_tuples']}" + ("" if r["ok"] else "   FAILED: " + "; ".join(r["problems"])))
-    lines.append("  per event: records / full-page images (bytes) — app | relay (of which no-xid) | purge; "
-                 "pg_stat_wal run: records, fpi, bytes")
+            f"{r['table_after_purge']['dead_tuples']}" + ("" if r["ok"] else "   FAILED: " + "; ".join(r["problems"]))
+        )
+    lines.append(
+        "  per event: records / full-page images (bytes) — app | relay (of which no-xid) | purge; "
+        "pg_stat_wal run: records, fpi, bytes"
+    )
     for r in results:
         a, rl, nx, rt, sw = r["app"], r["relay"], r["relay_no_xid"], r["retention"], r["pg_stat_wal_run"]
         lines.append(
@@ -395,7 +480,8 @@ def main() -> int:
             f"{a['records_per_event']:.1f} / {a['fpi_bytes_per_event']:.0f} | "
             f"{rl['records_per_event']:.1f} / {rl['fpi_bytes_per_event']:.0f} ({nx['bytes_per_event']:.0f} B) | "
             f"{rt['records_per_event']:.1f} / {rt['fpi_bytes_per_event']:.0f};  "
-            f"pg_stat_wal {sw['records'] / r['events']:.1f} rec, {sw['fpi']} fpi, {sw['bytes'] / r['events']:.0f} B")
+            f"pg_stat_wal {sw['records'] / r['events']:.1f} rec, {sw['fpi']} fpi, {sw['bytes'] / r['events']:.0f} B"
+        )
     for r in results:
         top = ", ".join(f"{k} {v:.0f}" for k, v in list(r["relay"]["bytes_per_event_by_record"].items())[:6])
         lines.append(f"  {r['config']:<14}{'~' + str(r['payload_bytes']) + ' B':>8}  relay by record: {top}")
@@ -404,8 +490,10 @@ def main() -> int:
             rel = ", ".join(f"{k} {v:.0f}" for k, v in r[side]["bytes_per_event_by_relation"].items())
             lines.append(f"  {r['config']:<14}{'~' + str(r['payload_bytes']) + ' B':>8}  {side} by relation: {rel}")
     for a in alone:
-        lines.append(f"  app alone ~{a['payload_bytes']} B: {a['lsn_bytes_per_event']:.0f} B/event by LSN difference "
-                     f"({a['app']['bytes_per_event']:.0f} by xid)")
+        lines.append(
+            f"  app alone ~{a['payload_bytes']} B: {a['lsn_bytes_per_event']:.0f} B/event by LSN difference "
+            f"({a['app']['bytes_per_event']:.0f} by xid)"
+        )
     if not report["correct"]:
         lines.append("  CORRECTNESS CHECK FAILED")
     c.emit(report, lines, args.json)

@@ -103,8 +103,7 @@ def enqueue(
         reserved = RESERVED_HEADERS.intersection(headers)
         if reserved:
             raise ValueError(f"headers {sorted(reserved)} are reserved: the relay sets them")
-    for name, value in (("aggregate_type", aggregate_type), ("aggregate_id", aggregate_id),
-                        ("event_type", event_type)):
+    for name, value in (("aggregate_type", aggregate_type), ("aggregate_id", aggregate_id), ("event_type", event_type)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string")
     if isinstance(payload, str | bytes):

@@ -41,7 +41,7 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, 
 # librdkafka properties the relay sets itself, and why they may not come from kafka.extra.
 _MANAGED_PRODUCER_PROPERTIES = {
     "enable.idempotence": "the relay relies on the idempotent producer (per-partition order, no duplicates "
-                          "from its own retries)",
+    "from its own retries)",
     "acks": "a row is done only once every in-sync replica has it (acks=all)",
     "request.required.acks": "a row is done only once every in-sync replica has it (acks=all)",
     "message.timeout.ms": "use kafka.delivery_timeout_seconds (checked against the lease)",
@@ -77,49 +77,58 @@ class DatabaseSettings(_Section):
     )
     table: str = Field(default="outbox", description="Outbox table, optionally schema-qualified (app.outbox).")
     pool_size: int = Field(
-        default=0, ge=0, le=200,
+        default=0,
+        ge=0,
+        le=200,
         description="Connections in the relay's pool; 0 = workers + 4 "
-                    "(claims and finalizes, lease keeper, gauges, /readyz).",
+        "(claims and finalizes, lease keeper, gauges, /readyz).",
     )
     connect_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one connection attempt.")
     statement_timeout_ms: int = Field(
-        default=10_000, ge=0,
+        default=10_000,
+        ge=0,
         description="statement_timeout of relay connections; bounds every claim/finalize (0 = none).",
     )
     tcp_keepalives_idle_seconds: int = Field(
-        default=5, ge=0,
+        default=5,
+        ge=0,
         description="libpq keepalives_idle: seconds a connection may be silent before TCP keepalive probes "
-                    "start (0 = no keepalives); with interval and count, how soon a connection whose peer "
-                    "vanished is dropped while the relay waits on it. A value in dsn wins.",
+        "start (0 = no keepalives); with interval and count, how soon a connection whose peer "
+        "vanished is dropped while the relay waits on it. A value in dsn wins.",
     )
     tcp_keepalives_interval_seconds: int = Field(
-        default=2, ge=1, description="libpq keepalives_interval: seconds between unanswered keepalive probes.",
+        default=2,
+        ge=1,
+        description="libpq keepalives_interval: seconds between unanswered keepalive probes.",
     )
     tcp_keepalives_count: int = Field(
-        default=3, ge=1, description="libpq keepalives_count: unanswered probes before the connection is dropped.",
+        default=3,
+        ge=1,
+        description="libpq keepalives_count: unanswered probes before the connection is dropped.",
     )
     tcp_user_timeout_ms: int = Field(
-        default=10_000, ge=0,
+        default=10_000,
+        ge=0,
         description="libpq tcp_user_timeout: how long sent data may stay unacknowledged before the connection "
-                    "is dropped (a statement or finalize sent into a partition fails after this, not after "
-                    "the kernel's ~15 minutes of retransmissions); 0 = the kernel's default. A value in dsn wins.",
+        "is dropped (a statement or finalize sent into a partition fails after this, not after "
+        "the kernel's ~15 minutes of retransmissions); 0 = the kernel's default. A value in dsn wins.",
     )
     transaction_pooler: bool = Field(
         default=False,
         description="dsn points at a transaction-pooling proxy (PgBouncer pool_mode = transaction, RDS Proxy): "
-                    "no startup options, no server-side prepared statements, statement_timeout set inside "
-                    "each statement's transaction, and LISTEN only on listen_dsn.",
+        "no startup options, no server-side prepared statements, statement_timeout set inside "
+        "each statement's transaction, and LISTEN only on listen_dsn.",
     )
     autovacuum: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="Autovacuum storage parameters migrate sets on the outbox, e.g. "
-                    "{autovacuum_vacuum_threshold = 5000}; \"default\" removes one. Unset ones get the queue "
-                    "defaults (scale factor 0, threshold 1000, cost delay 0) unless the table has its own value.",
+        '{autovacuum_vacuum_threshold = 5000}; "default" removes one. Unset ones get the queue '
+        "defaults (scale factor 0, threshold 1000, cost delay 0) unless the table has its own value.",
     )
     listen_dsn: SecretStr | None = Field(
         default=None,
         description="Direct (unpooled) DSN used only by the one LISTEN connection per relay process; default: "
-                    "dsn, or none if transaction_pooler is set (idle workers then poll) (secret).",
+        "dsn, or none if transaction_pooler is set (idle workers then poll) (secret).",
     )
 
     def tcp_params(self) -> dict[str, int]:
@@ -127,9 +136,12 @@ class DatabaseSettings(_Section):
         if self.tcp_keepalives_idle_seconds == 0:
             params = {"keepalives": 0}
         else:
-            params = {"keepalives": 1, "keepalives_idle": self.tcp_keepalives_idle_seconds,
-                      "keepalives_interval": self.tcp_keepalives_interval_seconds,
-                      "keepalives_count": self.tcp_keepalives_count}
+            params = {
+                "keepalives": 1,
+                "keepalives_idle": self.tcp_keepalives_idle_seconds,
+                "keepalives_interval": self.tcp_keepalives_interval_seconds,
+                "keepalives_count": self.tcp_keepalives_count,
+            }
         if self.tcp_user_timeout_ms:
             params["tcp_user_timeout"] = self.tcp_user_timeout_ms
         return params
@@ -172,12 +184,14 @@ class KafkaSettings(_Section):
         description="Topic for rows without their own `topic`; placeholders {aggregate_type} and {event_type}.",
     )
     delivery_timeout_seconds: float | None = Field(
-        default=None, gt=0,
+        default=None,
+        gt=0,
         description="Producer message.timeout.ms in seconds; default derived from the lease (40% of it, at most 60 s).",
     )
     linger_ms: float = Field(default=5.0, ge=0, description="Producer linger.ms: how long to wait to fill a batch.")
     message_max_bytes: int = Field(
-        default=1_000_000, ge=1000,
+        default=1_000_000,
+        ge=1000,
         description="Largest message the producer accepts; bigger rows go dead with a clear reason.",
     )
     compression_type: Literal["none", "gzip", "snappy", "lz4", "zstd"] = Field(
@@ -192,16 +206,19 @@ class KafkaSettings(_Section):
     ssl_ca_location: str | None = Field(
         default=None,
         description="ssl.ca.location: PEM file of the CA(s) that signed the brokers' certificates "
-                    "(default: the system's CA store).",
+        "(default: the system's CA store).",
     )
     ssl_certificate_location: str | None = Field(
-        default=None, description="ssl.certificate.location: PEM client certificate (mutual TLS).",
+        default=None,
+        description="ssl.certificate.location: PEM client certificate (mutual TLS).",
     )
     ssl_key_location: str | None = Field(
-        default=None, description="ssl.key.location: PEM private key of the client certificate.",
+        default=None,
+        description="ssl.key.location: PEM private key of the client certificate.",
     )
     ssl_key_password: SecretStr | None = Field(
-        default=None, description="ssl.key.password: passphrase of an encrypted client key (secret).",
+        default=None,
+        description="ssl.key.password: passphrase of an encrypted client key (secret).",
     )
     client_id: str = Field(default="outbox-relay", description="client.id reported to the brokers.")
     extra: dict[str, str] = Field(
@@ -211,10 +228,11 @@ class KafkaSettings(_Section):
     message_format: Literal["contract", "cloudevents-binary", "cloudevents-structured", "debezium"] = Field(
         default="contract",
         description="Wire format of every message (Kafka and HTTP): contract, cloudevents-binary, "
-                    "cloudevents-structured or debezium (see Formats).",
+        "cloudevents-structured or debezium (see Formats).",
     )
     cloudevents_source: str | None = Field(
-        default=None, min_length=1,
+        default=None,
+        min_length=1,
         description="CloudEvents `source` attribute; default /outbox-relay/<database.table>.",
     )
 
@@ -266,20 +284,22 @@ class RelaySettings(_Section):
     workers: int = Field(default=4, ge=1, le=64, description="Worker threads per relay process.")
     batch_size: int = Field(default=1000, ge=1, le=10_000, description="Rows claimed per batch by one worker.")
     lease_seconds: float = Field(
-        default=30.0, ge=0.2, description="How long a claim owns its rows before others may take them.")
+        default=30.0, ge=0.2, description="How long a claim owns its rows before others may take them."
+    )
     max_attempts: int = Field(default=12, ge=1, description="Claims per row before it goes dead (a crash counts).")
     ordered_event_types: list[str] = Field(
         default_factory=list,
         description='Event types delivered in per-aggregate order; ["*"] = all, [] = none.',
     )
     max_run_length: int = Field(
-        default=100, ge=1,
+        default=100,
+        ge=1,
         description="Ordered claim: rows of one aggregate taken behind its head in one claim.",
     )
     on_done: Literal["keep", "delete"] = Field(
         default="keep",
         description='What the finalize does with a delivered row: "keep" it as done until `purge`, or '
-                    '"delete" it (about half the WAL). A property of the table: `migrate` sets it, `run` checks it.',
+        '"delete" it (about half the WAL). A property of the table: `migrate` sets it, `run` checks it.',
     )
     strict_lease: bool = Field(
         default=False,
@@ -290,29 +310,34 @@ class RelaySettings(_Section):
     backoff_base_seconds: float = Field(default=1.0, gt=0, description="Retry backoff base (full jitter).")
     backoff_cap_seconds: float = Field(default=300.0, gt=0, description="Retry backoff cap.")
     startup_timeout_seconds: float = Field(
-        default=0.0, ge=0,
+        default=0.0,
+        ge=0,
         description="How long `run` waits at start for the database, the table and the broker (0 = until they answer).",
     )
     shutdown_timeout_seconds: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long to wait for in-flight batches before releasing them."
     )
     heartbeat_after_fraction: float = Field(
-        default=0.5, gt=0, lt=1,
+        default=0.5,
+        gt=0,
+        lt=1,
         description="Extend a batch's lease once its delivery has taken this fraction of the lease.",
     )
     owner: str = Field(default_factory=default_owner, description="Lease owner prefix (default host:pid).")
     publisher: str = Field(
         default="kafka",
         description='"kafka", "http", an installed plug-in (entry point group outbox_relay.publishers), '
-                    'or "package.module:factory" returning a Publisher.',
+        'or "package.module:factory" returning a Publisher.',
     )
     max_error_chars: int = Field(default=1000, ge=50, description="last_error is truncated to this length.")
     max_batch_bytes: int = Field(
-        default=8 * 1024 * 1024, ge=1024,
+        default=8 * 1024 * 1024,
+        ge=1024,
         description="A claim stops adding rows once their payload + headers bytes reach this (always >= 1 row).",
     )
     max_in_flight_bytes: int = Field(
-        default=64 * 1024 * 1024, ge=1024,
+        default=64 * 1024 * 1024,
+        ge=1024,
         description="Payload + headers bytes claimed but not yet finalized, per process; workers wait above it.",
     )
 
@@ -333,21 +358,25 @@ class MetricsSettings(_Section):
     refresh_interval_seconds: float = Field(default=5.0, gt=0, description="How often gauges are read from the table.")
     query_timeout_ms: int = Field(default=2000, ge=1, description="statement_timeout of each gauge query.")
     exact_count_limit: int = Field(
-        default=100_000, ge=1,
+        default=100_000,
+        ge=1,
         description="Rows per status counted at every refresh; above it the gauge shows the last slow exact count.",
     )
     exact_count_interval_seconds: float = Field(
-        default=60.0, gt=0,
+        default=60.0,
+        gt=0,
         description="How often a status above exact_count_limit is counted exactly for the depth gauge.",
     )
     exact_count_timeout_ms: int = Field(
-        default=10_000, ge=1,
+        default=10_000,
+        ge=1,
         description="Time budget of an exact count (gauge, status, dead list, console); past it: a lower bound (>= N).",
     )
     xmin_horizon_warn_seconds: float = Field(
-        default=300.0, ge=0,
+        default=300.0,
+        ge=0,
         description="Log one warning when the oldest xmin horizon holding back vacuum of the outbox (a long "
-                    "transaction, a prepared transaction, a replication slot) is older than this (0 = never).",
+        "transaction, a prepared transaction, a replication slot) is older than this (0 = never).",
     )
 
 
@@ -363,11 +392,14 @@ class HttpPublisherSettings(_Section):
     )
     max_concurrency: int = Field(default=16, ge=1, le=512, description="Requests in flight per batch.")
     done_statuses: list[int] = Field(
-        default_factory=lambda: [409], description="Non-2xx statuses meaning 'already done'.")
+        default_factory=lambda: [409], description="Non-2xx statuses meaning 'already done'."
+    )
     defer_statuses: list[int] = Field(
-        default_factory=list, description="Statuses meaning 'not yet': defer, attempt refunded.")
+        default_factory=list, description="Statuses meaning 'not yet': defer, attempt refunded."
+    )
     defer_seconds: float = Field(
-        default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given.")
+        default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given."
+    )
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent with every request.")
 
 
@@ -378,7 +410,7 @@ class OtelSettings(_Section):
     enabled: bool = Field(
         default=False,
         description="Trace every published message (needs outbox-relay[otel]); configure the exporter with "
-                    "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...",
+        "OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER, ...",
     )
 
 
@@ -398,22 +430,26 @@ class ConsoleSettings(_Section):
     forwarded_allow_ips: list[str] = Field(
         default_factory=list,
         description="Addresses or networks (CIDR) of the TLS-terminating reverse proxies in front of the console, "
-                    "whose X-Forwarded-Proto and X-Forwarded-For are believed (https, client address); "
-                    '[] = none; ["*"] = any peer, believing the forgeable left-most X-Forwarded-For (avoid).',
+        "whose X-Forwarded-Proto and X-Forwarded-For are believed (https, client address); "
+        '[] = none; ["*"] = any peer, believing the forgeable left-most X-Forwarded-For (avoid).',
     )
     cookie_secure: Literal["auto", "always"] = Field(
         default="auto",
         description='Secure flag of the session cookie: "auto" = when the login came over https (directly or '
-                    'by a trusted proxy\'s X-Forwarded-Proto), "always" = also on plain http.',
+        'by a trusted proxy\'s X-Forwarded-Proto), "always" = also on plain http.',
     )
     login_max_failures: int = Field(
-        default=5, ge=1, le=1000,
+        default=5,
+        ge=1,
+        le=1000,
         description="Wrong tokens (login form or bearer) from one client address before it is locked out.",
     )
     login_lockout_seconds: float = Field(
-        default=30.0, gt=0, le=86_400,
+        default=30.0,
+        gt=0,
+        le=86_400,
         description="First lockout; doubles with every further wrong token, up to 1 h (or this, if longer). "
-                    "Answered 429 with Retry-After, the token not even checked.",
+        "Answered 429 with Retry-After, the token not even checked.",
     )
 
     @field_validator("forwarded_allow_ips", mode="before")
@@ -435,8 +471,10 @@ class ConsoleSettings(_Section):
             try:
                 ipaddress.ip_network(item) if "/" in item else ipaddress.ip_address(item)
             except ValueError:
-                raise ValueError(f"{item!r} is not an IP address or network (e.g. 10.0.0.7, 10.0.0.0/8, "
-                                 "fd00::/8; a network's host bits must be zero)") from None
+                raise ValueError(
+                    f"{item!r} is not an IP address or network (e.g. 10.0.0.7, 10.0.0.0/8, "
+                    "fd00::/8; a network's host bits must be zero)"
+                ) from None
         if "*" in cleaned and len(cleaned) > 1:
             raise ValueError('"*" (trust any address) goes alone')
         return cleaned
@@ -500,9 +538,7 @@ class Settings(BaseSettings):
             )
         http_timeout = self.http.timeout_seconds
         if http_timeout is not None and http_timeout >= lease:
-            raise ValueError(
-                f"http.timeout_seconds ({http_timeout:g}) must be below relay.lease_seconds ({lease:g})"
-            )
+            raise ValueError(f"http.timeout_seconds ({http_timeout:g}) must be below relay.lease_seconds ({lease:g})")
         return self
 
     # --- derived values -------------------------------------------------------------
@@ -518,7 +554,8 @@ class Settings(BaseSettings):
         if self.relay.max_in_flight_bytes < self.relay.max_batch_bytes:
             raise ValueError(
                 f"relay.max_in_flight_bytes ({self.relay.max_in_flight_bytes}) must be at least "
-                f"relay.max_batch_bytes ({self.relay.max_batch_bytes}): a worker could never claim")
+                f"relay.max_batch_bytes ({self.relay.max_batch_bytes}): a worker could never claim"
+            )
         return self
 
     @model_validator(mode="after")
@@ -530,7 +567,8 @@ class Settings(BaseSettings):
                 raise ValueError(
                     f"sources.{name}.lease_seconds ({source.lease_seconds:g}) must be above the producer's delivery "
                     f"timeout ({floor:g} s, shared by every source): a delivery still pending when the lease ends "
-                    "would be published twice")
+                    "would be published twice"
+                )
         return self
 
     @property
@@ -636,7 +674,7 @@ def check_environment(environ: Mapping[str, str]) -> None:
     for variable in sorted(environ):
         if not variable.upper().startswith(ENV_PREFIX):
             continue
-        section, sep, rest = variable[len(ENV_PREFIX):].partition("__")
+        section, sep, rest = variable[len(ENV_PREFIX) :].partition("__")
         if not sep:
             continue
         section, name = section.lower(), rest.split("__", 1)[0].lower()
@@ -646,14 +684,17 @@ def check_environment(environ: Mapping[str, str]) -> None:
         if section not in sections:
             guess = _closest(section, sections)
             hint = f"; did you mean {ENV_PREFIX}{guess.upper()}__{rest.upper()}?" if guess else ""
-            raise ConfigError(f"unknown environment variable {variable}: there is no settings section "
-                              f"{section!r} (sections: {', '.join(sections)}){hint}")
+            raise ConfigError(
+                f"unknown environment variable {variable}: there is no settings section "
+                f"{section!r} (sections: {', '.join(sections)}){hint}"
+            )
         fields = _section_fields(section)
         if name not in fields:
             guess = _closest(name, fields)
             hint = f"; did you mean {ENV_PREFIX}{section.upper()}__{guess.upper()}?" if guess else ""
-            raise ConfigError(f"unknown environment variable {variable}: section {section!r} has no setting "
-                              f"{name!r}{hint}")
+            raise ConfigError(
+                f"unknown environment variable {variable}: section {section!r} has no setting {name!r}{hint}"
+            )
 
 
 def _check_source_variable(variable: str, rest: str) -> None:
@@ -662,8 +703,10 @@ def _check_source_variable(variable: str, rest: str) -> None:
     if not sep or not name or setting.lower() not in fields:
         guess = _closest(setting.lower(), fields) if sep else None
         hint = f"; did you mean {ENV_PREFIX}SOURCES__{name.upper()}__{guess.upper()}?" if guess else ""
-        raise ConfigError(f"unknown environment variable {variable}: use {ENV_PREFIX}SOURCES__<NAME>__<SETTING> "
-                          f"with a setting among {', '.join(fields)}{hint}")
+        raise ConfigError(
+            f"unknown environment variable {variable}: use {ENV_PREFIX}SOURCES__<NAME>__<SETTING> "
+            f"with a setting among {', '.join(fields)}{hint}"
+        )
 
 
 def _describe_extra(loc: tuple[str | int, ...]) -> str:
@@ -697,8 +740,10 @@ def describe_validation_error(exc: Exception) -> str:
         return "invalid configuration: " + "; ".join(parts)
     complex_env = _unparsable_complex_env()
     if complex_env:
-        return (f"invalid configuration: {complex_env} must be JSON "
-                '(a list such as ["OrderCreated", "OrderPaid"] or an object such as {"key": "value"})')
+        return (
+            f"invalid configuration: {complex_env} must be JSON "
+            '(a list such as ["OrderCreated", "OrderPaid"] or an object such as {"key": "value"})'
+        )
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return f"invalid configuration: {text}"
 
@@ -725,7 +770,8 @@ def _unparsable_complex_env() -> str | None:
 
 
 _AUTOVACUUM_PARAMETER_RE = re.compile(
-    r"^(autovacuum_[a-z_]+|log_autovacuum_min_duration|vacuum_truncate|vacuum_index_cleanup)\Z")
+    r"^(autovacuum_[a-z_]+|log_autovacuum_min_duration|vacuum_truncate|vacuum_index_cleanup)\Z"
+)
 _AUTOVACUUM_VALUE_RE = re.compile(r"^[A-Za-z0-9._-]{1,32}\Z")
 
 
@@ -736,8 +782,10 @@ def check_autovacuum_overrides(overrides: Mapping[str, object]) -> dict[str, str
     out: dict[str, str] = {}
     for name, value in overrides.items():
         if not _AUTOVACUUM_PARAMETER_RE.match(name):
-            raise ValueError(f"{name!r} is not an autovacuum storage parameter (autovacuum_*, "
-                             "log_autovacuum_min_duration, vacuum_truncate, vacuum_index_cleanup)")
+            raise ValueError(
+                f"{name!r} is not an autovacuum storage parameter (autovacuum_*, "
+                "log_autovacuum_min_duration, vacuum_truncate, vacuum_index_cleanup)"
+            )
         text = str(value).lower() if isinstance(value, bool) else str(value)
         if not _AUTOVACUUM_VALUE_RE.match(text):
             raise ValueError(f"{name}: {text!r} is not a plain number, boolean or 'default'")

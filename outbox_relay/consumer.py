@@ -120,8 +120,9 @@ class Inbox:
     def record_id(self, conn: Connection[Any], delivery: DeliveryId) -> bool:
         """Insert ``delivery`` in the current transaction of ``conn``: True the first
         time, False for a duplicate. Never aborts the transaction."""
-        cur = conn.execute(self._sql.query("inbox_record"),
-                           {"source": delivery.source, "message_id": delivery.message_id})
+        cur = conn.execute(
+            self._sql.query("inbox_record"), {"source": delivery.source, "message_id": delivery.message_id}
+        )
         return cur.fetchone() is not None
 
     def record(self, conn: Connection[Any], message: KafkaMessageLike) -> bool:

@@ -106,6 +106,7 @@ Outcome = PublishOutcome | None
 #: What ``Publisher.span_attributes`` returns: OpenTelemetry attribute names and values.
 SpanAttributes = Mapping[str, str | int | float | bool]
 
+
 # --- messages ------------------------------------------------------------------------------
 @dataclass(slots=True)
 class Message:
@@ -160,5 +161,3 @@ class PublisherObserver:
 
     def topic_missing(self, topic: str) -> None:
         """Messages for ``topic`` wait because the target has no such topic and does not create it."""
-
-

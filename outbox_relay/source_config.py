@@ -23,8 +23,18 @@ SOURCE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,62}\Z")
 DEFAULT_SOURCE = "default"
 
 # Per-outbox settings a source may override, by the section they override.
-RELAY_OVERRIDES = ("ordered_event_types", "max_run_length", "on_done", "max_attempts", "lease_seconds",
-                   "strict_lease", "backoff_base_seconds", "backoff_cap_seconds", "max_error_chars", "batch_size")
+RELAY_OVERRIDES = (
+    "ordered_event_types",
+    "max_run_length",
+    "on_done",
+    "max_attempts",
+    "lease_seconds",
+    "strict_lease",
+    "backoff_base_seconds",
+    "backoff_cap_seconds",
+    "max_error_chars",
+    "batch_size",
+)
 KAFKA_OVERRIDES = ("topic_template", "message_format", "cloudevents_source")
 DATABASE_OVERRIDES = ("statement_timeout_ms",)
 
@@ -64,7 +74,8 @@ class SourceSettings(BaseModel):
     statement_timeout_ms: int | None = Field(default=None, ge=0, description=_inherit("database.statement_timeout_ms"))
     topic_template: str | None = Field(default=None, description=_inherit("kafka.topic_template"))
     message_format: Literal["contract", "cloudevents-binary", "cloudevents-structured", "debezium"] | None = Field(
-        default=None, description=_inherit("kafka.message_format"))
+        default=None, description=_inherit("kafka.message_format")
+    )
     cloudevents_source: str | None = Field(default=None, min_length=1, description=_inherit("kafka.cloudevents_source"))
     ordered_event_types: list[str] | None = Field(default=None, description=_inherit("relay.ordered_event_types"))
     max_run_length: int | None = Field(default=None, ge=1, description=_inherit("relay.max_run_length"))
@@ -107,13 +118,15 @@ class DiscoverySettings(BaseModel):
     dsn: SecretStr | None = Field(
         default=None,
         description="Connection string of any database of the cluster to discover in (secret); unset = no "
-                    "discovery. Discovered sources connect with it, the database name replaced.")
+        "discovery. Discovered sources connect with it, the database name replaced.",
+    )
     database_pattern: str = Field(
-        default="%", min_length=1,
-        description="SQL LIKE pattern of the database names to serve, e.g. tenant_%.")
+        default="%", min_length=1, description="SQL LIKE pattern of the database names to serve, e.g. tenant_%."
+    )
     table: str = Field(default="outbox", description="Outbox table in every discovered database.")
     refresh_interval_seconds: float = Field(
-        default=30.0, gt=0, description="How often the cluster's database list is read again.")
+        default=30.0, gt=0, description="How often the cluster's database list is read again."
+    )
 
     @field_validator("dsn")
     @classmethod

@@ -187,8 +187,10 @@ def make_settings(pg_dsn: str, table: str, broker: Any, topic_prefix: str) -> Ca
     def make(**sections: dict[str, Any]) -> Settings:
         merged: dict[str, dict[str, Any]] = {
             "database": {"dsn": pg_dsn, "table": table},
-            "kafka": {"bootstrap_servers": broker.bootstrap_servers,
-                      "topic_template": topic_prefix + ".{aggregate_type}"},
+            "kafka": {
+                "bootstrap_servers": broker.bootstrap_servers,
+                "topic_template": topic_prefix + ".{aggregate_type}",
+            },
             "relay": {"workers": 4, "lease_seconds": 10, "poll_interval_seconds": 0.2, "on_done": ON_DONE},
             "metrics": {"enabled": False},
             "log": {"level": "WARNING", "format": "json"},

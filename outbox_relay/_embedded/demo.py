@@ -23,9 +23,11 @@ from ..runtime.relay import Relay, make_store
 from .embedded import EmbeddedBroker, EmbeddedPostgres, read_messages
 
 AGGREGATE_TYPES = ("order", "customer", "invoice")
-EVENT_TYPES = {"order": ("OrderCreated", "OrderPaid", "OrderShipped"),
-               "customer": ("CustomerRegistered", "CustomerUpdated"),
-               "invoice": ("InvoiceIssued",)}
+EVENT_TYPES = {
+    "order": ("OrderCreated", "OrderPaid", "OrderShipped"),
+    "customer": ("CustomerRegistered", "CustomerUpdated"),
+    "invoice": ("InvoiceIssued",),
+}
 
 
 def run_demo(*, events: int = 5000, workers: int = 4) -> int:
@@ -53,9 +55,13 @@ def run_demo(*, events: int = 5000, workers: int = 4) -> int:
                         with conn.transaction():
                             for i in range(start, min(events, start + per_tx)):
                                 agg_type = AGGREGATE_TYPES[i % len(AGGREGATE_TYPES)]
-                                enqueue(conn, aggregate_type=agg_type, aggregate_id=f"{agg_type}-{rng.randrange(100)}",
-                                        event_type=rng.choice(EVENT_TYPES[agg_type]),
-                                        payload={"seq": i, "amount": rng.randrange(1, 10_000), "note": "demo"})
+                                enqueue(
+                                    conn,
+                                    aggregate_type=agg_type,
+                                    aggregate_id=f"{agg_type}-{rng.randrange(100)}",
+                                    event_type=rng.choice(EVENT_TYPES[agg_type]),
+                                    payload={"seq": i, "amount": rng.randrange(1, 10_000), "note": "demo"},
+                                )
                 say(f"running the relay with {workers} workers ...")
                 relay = Relay(settings)
                 started = time.monotonic()
@@ -74,7 +80,8 @@ def run_demo(*, events: int = 5000, workers: int = 4) -> int:
                 with psycopg.connect(pg.dsn, autocommit=True) as conn:
                     depth: dict[str, int] = {
                         status: int(n)
-                        for status, n in conn.execute("SELECT status, count(*) FROM outbox GROUP BY status")}
+                        for status, n in conn.execute("SELECT status, count(*) FROM outbox GROUP BY status")
+                    }
                 topics = [f"outbox.{t}" for t in AGGREGATE_TYPES]
                 say("reading every event back from Kafka ...")
                 messages = read_messages(broker.bootstrap_servers, topics, expected=events, timeout=60)
@@ -85,14 +92,18 @@ def run_demo(*, events: int = 5000, workers: int = 4) -> int:
                 say("")
                 say("summary")
                 say(f"  events written      {events}")
-                say(f"  rows done           {depth.get('done', 0)}  (dead {depth.get('dead', 0)}, "
-                    f"pending {depth.get('pending', 0)}, processing {depth.get('processing', 0)})")
+                say(
+                    f"  rows done           {depth.get('done', 0)}  (dead {depth.get('dead', 0)}, "
+                    f"pending {depth.get('pending', 0)}, processing {depth.get('processing', 0)})"
+                )
                 say(f"  delivered (unique)  {unique}")
                 say(f"  duplicates          {duplicates}  (at-least-once; consumers dedupe on message_id)")
                 say(f"  throughput          {depth.get('done', 0) / elapsed:,.0f} events/s with {workers} workers")
                 if sample:
-                    say(f"  sample message      topic={sample['topic']} key={sample['key']} "
-                        f"headers={json.dumps(sample['headers'])}")
+                    say(
+                        f"  sample message      topic={sample['topic']} key={sample['key']} "
+                        f"headers={json.dumps(sample['headers'])}"
+                    )
                 ok = unique == events and depth.get("done", 0) == events
                 say("demo " + ("succeeded" if ok else "FAILED: not every event was delivered"))
                 return 0 if ok else 1

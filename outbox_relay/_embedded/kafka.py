@@ -104,8 +104,9 @@ def java_binary() -> str:
         return os.path.join(home, "bin", "java")
     found = shutil.which("java")
     if found is None:
-        raise KafkaUnavailable("Apache Kafka needs Java 17 or later: no 'java' on the PATH "
-                               "(set JAVA_HOME or OUTBOX_RELAY_JAVA)")
+        raise KafkaUnavailable(
+            "Apache Kafka needs Java 17 or later: no 'java' on the PATH (set JAVA_HOME or OUTBOX_RELAY_JAVA)"
+        )
     return found
 
 
@@ -140,16 +141,22 @@ def resolve_classpath(pom: Path | None = None, cache_file: Path | None = None) -
     (what ``./dev`` does; the jars land in the local Maven repository)."""
     pom = pom or find_pom()
     if pom is None:
-        raise KafkaUnavailable(f"cannot find {POM_RELATIVE_PATH} to fetch Apache Kafka "
-                               "(set OUTBOX_RELAY_KAFKA_CLASSPATH or OUTBOX_RELAY_KAFKA_POM)")
+        raise KafkaUnavailable(
+            f"cannot find {POM_RELATIVE_PATH} to fetch Apache Kafka "
+            "(set OUTBOX_RELAY_KAFKA_CLASSPATH or OUTBOX_RELAY_KAFKA_POM)"
+        )
     mvn = shutil.which("mvn")
     if mvn is None:
         raise KafkaUnavailable("fetching Apache Kafka needs Maven ('mvn' on the PATH; Debian package maven)")
     cache_file = cache_file or classpath_cache_file()
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     partial = cache_file.with_name(cache_file.name + f".{os.getpid()}.tmp")
-    done = subprocess.run([mvn, "-q", "-B", "-f", str(pom), "dependency:build-classpath",
-                           f"-Dmdep.outputFile={partial}"], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [mvn, "-q", "-B", "-f", str(pom), "dependency:build-classpath", f"-Dmdep.outputFile={partial}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0 or not partial.is_file():
         tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
         raise KafkaUnavailable("Maven could not fetch Apache Kafka: " + " | ".join(tail))
@@ -205,20 +212,28 @@ def _log4j2_config(fallback_dir: Path) -> Path:
     return path
 
 
-def run_tool(main_class: str, args: Sequence[str], *, timeout: float = 120.0,
-             heap_mb: int = 128) -> subprocess.CompletedProcess[str]:
+def run_tool(
+    main_class: str, args: Sequence[str], *, timeout: float = 120.0, heap_mb: int = 128
+) -> subprocess.CompletedProcess[str]:
     """Run one of Kafka's command-line tools by its main class (what the scripts in
     the distribution's ``bin/`` do), e.g. ``org.apache.kafka.tools.ConfigCommand``.
     Output is captured; a non-zero exit raises ``KafkaUnavailable`` with its last lines."""
     scratch = Path(tempfile.gettempdir())
-    command = [java_binary(), f"-Xmx{heap_mb}m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
-               f"-Dlog4j2.configurationFile={_log4j2_config(scratch)}", "-cp", kafka_classpath(),
-               main_class, *args]
+    command = [
+        java_binary(),
+        f"-Xmx{heap_mb}m",
+        "-XX:+UseSerialGC",
+        "-XX:TieredStopAtLevel=1",
+        f"-Dlog4j2.configurationFile={_log4j2_config(scratch)}",
+        "-cp",
+        kafka_classpath(),
+        main_class,
+        *args,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     if done.returncode != 0:
         tail = [line for line in (done.stdout + done.stderr).strip().splitlines() if " INFO " not in line][-5:]
-        raise KafkaUnavailable(f"{main_class.rsplit('.', 1)[-1]} failed (exit {done.returncode}): "
-                               + " | ".join(tail))
+        raise KafkaUnavailable(f"{main_class.rsplit('.', 1)[-1]} failed (exit {done.returncode}): " + " | ".join(tail))
     return done
 
 
@@ -282,16 +297,27 @@ class KafkaBroker:
     ``voters`` shared by all.
     """
 
-    def __init__(self, *, data_dir: str | os.PathLike[str] | None = None,
-                 log_file: str | os.PathLike[str] | None = None, port: int | None = None,
-                 node_id: int = 1, properties: Mapping[str, object] | None = None,
-                 client_protocol: str = "PLAINTEXT", scram_users: Mapping[str, str] | None = None,
-                 heap_mb: int = 384, cluster_id: str | None = None,
-                 controller_port: int | None = None, voters: str | None = None,
-                 replication_factor: int = 1, fast_start: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        data_dir: str | os.PathLike[str] | None = None,
+        log_file: str | os.PathLike[str] | None = None,
+        port: int | None = None,
+        node_id: int = 1,
+        properties: Mapping[str, object] | None = None,
+        client_protocol: str = "PLAINTEXT",
+        scram_users: Mapping[str, str] | None = None,
+        heap_mb: int = 384,
+        cluster_id: str | None = None,
+        controller_port: int | None = None,
+        voters: str | None = None,
+        replication_factor: int = 1,
+        fast_start: bool = True,
+    ) -> None:
         self._own_dir = data_dir is None
-        self.base_dir = Path(data_dir) if data_dir is not None else Path(
-            tempfile.mkdtemp(prefix=f"outbox-relay-kafka-{node_id}-"))
+        self.base_dir = (
+            Path(data_dir) if data_dir is not None else Path(tempfile.mkdtemp(prefix=f"outbox-relay-kafka-{node_id}-"))
+        )
         self.log_dir = self.base_dir / "log"
         self.log_file = Path(log_file) if log_file is not None else self.base_dir / "server.log"
         self.node_id = node_id
@@ -341,11 +367,14 @@ class KafkaBroker:
             "process.roles": "broker,controller",
             "node.id": str(self.node_id),
             "controller.quorum.voters": self.voters,
-            "listeners": (f"CLIENT://127.0.0.1:{self.port},INTERNAL://127.0.0.1:{self.internal_port},"
-                          f"CONTROLLER://127.0.0.1:{self.controller_port}"),
+            "listeners": (
+                f"CLIENT://127.0.0.1:{self.port},INTERNAL://127.0.0.1:{self.internal_port},"
+                f"CONTROLLER://127.0.0.1:{self.controller_port}"
+            ),
             "advertised.listeners": f"CLIENT://127.0.0.1:{self.port},INTERNAL://127.0.0.1:{self.internal_port}",
-            "listener.security.protocol.map": (f"CLIENT:{self.client_protocol},INTERNAL:PLAINTEXT,"
-                                               "CONTROLLER:PLAINTEXT"),
+            "listener.security.protocol.map": (
+                f"CLIENT:{self.client_protocol},INTERNAL:PLAINTEXT,CONTROLLER:PLAINTEXT"
+            ),
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "INTERNAL",
             "log.dirs": str(self.log_dir),
@@ -360,8 +389,10 @@ class KafkaBroker:
         }
         if self.client_protocol.startswith("SASL"):
             props.setdefault("sasl.enabled.mechanisms", "SCRAM-SHA-512")
-            props.setdefault("listener.name.client.scram-sha-512.sasl.jaas.config",
-                             "org.apache.kafka.common.security.scram.ScramLoginModule required;")
+            props.setdefault(
+                "listener.name.client.scram-sha-512.sasl.jaas.config",
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            )
         props.update(self.extra_properties)
         return props
 
@@ -382,10 +413,21 @@ class KafkaBroker:
             quick.append("-XX:TieredStopAtLevel=1")
         if not short_lived:
             quick += _class_data_sharing_options()
-        return [java_binary(), f"-Xmx{heap_mb}m", "-Xss512k", "-XX:+UseSerialGC", *quick,
-                "-XX:MaxDirectMemorySize=128m", "-Djava.awt.headless=true",
-                f"-Dlog4j2.configurationFile={_log4j2_config(self.base_dir)}",
-                f"-Dkafka.logs.dir={self.base_dir}", "-cp", kafka_classpath(), main_class, *args]
+        return [
+            java_binary(),
+            f"-Xmx{heap_mb}m",
+            "-Xss512k",
+            "-XX:+UseSerialGC",
+            *quick,
+            "-XX:MaxDirectMemorySize=128m",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={_log4j2_config(self.base_dir)}",
+            f"-Dkafka.logs.dir={self.base_dir}",
+            "-cp",
+            kafka_classpath(),
+            main_class,
+            *args,
+        ]
 
     @property
     def formatted(self) -> bool:
@@ -411,8 +453,13 @@ class KafkaBroker:
         args = ["format", "-t", self.cluster_id, "-c", str(self.properties_file)]
         for name, password in self.scram_users.items():
             args += ["--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]"]
-        done = subprocess.run(self._java("kafka.tools.StorageTool", args, heap_mb=128, short_lived=True),
-                              capture_output=True, text=True, timeout=120, check=False)
+        done = subprocess.run(
+            self._java("kafka.tools.StorageTool", args, heap_mb=128, short_lived=True),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         if done.returncode != 0:
             lines = [line for line in (done.stdout + done.stderr).splitlines() if " INFO " not in line]
             message = " | ".join(lines[-3:])
@@ -433,7 +480,11 @@ class KafkaBroker:
         with open(self.log_file, "ab") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 self._java("kafka.Kafka", [str(self.properties_file)], heap_mb=self.heap_mb),
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         _LIVE_NODES.add(self)
         self._launched_at = time.monotonic()
 
@@ -443,13 +494,21 @@ class KafkaBroker:
         from confluent_kafka.admin import AdminClient
 
         deadline = time.monotonic() + timeout
-        admin = AdminClient({"bootstrap.servers": self.internal_bootstrap_servers, "log_level": 0,
-                             "socket.connection.setup.timeout.ms": 2000, "reconnect.backoff.max.ms": 500})
+        admin = AdminClient(
+            {
+                "bootstrap.servers": self.internal_bootstrap_servers,
+                "log_level": 0,
+                "socket.connection.setup.timeout.ms": 2000,
+                "reconnect.backoff.max.ms": 500,
+            }
+        )
         while True:
             if self.proc is None or self.proc.poll() is not None:
                 code = None if self.proc is None else self.proc.returncode
-                raise KafkaUnavailable(f"Kafka node {self.node_id} exited (status {code}) while starting; "
-                                       f"last lines of {self.log_file}: {self._log_tail()}")
+                raise KafkaUnavailable(
+                    f"Kafka node {self.node_id} exited (status {code}) while starting; "
+                    f"last lines of {self.log_file}: {self._log_tail()}"
+                )
             try:
                 metadata = admin.list_topics(timeout=2)
                 if self.node_id in metadata.brokers:
@@ -457,8 +516,10 @@ class KafkaBroker:
             except Exception:  # KafkaException until it answers
                 pass
             if time.monotonic() > deadline:
-                raise KafkaUnavailable(f"Kafka node {self.node_id} did not answer within {timeout:.0f}s; "
-                                       f"last lines of {self.log_file}: {self._log_tail()}")
+                raise KafkaUnavailable(
+                    f"Kafka node {self.node_id} did not answer within {timeout:.0f}s; "
+                    f"last lines of {self.log_file}: {self._log_tail()}"
+                )
             time.sleep(0.2)
         self.started_seconds = time.monotonic() - self._launched_at
 
@@ -543,26 +604,53 @@ class KafkaBroker:
 
         return AdminClient({"bootstrap.servers": self.internal_bootstrap_servers, "log_level": 3, **config})
 
-    def create_topic(self, topic: str, *, partitions: int = 1, replication_factor: int | None = None,
-                     config: Mapping[str, object] | None = None, timeout: float = 30.0) -> None:
-        create_topic(self.admin(), topic, partitions=partitions,
-                     replication_factor=replication_factor or self.replication_factor, config=config,
-                     timeout=timeout)
+    def create_topic(
+        self,
+        topic: str,
+        *,
+        partitions: int = 1,
+        replication_factor: int | None = None,
+        config: Mapping[str, object] | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        create_topic(
+            self.admin(),
+            topic,
+            partitions=partitions,
+            replication_factor=replication_factor or self.replication_factor,
+            config=config,
+            timeout=timeout,
+        )
 
 
-def create_topic(admin: Any, topic: str, *, partitions: int, replication_factor: int,
-                 config: Mapping[str, object] | None = None, timeout: float = 30.0) -> None:
+def create_topic(
+    admin: Any,
+    topic: str,
+    *,
+    partitions: int,
+    replication_factor: int,
+    config: Mapping[str, object] | None = None,
+    timeout: float = 30.0,
+) -> None:
     """Create ``topic`` and wait until every partition has a leader."""
     from confluent_kafka.admin import NewTopic  # type: ignore[attr-defined]
 
-    new = NewTopic(topic, num_partitions=partitions, replication_factor=replication_factor,
-                   config={k: str(v) for k, v in (config or {}).items()})
+    new = NewTopic(
+        topic,
+        num_partitions=partitions,
+        replication_factor=replication_factor,
+        config={k: str(v) for k, v in (config or {}).items()},
+    )
     admin.create_topics([new], operation_timeout=timeout)[topic].result(timeout=timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         meta = admin.list_topics(topic, timeout=5).topics.get(topic)
-        if meta is not None and meta.error is None and len(meta.partitions) == partitions \
-                and all(p.leader >= 0 for p in meta.partitions.values()):
+        if (
+            meta is not None
+            and meta.error is None
+            and len(meta.partitions) == partitions
+            and all(p.leader >= 0 for p in meta.partitions.values())
+        ):
             return
         time.sleep(0.1)
     raise KafkaUnavailable(f"topic {topic} has no leader for every partition after {timeout:.0f}s")
@@ -574,19 +662,36 @@ class KafkaCluster:
     so a partition takes writes with one node down and refuses them
     (NOT_ENOUGH_REPLICAS) with two down."""
 
-    def __init__(self, size: int = 3, *, base_dir: str | os.PathLike[str] | None = None,
-                 properties: Mapping[str, object] | None = None, heap_mb: int = 320,
-                 client_protocol: str = "PLAINTEXT", scram_users: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        size: int = 3,
+        *,
+        base_dir: str | os.PathLike[str] | None = None,
+        properties: Mapping[str, object] | None = None,
+        heap_mb: int = 320,
+        client_protocol: str = "PLAINTEXT",
+        scram_users: Mapping[str, str] | None = None,
+    ) -> None:
         self._own_dir = base_dir is None
-        self.base_dir = Path(base_dir) if base_dir is not None else Path(
-            tempfile.mkdtemp(prefix="outbox-relay-kafka-cluster-"))
+        self.base_dir = (
+            Path(base_dir) if base_dir is not None else Path(tempfile.mkdtemp(prefix="outbox-relay-kafka-cluster-"))
+        )
         cluster_id = new_cluster_id()
         controller_ports = {node_id: free_port() for node_id in range(1, size + 1)}
         voters = ",".join(f"{node_id}@127.0.0.1:{port}" for node_id, port in controller_ports.items())
         self.nodes = [
-            KafkaBroker(data_dir=self.base_dir / f"node-{node_id}", node_id=node_id, properties=properties,
-                        heap_mb=heap_mb, cluster_id=cluster_id, controller_port=port, voters=voters,
-                        replication_factor=size, client_protocol=client_protocol, scram_users=scram_users)
+            KafkaBroker(
+                data_dir=self.base_dir / f"node-{node_id}",
+                node_id=node_id,
+                properties=properties,
+                heap_mb=heap_mb,
+                cluster_id=cluster_id,
+                controller_port=port,
+                voters=voters,
+                replication_factor=size,
+                client_protocol=client_protocol,
+                scram_users=scram_users,
+            )
             for node_id, port in controller_ports.items()
         ]
 
@@ -645,11 +750,23 @@ class KafkaCluster:
 
         return AdminClient({"bootstrap.servers": self.internal_bootstrap_servers, "log_level": 3, **config})
 
-    def create_topic(self, topic: str, *, partitions: int = 1, replication_factor: int | None = None,
-                     config: Mapping[str, object] | None = None, timeout: float = 30.0) -> None:
-        create_topic(self.admin(), topic, partitions=partitions,
-                     replication_factor=replication_factor or self.replication_factor, config=config,
-                     timeout=timeout)
+    def create_topic(
+        self,
+        topic: str,
+        *,
+        partitions: int = 1,
+        replication_factor: int | None = None,
+        config: Mapping[str, object] | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        create_topic(
+            self.admin(),
+            topic,
+            partitions=partitions,
+            replication_factor=replication_factor or self.replication_factor,
+            config=config,
+            timeout=timeout,
+        )
 
     def leader_of(self, topic: str, partition: int = 0, timeout: float = 30.0) -> KafkaBroker:
         """The node leading ``topic``/``partition`` now (asked of a live node)."""
@@ -680,8 +797,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args[0] == "--serve":
         with KafkaBroker() as node:
-            print(f"Apache Kafka {KAFKA_VERSION} on {node.bootstrap_servers} "
-                  f"(started in {node.started_seconds:.1f}s, log {node.log_file}); Ctrl-C stops it", flush=True)
+            print(
+                f"Apache Kafka {KAFKA_VERSION} on {node.bootstrap_servers} "
+                f"(started in {node.started_seconds:.1f}s, log {node.log_file}); Ctrl-C stops it",
+                flush=True,
+            )
             with contextlib.suppress(KeyboardInterrupt):
                 while node.running:
                     time.sleep(1)

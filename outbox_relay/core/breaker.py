@@ -25,8 +25,14 @@ class BreakerGauge(Protocol):
 
 
 class CircuitBreaker:
-    def __init__(self, probe: Callable[[], bool], gauge: BreakerGauge | None = None, *,
-                 initial_backoff: float = 0.5, max_backoff: float = 30.0) -> None:
+    def __init__(
+        self,
+        probe: Callable[[], bool],
+        gauge: BreakerGauge | None = None,
+        *,
+        initial_backoff: float = 0.5,
+        max_backoff: float = 30.0,
+    ) -> None:
         self._probe = probe
         self._gauge = gauge
         self._lock = threading.Lock()

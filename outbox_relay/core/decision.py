@@ -84,15 +84,19 @@ def is_outage(outcomes: Sequence[Outcome]) -> bool:
     """True if nothing in the batch was delivered and every real failure (ignoring rows
     released without an attempt) was a transport failure."""
     failures = [o for o in outcomes if o is not None and not isinstance(o, NotDelivered)]
-    return (bool(failures) and all(o is not None for o in outcomes)
-            and all(isinstance(o, RetryableError) and o.transport for o in failures))
+    return (
+        bool(failures)
+        and all(o is not None for o in outcomes)
+        and all(isinstance(o, RetryableError) and o.transport for o in failures)
+    )
 
 
 DONE = Decision(Kind.DONE, "done")
 
 
-def decide(attempts: int, outcome: Outcome, *, outage: bool, policy: RetryPolicy,
-           uniform: Uniform = random.uniform) -> Decision:
+def decide(
+    attempts: int, outcome: Outcome, *, outage: bool, policy: RetryPolicy, uniform: Uniform = random.uniform
+) -> Decision:
     """The decision for a row claimed with ``attempts`` attempts used (the claim's
     included). ``uniform`` draws the backoff's jitter (tests pass their own)."""
     limit = policy.max_error_chars
@@ -103,14 +107,20 @@ def decide(attempts: int, outcome: Outcome, *, outage: bool, policy: RetryPolicy
     if isinstance(outcome, RetryableError) and outage:
         return Decision(Kind.RELEASE, "pending", 0.0, truncate(outcome.reason, limit), True)
     if isinstance(outcome, Defer):
-        return Decision(Kind.DEFER, "pending", bounded_delay(outcome.delay),
-                        truncate(f"deferred: {outcome.reason}", limit), True)
+        return Decision(
+            Kind.DEFER, "pending", bounded_delay(outcome.delay), truncate(f"deferred: {outcome.reason}", limit), True
+        )
     if isinstance(outcome, RetryableError):
         if attempts >= policy.max_attempts:
-            return Decision(Kind.DEAD, "dead", 0.0,
-                            truncate(f"retries exhausted after {attempts} attempts: {outcome.reason}", limit))
-        delay = full_jitter_backoff(attempts, base=policy.backoff_base_seconds, cap=policy.backoff_cap_seconds,
-                                    uniform=uniform)
+            return Decision(
+                Kind.DEAD,
+                "dead",
+                0.0,
+                truncate(f"retries exhausted after {attempts} attempts: {outcome.reason}", limit),
+            )
+        delay = full_jitter_backoff(
+            attempts, base=policy.backoff_base_seconds, cap=policy.backoff_cap_seconds, uniform=uniform
+        )
         if outcome.retry_after_seconds is not None:
             delay = max(delay, bounded_delay(outcome.retry_after_seconds))
         return Decision(Kind.RETRY, "pending", bounded_delay(delay), truncate(outcome.reason, limit), False)

@@ -71,8 +71,9 @@ RESERVED_HEADERS = frozenset({"message_id", "event_type", "aggregate_type", "agg
 # relay's tracing replaces it with its own span's context.
 TRACE_HEADERS = ("traceparent", "tracestate")
 # Attributes the relay sets itself in the CloudEvents formats.
-_CE_OWN_ATTRIBUTES = frozenset({"specversion", "id", "source", "type", "subject", "time", "datacontenttype",
-                                "data", "data_base64", "dataschema"})
+_CE_OWN_ATTRIBUTES = frozenset(
+    {"specversion", "id", "source", "type", "subject", "time", "datacontenttype", "data", "data_base64", "dataschema"}
+)
 # CloudEvents attribute names: lower-case ASCII letters and digits (spec 1.0, "Attribute Naming Convention").
 _CE_ATTRIBUTE_RE = re.compile(r"^[a-z0-9]{1,20}$")
 
@@ -170,16 +171,27 @@ class WireFormat:
         fmt = self.format
         message_id = str(row.id)
         if fmt is MessageFormat.CONTRACT:
-            headers = [("message_id", message_id), ("event_type", row.event_type),
-                       ("aggregate_type", row.aggregate_type), ("aggregate_id", row.aggregate_id), *extra]
+            headers = [
+                ("message_id", message_id),
+                ("event_type", row.event_type),
+                ("aggregate_type", row.aggregate_type),
+                ("aggregate_id", row.aggregate_id),
+                *extra,
+            ]
             return Encoded(topic, row.aggregate_id, payload, headers)
         if fmt is MessageFormat.DEBEZIUM:
             if any(name == "id" for name, _ in extra):
                 raise FormatError("header 'id' is reserved in the debezium format (it carries the outbox id)")
             return Encoded(topic, row.aggregate_id, payload, [("id", message_id), *extra])
         plain, extensions = _split_extensions(extra)
-        attributes = [("specversion", CE_SPECVERSION), ("id", message_id), ("source", self.cloudevents_source),
-                      ("type", row.event_type), ("subject", row.aggregate_id), ("time", rfc3339(row.created_at))]
+        attributes = [
+            ("specversion", CE_SPECVERSION),
+            ("id", message_id),
+            ("source", self.cloudevents_source),
+            ("type", row.event_type),
+            ("subject", row.aggregate_id),
+            ("time", rfc3339(row.created_at)),
+        ]
         if fmt is MessageFormat.CLOUDEVENTS_BINARY:
             headers = [(CE_PREFIX + name, value) for name, value in attributes]
             headers.append((CONTENT_TYPE_HEADER, DATA_CONTENT_TYPE))
@@ -211,8 +223,9 @@ def _split_extensions(extra: Sequence[tuple[str, str]]) -> tuple[list[tuple[str,
         if attribute in _CE_OWN_ATTRIBUTES:
             raise FormatError(f"header {name!r} is reserved: the relay sets the CloudEvents attribute {attribute!r}")
         if not _CE_ATTRIBUTE_RE.match(attribute):
-            raise FormatError(f"header {name!r}: a CloudEvents extension name must be 1-20 lower-case letters "
-                              "or digits")
+            raise FormatError(
+                f"header {name!r}: a CloudEvents extension name must be 1-20 lower-case letters or digits"
+            )
         extensions.append((attribute, value))
     return plain, extensions
 

@@ -53,8 +53,9 @@ class Change:
     why: str
 
 
-def plan(current: Mapping[str, str], applied: Mapping[str, str], overrides: Mapping[str, str]
-         ) -> tuple[list[Change], dict[str, str], list[str]]:
+def plan(
+    current: Mapping[str, str], applied: Mapping[str, str], overrides: Mapping[str, str]
+) -> tuple[list[Change], dict[str, str], list[str]]:
     """What migrate changes on the table: (changes, the new record of what migrate set,
     notes on values kept). ``current``: the table's own autovacuum parameters;
     ``applied``: what migrate recorded last time; ``overrides``: ``database.autovacuum``."""

@@ -66,9 +66,17 @@ class ClaimOutcome:
 class DueCursor:
     """Shared by the workers of one process (thread-safe)."""
 
-    def __init__(self, *, lag_seconds: float = 2.0, rescan_min_seconds: float = 0.0,
-                 rescan_max_seconds: float = 30.0, full_cost_share: float = 0.1, lease_margin_seconds: float = 1.0,
-                 fast_above_seconds: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        lag_seconds: float = 2.0,
+        rescan_min_seconds: float = 0.0,
+        rescan_max_seconds: float = 30.0,
+        full_cost_share: float = 0.1,
+        lease_margin_seconds: float = 1.0,
+        fast_above_seconds: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._fast_above = fast_above_seconds
         self._full_costs: deque[float] = deque(maxlen=3)  # the last full claims' durations
         self._full_cost = 0.0  # the least of them (0 until there are three)

@@ -74,6 +74,7 @@ class Step:
 
 # --- numbered steps (never edit one that was released: add a new one) ----------------
 
+
 def _create_table(run: MigrationRun) -> None:
     """The outbox table with its fillfactor; on a table created now, the indexes of the
     layout in this transaction (plain CREATE INDEX on an empty table)."""
@@ -123,13 +124,15 @@ BASELINE = 5
 
 # --- every-run steps (idempotent, depend on the run's options) -----------------------
 
+
 def _fillfactor(run: MigrationRun) -> None:
     """A table without a fillfactor of its own gets the layout's (an operator's own
     value is kept); a table created now has it from its DDL."""
     if run.one("table_fillfactor", {"table": run.sql.regclass_text}) is None:
         run.conn.execute(run.sql.query("set_fillfactor"))
-        run.notes.append(f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and "
-                         "finalize on the same page)")
+        run.notes.append(
+            f"set fillfactor {FILLFACTOR} (new rows leave room for their claim and finalize on the same page)"
+        )
 
 
 def _autovacuum(run: MigrationRun) -> None:
@@ -145,22 +148,29 @@ def _autovacuum(run: MigrationRun) -> None:
         if change.value is None:
             run.conn.execute(run.sql.query("reset_storage_parameter", parameter=parameter))
         else:
-            run.conn.execute(run.sql.query("set_storage_parameter", parameter=parameter,
-                                           value=sql.Literal(change.value)))
+            run.conn.execute(
+                run.sql.query("set_storage_parameter", parameter=parameter, value=sql.Literal(change.value))
+            )
     if record != applied:
         run.conn.execute(run.sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)})
     run.notes += [f"kept {k}" for k in kept]
     if changes and not run.created:
-        run.notes.append("autovacuum: " + ", ".join(
-            f"{c.parameter} = {c.value}" if c.value is not None else f"{c.parameter} reset" for c in changes)
-            + " (a queue table: see the MVCC pressure page of the documentation)")
+        run.notes.append(
+            "autovacuum: "
+            + ", ".join(
+                f"{c.parameter} = {c.value}" if c.value is not None else f"{c.parameter} reset" for c in changes
+            )
+            + " (a queue table: see the MVCC pressure page of the documentation)"
+        )
 
 
 def _on_done_mode(run: MigrationRun) -> None:
     if run.one("set_on_done", {"on_done": run.on_done}):
-        run.notes.append("finalize now deletes delivered rows (relay.on_done = delete); done rows "
-                         "kept so far stay until purge" if run.on_done == "delete" else
-                         "finalize now keeps delivered rows as done (relay.on_done = keep)")
+        run.notes.append(
+            "finalize now deletes delivered rows (relay.on_done = delete); done rows kept so far stay until purge"
+            if run.on_done == "delete"
+            else "finalize now keeps delivered rows as done (relay.on_done = keep)"
+        )
 
 
 def _backfill_dedup_keys(run: MigrationRun) -> None:
@@ -171,8 +181,9 @@ def _backfill_dedup_keys(run: MigrationRun) -> None:
 def _notify_trigger(run: MigrationRun) -> None:
     if run.notify_trigger:
         run.conn.execute(run.sql.query("create_notify_function"))
-        exists = run.one("notify_trigger_exists", {"table": run.sql.regclass_text,
-                                                   "trigger": run.sql.notify_trigger_name})
+        exists = run.one(
+            "notify_trigger_exists", {"table": run.sql.regclass_text, "trigger": run.sql.notify_trigger_name}
+        )
         if not exists:  # creating a trigger locks the table against writers: only when missing
             run.conn.execute(run.sql.query("create_notify_trigger"))
     else:
@@ -180,7 +191,12 @@ def _notify_trigger(run: MigrationRun) -> None:
 
 
 EVERY_RUN: tuple[Callable[[MigrationRun], None], ...] = (
-    _fillfactor, _autovacuum, _on_done_mode, _backfill_dedup_keys, _notify_trigger)
+    _fillfactor,
+    _autovacuum,
+    _on_done_mode,
+    _backfill_dedup_keys,
+    _notify_trigger,
+)
 
 
 def apply(run: MigrationRun) -> list[int]:
@@ -203,8 +219,9 @@ def apply(run: MigrationRun) -> list[int]:
         conn.execute(table_sql.query("record_migration"), {"step": step.number, "name": step.name})
         applied.append(step.number)
     if applied and not run.created and done:
-        run.notes.append("applied migration steps " + ", ".join(
-            f"{s.number:04d} {s.name}" for s in steps if s.number in applied))
+        run.notes.append(
+            "applied migration steps " + ", ".join(f"{s.number:04d} {s.name}" for s in steps if s.number in applied)
+        )
     for every_run in EVERY_RUN:
         every_run(run)
     return applied

@@ -84,8 +84,7 @@ class PoolerConnection(psycopg.Connection[Any]):
         self._transaction_bounded = False
 
     @contextmanager
-    def transaction(self, savepoint_name: str | None = None,
-                    force_rollback: bool = False) -> Iterator[Transaction]:
+    def transaction(self, savepoint_name: str | None = None, force_rollback: bool = False) -> Iterator[Transaction]:
         if self.info.transaction_status == pq.TransactionStatus.IDLE:
             self._transaction_bounded = False  # a new outermost transaction
         with super().transaction(savepoint_name, force_rollback) as tx:
@@ -100,8 +99,9 @@ class PoolerConnection(psycopg.Connection[Any]):
             return True  # autocommit: the statement is its own transaction
         return status == pq.TransactionStatus.INTRANS and not self._transaction_bounded
 
-    def _bounded(self, cursor: BoundedCursor, query: Query, params: Params | None,
-                 prepare: bool | None, binary: bool | None) -> None:
+    def _bounded(
+        self, cursor: BoundedCursor, query: Query, params: Params | None, prepare: bool | None, binary: bool | None
+    ) -> None:
         """set_config + the statement in one pipeline, one Sync: one round trip."""
         in_transaction = self.info.transaction_status == pq.TransactionStatus.INTRANS
         _state.in_bounded_pipeline = True
@@ -117,8 +117,9 @@ class PoolerConnection(psycopg.Connection[Any]):
             self._transaction_bounded = True
 
 
-def execute_with_settings(cursor: psycopg.Cursor[Any], query: Query, params: Params | None,
-                          settings: dict[str, str]) -> None:
+def execute_with_settings(
+    cursor: psycopg.Cursor[Any], query: Query, params: Params | None, settings: dict[str, str]
+) -> None:
     """Execute ``query`` under transaction-local ``settings``: a set_config statement
     (delivery.sql "statement_settings") pipelined in front of it, one Sync, one round trip.
     In autocommit both run in one implicit transaction, so the settings end with it;
@@ -134,8 +135,7 @@ def execute_with_settings(cursor: psycopg.Cursor[Any], query: Query, params: Par
     _state.in_bounded_pipeline = True
     try:
         with conn.pipeline():  # leaving it sends the one Sync and waits for both results
-            psycopg.Cursor(conn).execute(_SETTINGS_STATEMENT, (list(settings), list(settings.values())),
-                                         prepare=False)
+            psycopg.Cursor(conn).execute(_SETTINGS_STATEMENT, (list(settings), list(settings.values())), prepare=False)
             # Inside the pipeline a BoundedCursor does not bound again (_needs_bound).
             cursor.execute(cast(QueryNoTemplate, query), params)
     finally:
@@ -147,16 +147,18 @@ def execute_with_settings(cursor: psycopg.Cursor[Any], query: Query, params: Par
 class BoundedCursor(psycopg.Cursor[Any]):
     """The cursor of a PoolerConnection: ``execute`` bounds the statement (see module doc)."""
 
-    def execute(self, query: Query, params: Params | None = None, *,
-                prepare: bool | None = None, binary: bool | None = None) -> Self:
+    def execute(
+        self, query: Query, params: Params | None = None, *, prepare: bool | None = None, binary: bool | None = None
+    ) -> Self:
         conn = self.connection
         if isinstance(conn, PoolerConnection) and conn._needs_bound():
             conn._bounded(self, query, params, prepare, binary)
             return self
         return self.execute_unbounded(query, params, prepare=prepare, binary=binary)
 
-    def execute_unbounded(self, query: Query, params: Params | None = None, *,
-                          prepare: bool | None = None, binary: bool | None = None) -> Self:
+    def execute_unbounded(
+        self, query: Query, params: Params | None = None, *, prepare: bool | None = None, binary: bool | None = None
+    ) -> Self:
         # One implementation serves both overloads of psycopg's execute(); the cast
         # only picks one for the type checker.
         return super().execute(cast(QueryNoTemplate, query), params, prepare=prepare, binary=binary)

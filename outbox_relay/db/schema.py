@@ -24,7 +24,13 @@ GRANT_KINDS = ("relay", "operator", "writer")
 
 # The files of sql/ whose sections are loaded; a section name is unique across them.
 SQL_FILES: tuple[str, ...] = (
-    "schema.sql", "migrations.sql", "delivery.sql", "monitoring.sql", "operator.sql", "write.sql", "inbox.sql",
+    "schema.sql",
+    "migrations.sql",
+    "delivery.sql",
+    "monitoring.sql",
+    "operator.sql",
+    "write.sql",
+    "inbox.sql",
     "grants.sql",
 )
 
@@ -39,7 +45,7 @@ def _load_sections() -> dict[str, str]:
             name = match.group(1)
             if name in sections:
                 raise RuntimeError(f"SQL section {name!r} is defined twice (sql/{file_name})")
-            sections[name] = text[match.end():end].strip()
+            sections[name] = text[match.end() : end].strip()
     return sections
 
 
@@ -133,8 +139,10 @@ class TableSql:
         base = self.table_name
         return {
             "table": self.ident,
-            **{f"idx_{key}": sql.Identifier(self.index_name(key))
-               for key in (*BASE_INDEXES, *ORDERING_INDEXES, *OBSOLETE_INDEXES)},
+            **{
+                f"idx_{key}": sql.Identifier(self.index_name(key))
+                for key in (*BASE_INDEXES, *ORDERING_INDEXES, *OBSOLETE_INDEXES)
+            },
             "schema": sql.Identifier(self.schema_name or "public"),
             "state_table": self._qualified(_short(base, "relay_state")),
             "dedup_keys": self._qualified(_short(base, "dedup_keys")),
@@ -161,11 +169,13 @@ class TableSql:
 
     def index_ddl(self, key: str, *, concurrently: bool) -> sql.Composed:
         return sql.SQL(_strip_comments(QUERIES["index_" + key])).format(
-            **self._names, concurrently=sql.SQL("CONCURRENTLY" if concurrently else ""))
+            **self._names, concurrently=sql.SQL("CONCURRENTLY" if concurrently else "")
+        )
 
     def drop_index(self, key: str, *, concurrently: bool) -> sql.Composed:
         return sql.SQL(QUERIES["drop_index"]).format(
-            index=self._qualified(self.index_name(key)), concurrently=sql.SQL("CONCURRENTLY" if concurrently else ""))
+            index=self._qualified(self.index_name(key)), concurrently=sql.SQL("CONCURRENTLY" if concurrently else "")
+        )
 
     def query(self, name: str, *, strict: bool = False, **extra: sql.Composable) -> sql.Composed:
         """``extra``: further placeholders of this one statement, e.g. status=sql.Literal("dead")."""
@@ -181,8 +191,10 @@ class TableSql:
         if kind not in GRANT_KINDS:
             raise ValueError(f"unknown role kind {kind!r}: use one of {', '.join(GRANT_KINDS)}")
         if not ROLE_NAME_RE.match(role):
-            raise ValueError(f"invalid role name {role!r}: use letters, digits and underscores "
-                             "(at most 63, not starting with a digit)")
+            raise ValueError(
+                f"invalid role name {role!r}: use letters, digits and underscores "
+                "(at most 63, not starting with a digit)"
+            )
         names: dict[str, sql.Composable] = dict(self._names)
         names["role"] = sql.Identifier(role)
         statements: list[sql.Composed] = []
@@ -198,5 +210,3 @@ class TableSql:
         parts = [p.strip() for p in re.split(r";\s*\n", body) if p.strip()]
         values = self._names if names is None else names
         return [sql.SQL(_strip_comments(p)).format(**values) for p in parts]
-
-

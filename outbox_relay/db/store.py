@@ -46,7 +46,8 @@ INDEXED_STATUSES = ("pending", "processing", "dead")
 MIGRATE_NEEDS_DIRECT = (
     "migrate needs a direct connection to PostgreSQL, not a transaction pooler (it holds a session "
     "advisory lock and builds indexes CONCURRENTLY without a statement timeout): run it with "
-    "database.dsn pointing at the database itself and database.transaction_pooler = false")
+    "database.dsn pointing at the database itself and database.transaction_pooler = false"
+)
 # stats(): up to this many dead rows the blocked-aggregates query walks the dead rows
 # (three index probes each); above it, the aggregates that have work.
 BLOCKED_FROM_DEAD_ROWS = 1000
@@ -119,15 +120,23 @@ def redact_dsn(text: str, dsn: str | None = None) -> str:
 # Connection failures that waiting cannot fix. Everything else (refused, timed out,
 # the server starting up, shutting down or in recovery, too many connections, a
 # standby refusing a read-write session during failover) is waited for.
-_PERMANENT_CONNECT_SQLSTATES = frozenset({
-    "28000",  # invalid_authorization_specification: no pg_hba.conf entry, role does not exist
-    "28P01",  # invalid_password
-    "3D000",  # invalid_catalog_name: database does not exist
-})
+_PERMANENT_CONNECT_SQLSTATES = frozenset(
+    {
+        "28000",  # invalid_authorization_specification: no pg_hba.conf entry, role does not exist
+        "28P01",  # invalid_password
+        "3D000",  # invalid_catalog_name: database does not exist
+    }
+)
 _PERMANENT_CONNECT_MARKERS = (
-    "password authentication failed", "no pg_hba.conf entry", "authentication failed",
-    "no password supplied", "certificate", "sslmode value", "server does not support ssl",
-    "tlsv1 alert", "unknown ca",
+    "password authentication failed",
+    "no pg_hba.conf entry",
+    "authentication failed",
+    "no password supplied",
+    "certificate",
+    "sslmode value",
+    "server does not support ssl",
+    "tlsv1 alert",
+    "unknown ca",
 )
 
 
@@ -267,8 +276,12 @@ class OutboxStore:
         # every worker of this store, so claims stay flat while vacuum is held back.
         self.due_cursor = DueCursor()
         self._claim_statement = self.sql.query(
-            "claim", due_from_at=sql.Placeholder("from_at"), due_from_id=sql.Placeholder("from_id"),
-            leases_from=sql.Placeholder("leases_from"), claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+            "claim",
+            due_from_at=sql.Placeholder("from_at"),
+            due_from_id=sql.Placeholder("from_id"),
+            leases_from=sql.Placeholder("leases_from"),
+            claim_report=sql.SQL(EXECUTABLE["claim_report"]),
+        )
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
@@ -283,7 +296,8 @@ class OutboxStore:
                     pass
             except psycopg.Error as exc:
                 raise DatabaseUnavailable(
-                    f"cannot connect to the database: {redact_dsn(_first_line(exc), self._dsn)}") from None
+                    f"cannot connect to the database: {redact_dsn(_first_line(exc), self._dsn)}"
+                ) from None
         try:
             self._pool.open(wait=wait, timeout=self._connect_timeout + 1)
         except psycopg_pool.PoolTimeout as exc:
@@ -310,8 +324,9 @@ class OutboxStore:
         if not (row and row[0]):
             return f"table {self.table!r} does not exist: run `outbox-relay migrate` first"
         if not current:
-            return (f"table {self.table!r} was set up by an older version of outbox-relay: "
-                    "run `outbox-relay migrate` first")
+            return (
+                f"table {self.table!r} was set up by an older version of outbox-relay: run `outbox-relay migrate` first"
+            )
         return None
 
     def _connect_once(self) -> psycopg.Connection[Any]:
@@ -351,12 +366,11 @@ class OutboxStore:
         try:
             yield
         except pg_errors.UndefinedTable as exc:
-            raise SchemaMissing(
-                f"table {self.table!r} does not exist: run `outbox-relay migrate` first"
-            ) from exc
+            raise SchemaMissing(f"table {self.table!r} does not exist: run `outbox-relay migrate` first") from exc
         except psycopg_pool.PoolTimeout as exc:
             raise DatabaseUnavailable(
-                f"{what}: no database connection available (pool exhausted or server down)") from exc
+                f"{what}: no database connection available (pool exhausted or server down)"
+            ) from exc
         except psycopg.OperationalError as exc:
             message = f"{what}: {self.redact(_first_line(exc))}"
             if commit_unknown and not isinstance(exc, pg_errors.QueryCanceled):
@@ -372,9 +386,16 @@ class OutboxStore:
                 yield conn
 
     # --- schema ----------------------------------------------------------------------
-    def migrate(self, *, notify_trigger: bool = True, ordering: bool = False, on_done: str = "keep",
-                drop_ordering_indexes: bool = False, lock_wait_seconds: float = 600.0,
-                autovacuum: Mapping[str, str] | None = None) -> list[str]:
+    def migrate(
+        self,
+        *,
+        notify_trigger: bool = True,
+        ordering: bool = False,
+        on_done: str = "keep",
+        drop_ordering_indexes: bool = False,
+        lock_wait_seconds: float = 600.0,
+        autovacuum: Mapping[str, str] | None = None,
+    ) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
         on an existing table indexes are built and dropped CONCURRENTLY (outside any
@@ -403,15 +424,21 @@ class OutboxStore:
             deadline = time.monotonic() + lock_wait_seconds
             while not self._try_lock(conn, lock_key):
                 if time.monotonic() > deadline:
-                    raise DatabaseError(f"migrate: another migration of {self.table!r} held its lock "
-                                        f"for {lock_wait_seconds:.0f}s")
+                    raise DatabaseError(
+                        f"migrate: another migration of {self.table!r} held its lock for {lock_wait_seconds:.0f}s"
+                    )
                 time.sleep(0.2)
             try:
                 wanted = [*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())]
                 for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
                     try:
-                        notes += self._migrate_schema(conn, on_done=on_done, notify_trigger=notify_trigger,
-                                                      wanted=wanted, autovacuum=autovacuum or {})
+                        notes += self._migrate_schema(
+                            conn,
+                            on_done=on_done,
+                            notify_trigger=notify_trigger,
+                            wanted=wanted,
+                            autovacuum=autovacuum or {},
+                        )
                         break
                     except pg_errors.LockNotAvailable:
                         if attempt == _MIGRATE_LOCK_ATTEMPTS:
@@ -420,27 +447,41 @@ class OutboxStore:
                                 f"{attempt} times: a long transaction holds the table; retry when it ended"
                             ) from None
                         time.sleep(1.0)
-                notes += self._converge_indexes(conn, wanted, ordering=ordering,
-                                                drop_ordering_indexes=drop_ordering_indexes)
+                notes += self._converge_indexes(
+                    conn, wanted, ordering=ordering, drop_ordering_indexes=drop_ordering_indexes
+                )
             finally:
                 conn.execute(self.sql.query("migrate_unlock"), {"key": lock_key})
         return notes
 
-    def _migrate_schema(self, conn: psycopg.Connection[Any], *, on_done: str, notify_trigger: bool,
-                        wanted: Sequence[str], autovacuum: Mapping[str, str]) -> list[str]:
+    def _migrate_schema(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        on_done: str,
+        notify_trigger: bool,
+        wanted: Sequence[str],
+        autovacuum: Mapping[str, str],
+    ) -> list[str]:
         """The transactional part of migrate (db/migrations.py: the numbered steps not yet
         recorded for this table, then the every-run steps), under a lock timeout; it is
         retried as a whole."""
         with conn.transaction():
             conn.execute(self.sql.query("migrate_lock_timeout"))
-            run = migrations.MigrationRun(conn, self.sql, on_done=on_done, notify_trigger=notify_trigger,
-                                          wanted_indexes=wanted, autovacuum=autovacuum)
+            run = migrations.MigrationRun(
+                conn,
+                self.sql,
+                on_done=on_done,
+                notify_trigger=notify_trigger,
+                wanted_indexes=wanted,
+                autovacuum=autovacuum,
+            )
             migrations.apply(run)
         return run.notes
 
-
-    def _converge_indexes(self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool,
-                          drop_ordering_indexes: bool) -> list[str]:
+    def _converge_indexes(
+        self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool, drop_ordering_indexes: bool
+    ) -> list[str]:
         """Existing table: build missing (or invalid) indexes of the layout and drop the
         ones nothing reads any more, each CONCURRENTLY in autocommit."""
         notes: list[str] = []
@@ -461,9 +502,11 @@ class OutboxStore:
                 notes.append(f"dropped index {name} (no statement of this layout reads it)")
         unused = [self.sql.index_name(k) for k in ORDERING_INDEXES if self.sql.index_name(k) in valid]
         if not ordering and not drop_ordering_indexes and unused:
-            notes.append(f"relay.ordered_event_types is empty but the ordering indexes {', '.join(unused)} exist "
-                         "(kept: other relays may deliver in order); drop them with "
-                         "`outbox-relay migrate --drop-ordering-indexes` to save their WAL")
+            notes.append(
+                f"relay.ordered_event_types is empty but the ordering indexes {', '.join(unused)} exist "
+                "(kept: other relays may deliver in order); drop them with "
+                "`outbox-relay migrate --drop-ordering-indexes` to save their WAL"
+            )
         return notes
 
     @contextlib.contextmanager
@@ -484,13 +527,16 @@ class OutboxStore:
         return bool(row and row[0])
 
     def _state_has_mode(self, conn: psycopg.Connection[Any]) -> bool:
-        row = conn.execute(self.sql.query("state_has_on_done"),
-                           {"state_table": self.sql.regclass_of("relay_state")}).fetchone()
+        row = conn.execute(
+            self.sql.query("state_has_on_done"), {"state_table": self.sql.regclass_of("relay_state")}
+        ).fetchone()
         return bool(row and row[0])
 
     def _index_validity(self, conn: psycopg.Connection[Any]) -> dict[str, bool]:
-        return {name: bool(ok) for name, ok in
-                conn.execute(self.sql.query("table_indexes"), {"table": self.sql.regclass_text}).fetchall()}
+        return {
+            name: bool(ok)
+            for name, ok in conn.execute(self.sql.query("table_indexes"), {"table": self.sql.regclass_text}).fetchall()
+        }
 
     def missing_ordering_indexes(self) -> list[str]:
         """Ordering indexes the table lacks (or has only invalid): an ordered relay
@@ -500,9 +546,10 @@ class OutboxStore:
         return [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
 
     def _schema_current(self, conn: psycopg.Connection[Any]) -> bool:
-        row = conn.execute(self.sql.query("schema_current"), {
-            "dedup_keys": self.sql.regclass_of("dedup_keys"),
-            "state_table": self.sql.regclass_of("relay_state")}).fetchone()
+        row = conn.execute(
+            self.sql.query("schema_current"),
+            {"dedup_keys": self.sql.regclass_of("dedup_keys"), "state_table": self.sql.regclass_of("relay_state")},
+        ).fetchone()
         return bool(row and row[0])
 
     def run_problem(self, *, ordering: bool, on_done: str) -> tuple[str, bool] | None:
@@ -518,20 +565,28 @@ class OutboxStore:
                 if not self._exists(conn):
                     return None
                 if not self._schema_current(conn):
-                    return (f"table {self.table!r} has the layout of an older version: "
-                            "run `outbox-relay migrate`", True)
+                    return (
+                        f"table {self.table!r} has the layout of an older version: run `outbox-relay migrate`",
+                        True,
+                    )
                 valid = self._index_validity(conn)
                 row = conn.execute(self.sql.query("table_mode")).fetchone()
         except psycopg.Error:
             return None
         mode = str(row[0]) if row else "keep"
         if mode != on_done:
-            return (f"relay.on_done is {on_done!r} but table {self.table!r} is set up for {mode!r}: "
-                    "run `outbox-relay migrate` with the same settings first", False)
+            return (
+                f"relay.on_done is {on_done!r} but table {self.table!r} is set up for {mode!r}: "
+                "run `outbox-relay migrate` with the same settings first",
+                False,
+            )
         missing = [self.sql.index_name(k) for k in ORDERING_INDEXES if not valid.get(self.sql.index_name(k))]
         if ordering and missing:
-            return (f"table {self.table!r} lacks the ordering indexes ({', '.join(missing)}) that "
-                    "relay.ordered_event_types needs: run `outbox-relay migrate` with the same settings", True)
+            return (
+                f"table {self.table!r} lacks the ordering indexes ({', '.join(missing)}) that "
+                "relay.ordered_event_types needs: run `outbox-relay migrate` with the same settings",
+                True,
+            )
         return None
 
     def on_done_mode(self) -> str:
@@ -541,6 +596,7 @@ class OutboxStore:
                 return "keep"
             row = conn.execute(self.sql.query("table_mode")).fetchone()
             return str(row[0]) if row else "keep"
+
     def mark_idle(self) -> None:
         """Ask inserts to NOTIFY (see create_notify_function): the relays are idle."""
         with self._mapped("mark idle"), self._pool.connection() as conn:
@@ -594,16 +650,26 @@ class OutboxStore:
         outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
         started = time.monotonic()
         try:
-            result = self._claim(ordering, params, rows, plan, outcomes, run_length=run_length,
-                                 ordered_after=ordered_after)
+            result = self._claim(
+                ordering, params, rows, plan, outcomes, run_length=run_length, ordered_after=ordered_after
+            )
         except BaseException:
             self.due_cursor.failed(plan)
             raise
         self.due_cursor.end(plan, outcomes, time.monotonic() - started)
         return result
 
-    def _claim(self, ordering: OrderingRule, params: dict[str, Any], rows: list[Claimed], plan: ClaimPlan,
-               lowest: list[ClaimOutcome], *, run_length: int, ordered_after: str | None) -> ClaimResult:
+    def _claim(
+        self,
+        ordering: OrderingRule,
+        params: dict[str, Any],
+        rows: list[Claimed],
+        plan: ClaimPlan,
+        lowest: list[ClaimOutcome],
+        *,
+        run_length: int,
+        ordered_after: str | None,
+    ) -> ClaimResult:
         all_ordered = ordering.all_types
         types = ordering.explicit_types
         batch = int(params["batch"])
@@ -630,9 +696,12 @@ class OutboxStore:
                 else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
-                    reaped = self._plain_claim(cur, dict(unordered, batch=max(1, batch // 2),
-                                                         max_batch_bytes=max(1, max_batch_bytes // 2)), rows,
-                                               lowest)
+                    reaped = self._plain_claim(
+                        cur,
+                        dict(unordered, batch=max(1, batch // 2), max_batch_bytes=max(1, max_batch_bytes // 2)),
+                        rows,
+                        lowest,
+                    )
                 head_room = batch - len(rows)
                 params = dict(params, batch=head_room)
 
@@ -640,8 +709,9 @@ class OutboxStore:
                     return max_batch_bytes - sum(r.size_bytes for r in rows)
 
                 def claim_heads(after: str | None, limit: int) -> list[Claimed]:
-                    head_params = dict(params, after=after, batch=limit, max_batch_bytes=bytes_left(),
-                                       first_always=not rows)
+                    head_params = dict(
+                        params, after=after, batch=limit, max_batch_bytes=bytes_left(), first_always=not rows
+                    )
                     found = cur.execute(self.sql.query("claim_ordered_heads"), head_params).fetchall()
                     if found:  # the last aggregate in the column's collation order (see delivery.sql)
                         last_aggregate[0] = found[0][-1]
@@ -662,19 +732,26 @@ class OutboxStore:
                 if heads:
                     next_after = last_aggregate[0]
                 if heads and run_length > 1 and batch > len(rows) and bytes_left() > 0:
-                    run_params = dict(params, run_length=run_length - 1, room=batch - len(rows),
-                                      aggregate_ids=[h.aggregate_id for h in heads],
-                                      head_ids=[h.id for h in heads], max_batch_bytes=bytes_left())
+                    run_params = dict(
+                        params,
+                        run_length=run_length - 1,
+                        room=batch - len(rows),
+                        aggregate_ids=[h.aggregate_id for h in heads],
+                        head_ids=[h.id for h in heads],
+                        max_batch_bytes=bytes_left(),
+                    )
                     rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
                 room = batch - len(rows)
                 if not all_ordered and room > 0 and bytes_left() > 0:
-                    reaped += self._plain_claim(cur, dict(unordered, batch=room, max_batch_bytes=bytes_left()),
-                                                rows, lowest)
+                    reaped += self._plain_claim(
+                        cur, dict(unordered, batch=room, max_batch_bytes=bytes_left()), rows, lowest
+                    )
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 
-    def _plain_claim(self, cur: Any, params: dict[str, Any], rows: list[Claimed],
-                     outcomes: list[ClaimOutcome]) -> list[tuple[int, int, str | None]]:
+    def _plain_claim(
+        self, cur: Any, params: dict[str, Any], rows: list[Claimed], outcomes: list[ClaimOutcome]
+    ) -> list[tuple[int, int, str | None]]:
         """Run the reap + claim statement; append claimed rows (and what the statement
         saw to ``outcomes``, for the claim cursor), return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
@@ -692,8 +769,13 @@ class OutboxStore:
                 rows.append(Claimed(*record[1:12]))
                 if record[13] is not None:
                     keys.append((record[13], record[1]))
-        outcomes.append(ClaimOutcome(lowest=min(keys) if keys else None, database_now=database_now,
-                                     leases_exhausted=expired_seen < int(params["candidates"])))
+        outcomes.append(
+            ClaimOutcome(
+                lowest=min(keys) if keys else None,
+                database_now=database_now,
+                leases_exhausted=expired_seen < int(params["candidates"]),
+            )
+        )
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------
@@ -714,23 +796,29 @@ class OutboxStore:
         return self.finalize([FinalizeItem(i, v, "done") for i, v in claims], strict=strict)
 
     def reschedule(self, items: Sequence[Reschedule], *, strict: bool = False) -> set[int]:
-        return self.finalize([FinalizeItem(i.id, i.lease_version, "pending", i.delay_seconds, i.error,
-                                           i.refund_attempt) for i in items], strict=strict)
+        return self.finalize(
+            [FinalizeItem(i.id, i.lease_version, "pending", i.delay_seconds, i.error, i.refund_attempt) for i in items],
+            strict=strict,
+        )
 
     def mark_dead(self, items: Sequence[tuple[int, int, str]], *, strict: bool = False) -> set[int]:
         return self.finalize([FinalizeItem(i, v, "dead", 0.0, e) for i, v, e in items], strict=strict)
 
-    def extend_lease(self, claims: Sequence[tuple[int, int]], lease_seconds: float, *,
-                     strict: bool = False) -> set[int]:
+    def extend_lease(
+        self, claims: Sequence[tuple[int, int]], lease_seconds: float, *, strict: bool = False
+    ) -> set[int]:
         if not claims:
             return set()
         ids = [row_id for row_id, _ in claims]
         versions = [version for _, version in claims]
         with self._mapped("extend lease"), self._pool.connection() as conn:
             cur = conn.cursor()  # the finalize's join, so the finalize's planner settings
-            execute_with_settings(cur, self.sql.query("extend_lease", strict=strict),
-                                  {"ids": list(ids), "versions": list(versions),
-                                   "lease_seconds": float(lease_seconds)}, FINALIZE_SETTINGS)
+            execute_with_settings(
+                cur,
+                self.sql.query("extend_lease", strict=strict),
+                {"ids": list(ids), "versions": list(versions), "lease_seconds": float(lease_seconds)},
+                FINALIZE_SETTINGS,
+            )
             return {r[0] for r in cur.fetchall()}
 
     # --- monitoring ------------------------------------------------------------------
@@ -756,17 +844,19 @@ class OutboxStore:
             estimated: list[str] = []
             if include_depth:
                 unknown: list[str] = []  # done rows in a table above the cap (no index counts them)
-                for status, n in conn.execute(self.sql.query("stats_depth"),
-                                              {"cap": count_cap, "table": self.sql.regclass_text}).fetchall():
+                for status, n in conn.execute(
+                    self.sql.query("stats_depth"), {"cap": count_cap, "table": self.sql.regclass_text}
+                ).fetchall():
                     if n is None:
                         unknown.append(status)
                     else:
                         depth[status] = int(n)
                 capped = [status for status, n in depth.items() if n >= count_cap]
                 if capped or unknown:
-                    rows = conn.execute(self.sql.query("stats_status_estimate"), {
-                        "table": self.sql.regclass_text, "schema": self.sql.schema_name,
-                        "name": self.sql.table_name}).fetchall()
+                    rows = conn.execute(
+                        self.sql.query("stats_status_estimate"),
+                        {"table": self.sql.regclass_text, "schema": self.sql.schema_name, "name": self.sql.table_name},
+                    ).fetchall()
                     estimates = {status: int(n) for status, n in rows}
                     for status in capped:
                         depth[status] = max(count_cap, estimates.get(status, count_cap))
@@ -787,10 +877,18 @@ class OutboxStore:
                 # (at most count_cap of them), so the cost never follows the operator's
                 # backlog of dead rows.
                 few_dead = dead_rows is not None and dead_rows <= BLOCKED_FROM_DEAD_ROWS
-                blocked = [(r[0], int(r[1])) for r in conn.execute(
-                    self.sql.query("stats_blocked_from_dead" if few_dead else "stats_blocked"),
-                    {"ordered_types": ordering.explicit_types, "all_ordered": ordering.all_types,
-                     "limit": blocked_limit, "scan_cap": count_cap}).fetchall()]
+                blocked = [
+                    (r[0], int(r[1]))
+                    for r in conn.execute(
+                        self.sql.query("stats_blocked_from_dead" if few_dead else "stats_blocked"),
+                        {
+                            "ordered_types": ordering.explicit_types,
+                            "all_ordered": ordering.all_types,
+                            "limit": blocked_limit,
+                            "scan_cap": count_cap,
+                        },
+                    ).fetchall()
+                ]
         return Stats(
             queue_depth=depth,
             estimated_statuses=estimated,
@@ -817,9 +915,14 @@ class OutboxStore:
                 conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
             row = conn.execute(self.sql.query("vacuum_figures"), {"table": self.sql.regclass_text}).fetchone()
         assert row is not None
-        return VacuumFigures(dead_tuples=int(row[0]), live_tuples=int(row[1]), heap_bytes=int(row[2]),
-                             index_bytes=int(row[3]), since_vacuum_seconds=float(row[4]) if row[4] is not None
-                             else None, vacuums=int(row[5]))
+        return VacuumFigures(
+            dead_tuples=int(row[0]),
+            live_tuples=int(row[1]),
+            heap_bytes=int(row[2]),
+            index_bytes=int(row[3]),
+            since_vacuum_seconds=float(row[4]) if row[4] is not None else None,
+            vacuums=int(row[5]),
+        )
 
     def ping(self, timeout_seconds: float = 2.0) -> bool:
         """Does the database answer ``SELECT 1`` within ``timeout_seconds``? Answers in
@@ -853,8 +956,7 @@ class OutboxStore:
     def states(self, ids: Sequence[int]) -> dict[int, tuple[str, int]]:
         """id -> (status, lease_version)."""
         with self._mapped("look up rows"), self._pool.connection() as conn:
-            return {r[0]: (r[1], r[2]) for r in
-                    conn.execute(self.sql.query("state_of"), {"ids": list(ids)}).fetchall()}
+            return {r[0]: (r[1], r[2]) for r in conn.execute(self.sql.query("state_of"), {"ids": list(ids)}).fetchall()}
 
     def dead_retry(self, ids: Sequence[int]) -> set[int]:
         with self._mapped("dead retry"), self._pool.connection() as conn:
@@ -862,8 +964,9 @@ class OutboxStore:
 
     def dead_skip(self, ids: Sequence[int], reason: str) -> set[int]:
         with self._mapped("dead skip"), self._pool.connection() as conn:
-            return {r[0] for r in conn.execute(self.sql.query("dead_skip"),
-                                               {"ids": list(ids), "reason": reason}).fetchall()}
+            return {
+                r[0] for r in conn.execute(self.sql.query("dead_skip"), {"ids": list(ids), "reason": reason}).fetchall()
+            }
 
     # --- operator console / CLI: filters, exact counts, audit -------------------------------
     # Everything the CLI's filtered dead-letter commands and the console read or change.
@@ -879,18 +982,21 @@ class OutboxStore:
 
     def audit_table_exists(self) -> bool:
         with self._mapped("check audit table"), self._pool.connection() as conn:
-            row = conn.execute(self.sql.query("audit_table_exists"),
-                               {"audit_table": self.sql.audit_regclass_text}).fetchone()
+            row = conn.execute(
+                self.sql.query("audit_table_exists"), {"audit_table": self.sql.audit_regclass_text}
+            ).fetchone()
             return bool(row and row[0])
 
     def require_audit_table(self) -> None:
         if not self.audit_table_exists():
             raise SchemaMissing(
                 f"the audit table of {self.table!r} does not exist: run `outbox-relay migrate` "
-                "(this version records every retry/skip there); nothing was changed")
+                "(this version records every retry/skip there); nothing was changed"
+            )
 
-    def _bounded_count(self, query: Any, params: dict[str, Any], *, first_upto: int,
-                       budget_ms: int, indexed: bool = True) -> Count:
+    def _bounded_count(
+        self, query: Any, params: dict[str, Any], *, first_upto: int, budget_ms: int, indexed: bool = True
+    ) -> Count:
         """Count exactly within ``budget_ms``; if that runs out, a lower bound.
 
         Counts up to ``first_upto`` rows (from an index: cheap, always done, under the
@@ -913,8 +1019,7 @@ class OutboxStore:
                 try:
                     with conn.transaction():
                         if bounded:
-                            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(
-                                sql.Literal(remaining_ms)))
+                            conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(remaining_ms)))
                         row = conn.execute(query, dict(params, upto=upto), prepare=False).fetchone()
                 except pg_errors.QueryCanceled:
                     if not bounded:
@@ -927,8 +1032,9 @@ class OutboxStore:
                 lower = n
                 upto = upto * 4 if upto < 64_000_000 else None
 
-    def exact_depth(self, *, budget_ms: int, statuses: Sequence[str] = STATUSES,
-                    first_upto: int = 100_000) -> dict[str, Count]:
+    def exact_depth(
+        self, *, budget_ms: int, statuses: Sequence[str] = STATUSES, first_upto: int = 100_000
+    ) -> dict[str, Count]:
         """Rows per status, counted exactly from each status's partial index while the
         shared budget lasts; a status whose count runs out is a lower bound. Counted
         in the order dead, pending, processing, done (done has no index and is usually
@@ -940,15 +1046,20 @@ class OutboxStore:
             for status in order:
                 left_ms = max(1, int((deadline - time.monotonic()) * 1000))
                 out[status] = self._bounded_count(
-                    self.sql.query("status_count_upto", status=sql.Literal(status)), {},
-                    first_upto=first_upto, budget_ms=left_ms, indexed=status in INDEXED_STATUSES)
+                    self.sql.query("status_count_upto", status=sql.Literal(status)),
+                    {},
+                    first_upto=first_upto,
+                    budget_ms=left_ms,
+                    indexed=status in INDEXED_STATUSES,
+                )
         return {s: out[s] for s in statuses}
 
     def dead_count(self, selector: DeadFilter, *, budget_ms: int, first_upto: int = 100_000) -> Count:
         """Dead rows matching ``selector`` (its limit applied), exactly while the budget lasts."""
         with self._mapped("count dead rows"):
-            count = self._bounded_count(self.sql.query("dead_count_upto"), selector.sql_params(),
-                                        first_upto=first_upto, budget_ms=budget_ms)
+            count = self._bounded_count(
+                self.sql.query("dead_count_upto"), selector.sql_params(), first_upto=first_upto, budget_ms=budget_ms
+            )
         if selector.limit is not None and count.n >= selector.limit:
             return Count(selector.limit, exact=True)
         return count
@@ -956,8 +1067,9 @@ class OutboxStore:
     def dead_page(self, selector: DeadFilter, *, after_id: int = 0, limit: int = 100) -> list[dict[str, Any]]:
         """One page of matching dead rows in id order after ``after_id``."""
         with self._mapped("dead list"), self._pool.connection() as conn:
-            cur = conn.execute(self.sql.query("dead_page"),
-                               dict(selector.sql_params(), after_id=after_id, limit=limit), prepare=False)
+            cur = conn.execute(
+                self.sql.query("dead_page"), dict(selector.sql_params(), after_id=after_id, limit=limit), prepare=False
+            )
             names = [d.name for d in cur.description or ()]
             return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
@@ -968,20 +1080,29 @@ class OutboxStore:
         try:
             with self._mapped("dead summary"), self._pool.connection() as conn, conn.transaction():
                 conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, timeout_ms))))
-                by_type = [(r[0], int(r[1])) for r in
-                           conn.execute(self.sql.query("dead_by_event_type"), params, prepare=False).fetchall()]
-                by_error = [(r[0], int(r[1])) for r in
-                            conn.execute(self.sql.query("dead_by_error"), params, prepare=False).fetchall()]
+                by_type = [
+                    (r[0], int(r[1]))
+                    for r in conn.execute(self.sql.query("dead_by_event_type"), params, prepare=False).fetchall()
+                ]
+                by_error = [
+                    (r[0], int(r[1]))
+                    for r in conn.execute(self.sql.query("dead_by_error"), params, prepare=False).fetchall()
+                ]
                 agg = conn.execute(self.sql.query("dead_aggregates"), params, prepare=False).fetchone()
         except DatabaseUnavailable as exc:
             if isinstance(exc.__cause__, pg_errors.QueryCanceled):
                 return None
             raise
-        return DeadSummary(by_event_type=by_type, by_error=by_error,
-                           aggregates=int(agg[0]) if agg else 0, sample_aggregates=list(agg[1]) if agg else [])
+        return DeadSummary(
+            by_event_type=by_type,
+            by_error=by_error,
+            aggregates=int(agg[0]) if agg else 0,
+            sample_aggregates=list(agg[1]) if agg else [],
+        )
 
-    def dead_change_chunk(self, action: str, selector: DeadFilter, *, after_id: int, chunk: int,
-                          audit_id: int, reason: str | None = None) -> list[int]:
+    def dead_change_chunk(
+        self, action: str, selector: DeadFilter, *, after_id: int, chunk: int, audit_id: int, reason: str | None = None
+    ) -> list[int]:
         """Retry or skip the next ``chunk`` matching rows after ``after_id`` in one short
         transaction that also adds them to audit entry ``audit_id``; their ids, ascending."""
         name = {"retry": "dead_retry_chunk", "skip": "dead_skip_chunk"}[action]
@@ -989,12 +1110,28 @@ class OutboxStore:
         with self._mapped(f"dead {action}", commit_unknown=True), self._pool.connection() as conn:
             return [int(r[0]) for r in conn.execute(self.sql.query(name), params, prepare=False).fetchall()]
 
-    def audit_begin(self, *, actor: str, source: str, action: str, selector: dict[str, Any],
-                    rows_matched: int | None, reason: str | None) -> int:
+    def audit_begin(
+        self,
+        *,
+        actor: str,
+        source: str,
+        action: str,
+        selector: dict[str, Any],
+        rows_matched: int | None,
+        reason: str | None,
+    ) -> int:
         with self._mapped("audit"), self._pool.connection() as conn:
-            row = conn.execute(self.sql.query("audit_begin"), {
-                "actor": actor, "source": source, "action": action, "selector": json.dumps(selector),
-                "rows_matched": rows_matched, "reason": reason}).fetchone()
+            row = conn.execute(
+                self.sql.query("audit_begin"),
+                {
+                    "actor": actor,
+                    "source": source,
+                    "action": action,
+                    "selector": json.dumps(selector),
+                    "rows_matched": rows_matched,
+                    "reason": reason,
+                },
+            ).fetchone()
             assert row is not None
             return int(row[0])
 
@@ -1025,20 +1162,24 @@ class OutboxStore:
             cur = conn.execute(self.sql.query("aggregate_rows"), {"aggregate_id": aggregate_id, "limit": limit})
             names = [d.name for d in cur.description or ()]
             found = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
-            total_row = conn.execute(self.sql.query("aggregate_unfinished_count"),
-                                     {"aggregate_id": aggregate_id}).fetchone()
+            total_row = conn.execute(
+                self.sql.query("aggregate_unfinished_count"), {"aggregate_id": aggregate_id}
+            ).fetchone()
         return found, int(total_row[0]) if total_row else 0
 
-    def published_per_bucket(self, *, window_seconds: int = 3600, bucket_seconds: int = 300,
-                             timeout_ms: int = 2000) -> list[int] | None:
+    def published_per_bucket(
+        self, *, window_seconds: int = 3600, bucket_seconds: int = 300, timeout_ms: int = 2000
+    ) -> list[int] | None:
         """Rows finalized done per bucket over the window, oldest bucket first; None if
         counting did not finish within ``timeout_ms``."""
         buckets = [0] * (window_seconds // bucket_seconds)
         try:
             with self._mapped("published rate"), self._pool.connection() as conn, conn.transaction():
                 conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(max(1, timeout_ms))))
-                for bucket, n in conn.execute(self.sql.query("published_per_bucket"), {
-                        "window_seconds": window_seconds, "bucket_seconds": bucket_seconds}).fetchall():
+                for bucket, n in conn.execute(
+                    self.sql.query("published_per_bucket"),
+                    {"window_seconds": window_seconds, "bucket_seconds": bucket_seconds},
+                ).fetchall():
                     if 0 <= bucket < len(buckets):
                         buckets[len(buckets) - 1 - bucket] = int(n)
         except DatabaseUnavailable as exc:
@@ -1050,8 +1191,9 @@ class OutboxStore:
     # --- retention -------------------------------------------------------------------
     def count_purgeable(self, older_than_seconds: float) -> int:
         with self._mapped("purge"), self._pool.connection() as conn:
-            row = conn.execute(self.sql.query("count_purgeable"),
-                               {"older_than_seconds": float(older_than_seconds)}).fetchone()
+            row = conn.execute(
+                self.sql.query("count_purgeable"), {"older_than_seconds": float(older_than_seconds)}
+            ).fetchone()
             return int(row[0]) if row else 0
 
     def purge_chunk(self, older_than_seconds: float, limit: int, after: int = 0) -> tuple[int, int | None]:
@@ -1059,20 +1201,21 @@ class OutboxStore:
         id after ``after``. Returns (rows deleted, where the next chunk starts), the
         latter None once no row further on can be old enough (see purge_chunk)."""
         with self._mapped("purge"), self._pool.connection() as conn:
-            row = conn.execute(self.sql.query("purge_chunk"),
-                               {"older_than_seconds": float(older_than_seconds), "limit": limit,
-                                "after": after}).fetchone()
+            row = conn.execute(
+                self.sql.query("purge_chunk"),
+                {"older_than_seconds": float(older_than_seconds), "limit": limit, "after": after},
+            ).fetchone()
         deleted, last_id, old_rows = (int(row[0]), row[1], int(row[2])) if row else (0, None, 0)
         return deleted, (int(last_id) if last_id is not None and old_rows > 0 else None)
 
-    def purge_dedup_keys_chunk(self, older_than_seconds: float, limit: int,
-                               after: str = "") -> tuple[int, str | None]:
+    def purge_dedup_keys_chunk(self, older_than_seconds: float, limit: int, after: str = "") -> tuple[int, str | None]:
         """Delete dedup keys older than the cutoff whose row is gone, among the next
         ``limit`` keys after ``after``. Returns (keys deleted, next start or None at the end)."""
         with self._mapped("purge"), self._pool.connection() as conn:
-            row = conn.execute(self.sql.query("purge_dedup_keys_chunk"),
-                               {"older_than_seconds": float(older_than_seconds), "limit": limit,
-                                "after": after}).fetchone()
+            row = conn.execute(
+                self.sql.query("purge_dedup_keys_chunk"),
+                {"older_than_seconds": float(older_than_seconds), "limit": limit, "after": after},
+            ).fetchone()
         deleted, last_key = (int(row[0]), row[1]) if row else (0, None)
         return deleted, (str(last_key) if last_key is not None else None)
 
@@ -1087,8 +1230,10 @@ class OutboxStore:
         """A dedicated (non-pooled) autocommit connection LISTENing on the table's
         channel: on the DSN itself, or on ``listen_dsn`` (always a direct connection)."""
         if self._listen_dsn is None:
-            raise DatabaseError("listen: database.transaction_pooler is set and database.listen_dsn is not: "
-                                "LISTEN through a transaction pooler never hears a notification")
+            raise DatabaseError(
+                "listen: database.transaction_pooler is set and database.listen_dsn is not: "
+                "LISTEN through a transaction pooler never hears a notification"
+            )
         with self._mapped("listen"):
             kwargs = {k: v for k, v in self._direct_kwargs.items() if k not in self._tcp_params}
             kwargs.update(_unset_in(self._listen_dsn, self._tcp_params))

@@ -28,9 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-NOT_VISIBLE_HINT = ("not visible: another role's session holds the horizon and this role may not read "
-                    "its transaction start; grant pg_read_all_stats (or pg_monitor) to this role "
-                    "(`outbox-relay grants` prints it)")
+NOT_VISIBLE_HINT = (
+    "not visible: another role's session holds the horizon and this role may not read "
+    "its transaction start; grant pg_read_all_stats (or pg_monitor) to this role "
+    "(`outbox-relay grants` prints it)"
+)
 
 
 @dataclass(slots=True)
@@ -63,24 +65,37 @@ class XminHolder:
             active = f"active, walsender pid {self.pid}" if self.slot_active else "inactive"
             return f"replication slot {self.slot_name!r} ({self.slot_type}, {active}) xmin {self.horizon_xid}"
         if not self.visible:
-            return (f"backend pid {self.pid} (user {self.user}, application {self.application_name!r}; "
-                    f"{NOT_VISIBLE_HINT})")
+            return (
+                f"backend pid {self.pid} (user {self.user}, application {self.application_name!r}; {NOT_VISIBLE_HINT})"
+            )
         what = "walsender (standby hot_standby_feedback)" if self.backend_type == "walsender" else "backend"
-        return (f"{what} pid {self.pid} user {self.user} application {self.application_name!r} state {self.state} "
-                f"transaction started {_iso(self.xact_start)}")
+        return (
+            f"{what} pid {self.pid} user {self.user} application {self.application_name!r} state {self.state} "
+            f"transaction started {_iso(self.xact_start)}"
+        )
 
     def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kind": self.kind, "age_seconds": _round(self.age_seconds),
-                               "age_is_lower_bound": self.age_is_lower_bound, "age_xids": self.age_xids,
-                               "horizon_xid": self.horizon_xid}
+        out: dict[str, Any] = {
+            "kind": self.kind,
+            "age_seconds": _round(self.age_seconds),
+            "age_is_lower_bound": self.age_is_lower_bound,
+            "age_xids": self.age_xids,
+            "horizon_xid": self.horizon_xid,
+        }
         if self.kind == "backend":
-            out.update(pid=self.pid, user=self.user, application_name=self.application_name, state=self.state,
-                       backend_type=self.backend_type, xact_start=_iso(self.xact_start), visible=self.visible)
+            out.update(
+                pid=self.pid,
+                user=self.user,
+                application_name=self.application_name,
+                state=self.state,
+                backend_type=self.backend_type,
+                xact_start=_iso(self.xact_start),
+                visible=self.visible,
+            )
         elif self.kind == "prepared":
             out.update(gid=self.gid, owner=self.user, prepared_at=_iso(self.prepared_at))
         else:
-            out.update(slot_name=self.slot_name, slot_type=self.slot_type, active=self.slot_active,
-                       active_pid=self.pid)
+            out.update(slot_name=self.slot_name, slot_type=self.slot_type, active=self.slot_active, active_pid=self.pid)
         return out
 
 
@@ -147,20 +162,39 @@ class VacuumFigures:
     vacuums: int
 
     def as_json(self) -> dict[str, Any]:
-        return {"dead_tuples": self.dead_tuples, "live_tuples": self.live_tuples, "heap_bytes": self.heap_bytes,
-                "index_bytes": self.index_bytes, "since_vacuum_seconds": _round(self.since_vacuum_seconds),
-                "vacuums": self.vacuums}
+        return {
+            "dead_tuples": self.dead_tuples,
+            "live_tuples": self.live_tuples,
+            "heap_bytes": self.heap_bytes,
+            "index_bytes": self.index_bytes,
+            "since_vacuum_seconds": _round(self.since_vacuum_seconds),
+            "vacuums": self.vacuums,
+        }
 
 
 def holders_from_rows(rows: list[dict[str, Any]]) -> list[XminHolder]:
     """sql/monitoring.sql ``xmin_horizon_holders`` rows -> holders (ages as the database gave them)."""
-    return [XminHolder(
-        kind=str(r["kind"]), horizon_xid=str(r["horizon_xid"]), age_xids=int(r["age_xids"]),
-        age_seconds=float(r["held_seconds"]) if r["held_seconds"] is not None else None,
-        visible=bool(r["visible"]), pid=r["pid"], user=r["user_name"], application_name=r["application_name"],
-        state=r["state"], backend_type=r["backend_type"], xact_start=r["xact_start"], prepared_at=r["prepared_at"],
-        gid=r["gid"], slot_name=r["slot_name"], slot_type=r["slot_type"], slot_active=r["slot_active"],
-    ) for r in rows]
+    return [
+        XminHolder(
+            kind=str(r["kind"]),
+            horizon_xid=str(r["horizon_xid"]),
+            age_xids=int(r["age_xids"]),
+            age_seconds=float(r["held_seconds"]) if r["held_seconds"] is not None else None,
+            visible=bool(r["visible"]),
+            pid=r["pid"],
+            user=r["user_name"],
+            application_name=r["application_name"],
+            state=r["state"],
+            backend_type=r["backend_type"],
+            xact_start=r["xact_start"],
+            prepared_at=r["prepared_at"],
+            gid=r["gid"],
+            slot_name=r["slot_name"],
+            slot_type=r["slot_type"],
+            slot_active=r["slot_active"],
+        )
+        for r in rows
+    ]
 
 
 class HorizonClock:
@@ -209,19 +243,29 @@ class HorizonWarning:
             self._log.warning(
                 "the xmin horizon is old: vacuum cannot remove the outbox's dead rows, the table and its "
                 "indexes grow until the holder ends",
-                table=table, age_seconds=None if math.isnan(age) else round(age, 1), age_xids=holder.age_xids,
-                threshold_seconds=self._threshold, holder=holder.describe(), **_holder_fields(holder),
-                runbook="docs/how-to/vacuum-runbook.md")
+                table=table,
+                age_seconds=None if math.isnan(age) else round(age, 1),
+                age_xids=holder.age_xids,
+                threshold_seconds=self._threshold,
+                holder=holder.describe(),
+                **_holder_fields(holder),
+                runbook="docs/how-to/vacuum-runbook.md",
+            )
         elif not above and self._above:
-            self._log.info("the xmin horizon is recent again", table=table,
-                           age_seconds=None if math.isnan(age) else round(age, 1))
+            self._log.info(
+                "the xmin horizon is recent again", table=table, age_seconds=None if math.isnan(age) else round(age, 1)
+            )
         self._above = above
 
 
 def _holder_fields(holder: XminHolder) -> dict[str, Any]:
     if holder.kind == "backend":
-        return {"holder_pid": holder.pid, "holder_user": holder.user,
-                "holder_application_name": holder.application_name, "holder_state": holder.state}
+        return {
+            "holder_pid": holder.pid,
+            "holder_user": holder.user,
+            "holder_application_name": holder.application_name,
+            "holder_state": holder.state,
+        }
     if holder.kind == "prepared":
         return {"holder_gid": holder.gid}
     return {"holder_slot": holder.slot_name}

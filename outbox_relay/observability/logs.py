@@ -25,8 +25,16 @@ import structlog
 
 LIBRDKAFKA_LOGGER = "outbox_relay.librdkafka"
 # librdkafka's syslog levels -> stdlib levels (confluent-kafka passes them as is).
-SYSLOG_TO_STDLIB = {0: logging.CRITICAL, 1: logging.CRITICAL, 2: logging.CRITICAL, 3: logging.ERROR,
-                     4: logging.WARNING, 5: logging.INFO, 6: logging.INFO, 7: logging.DEBUG}
+SYSLOG_TO_STDLIB = {
+    0: logging.CRITICAL,
+    1: logging.CRITICAL,
+    2: logging.CRITICAL,
+    3: logging.ERROR,
+    4: logging.WARNING,
+    5: logging.INFO,
+    6: logging.INFO,
+    7: logging.DEBUG,
+}
 
 
 class RateLimiter:

@@ -77,74 +77,103 @@ class RelayMetrics(PublisherObserver):
         r = self.registry = registry or CollectorRegistry()
         self.oldest_pending_age_seconds = Gauge(
             "outbox_relay_oldest_pending_age_seconds",
-            "Age of the oldest pending or processing row (0 when none).", registry=r)
+            "Age of the oldest pending or processing row (0 when none).",
+            registry=r,
+        )
         self.expired_leases = Gauge(
-            "outbox_relay_expired_leases", "Processing rows whose lease has expired.", registry=r)
-        self.queue_depth = Gauge(
-            "outbox_relay_queue_depth", "Rows per status.", ["status"], registry=r)
+            "outbox_relay_expired_leases", "Processing rows whose lease has expired.", registry=r
+        )
+        self.queue_depth = Gauge("outbox_relay_queue_depth", "Rows per status.", ["status"], registry=r)
         self.attempts = Gauge(
-            "outbox_relay_attempts", "Pending or processing rows by attempts used.", ["attempts"], registry=r)
+            "outbox_relay_attempts", "Pending or processing rows by attempts used.", ["attempts"], registry=r
+        )
         self.blocked_aggregates = Gauge(
-            "outbox_relay_blocked_aggregates", "Ordered aggregates blocked behind a dead head.", registry=r)
+            "outbox_relay_blocked_aggregates", "Ordered aggregates blocked behind a dead head.", registry=r
+        )
         self.lost_leases_total = Counter(
-            "outbox_relay_lost_leases", "Finalizes rejected because the lease was taken over.", registry=r)
-        self.published_total = Counter(
-            "outbox_relay_published", "Rows finalized by outcome.", ["outcome"], registry=r)
+            "outbox_relay_lost_leases", "Finalizes rejected because the lease was taken over.", registry=r
+        )
+        self.published_total = Counter("outbox_relay_published", "Rows finalized by outcome.", ["outcome"], registry=r)
         self.reaped_total = Counter(
-            "outbox_relay_reaped", "Rows sent to dead by the reaper (attempts used up without outcome).",
-            registry=r)
+            "outbox_relay_reaped", "Rows sent to dead by the reaper (attempts used up without outcome).", registry=r
+        )
         self.released_total = Counter(
-            "outbox_relay_released", "Rows handed back to pending unpublished, attempt refunded.", registry=r)
+            "outbox_relay_released", "Rows handed back to pending unpublished, attempt refunded.", registry=r
+        )
         self.producer_replacements_total = Counter(
-            "outbox_relay_producer_replacements", "Kafka producers replaced after a fatal state.", registry=r)
+            "outbox_relay_producer_replacements", "Kafka producers replaced after a fatal state.", registry=r
+        )
         self.isolated_total = Counter(
-            "outbox_relay_isolated", "Rows re-produced alone because the broker refused their record batch.",
-            registry=r)
+            "outbox_relay_isolated", "Rows re-produced alone because the broker refused their record batch.", registry=r
+        )
         self.topic_authorization_failures_total = Counter(
             "outbox_relay_topic_authorization_failures",
             "Messages the broker refused because this principal may not write to the topic "
-            "(TOPIC_AUTHORIZATION_FAILED); their rows wait, attempts refunded.", ["topic"], registry=r)
+            "(TOPIC_AUTHORIZATION_FAILED); their rows wait, attempts refunded.",
+            ["topic"],
+            registry=r,
+        )
         self.missing_topic_deferrals_total = Counter(
             "outbox_relay_missing_topic_deferrals",
             "Batches whose messages for the topic timed out because the cluster has no such topic and does "
             "not create it; "
-            "their rows wait, attempts refunded.", ["topic"], registry=r)
+            "their rows wait, attempts refunded.",
+            ["topic"],
+            registry=r,
+        )
         self.stats_refresh_errors_total = Counter(
-            "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r)
+            "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r
+        )
         self.claim_batch_size = Histogram(
-            "outbox_relay_claim_batch_size", "Rows per non-empty claim.",
-            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000), registry=r)
+            "outbox_relay_claim_batch_size",
+            "Rows per non-empty claim.",
+            buckets=(1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000),
+            registry=r,
+        )
         self.publish_latency_seconds = Histogram(
-            "outbox_relay_publish_latency_seconds", "Claim to finalize of one batch.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "outbox_relay_publish_latency_seconds",
+            "Claim to finalize of one batch.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.end_to_end_latency_seconds = Histogram(
-            "outbox_relay_end_to_end_latency_seconds", "Row created_at to broker acknowledgement.",
-            buckets=_LATENCY_BUCKETS, registry=r)
+            "outbox_relay_end_to_end_latency_seconds",
+            "Row created_at to broker acknowledgement.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.circuit_breaker_open = Gauge(
-            "outbox_relay_circuit_breaker_open", "1 while the broker circuit breaker is open.", registry=r)
+            "outbox_relay_circuit_breaker_open", "1 while the broker circuit breaker is open.", registry=r
+        )
         self.in_flight_bytes = Gauge(
             "outbox_relay_in_flight_bytes",
             "Payload + headers bytes claimed and not yet finalized (bounded by relay.max_in_flight_bytes).",
-            registry=r)
+            registry=r,
+        )
         self.in_flight_budget_waits_total = Counter(
             "outbox_relay_in_flight_budget_waits",
-            "Claims that waited because the in-flight byte budget was full.", registry=r)
-        self.worker_threads_alive = Gauge(
-            "outbox_relay_worker_threads_alive", "Worker threads running.", registry=r)
+            "Claims that waited because the in-flight byte budget was full.",
+            registry=r,
+        )
+        self.worker_threads_alive = Gauge("outbox_relay_worker_threads_alive", "Worker threads running.", registry=r)
         # MVCC pressure (vacuum_health.py): what holds vacuum back, and how vacuum keeps up.
         self.xmin_horizon_age_seconds = Gauge(
             "outbox_relay_xmin_horizon_age_seconds",
             "Age of the oldest xmin horizon holding back vacuum of the outbox (backend, prepared transaction or "
             "replication slot; 0 when none, NaN when the holder cannot be seen: grant pg_read_all_stats).",
-            registry=r)
+            registry=r,
+        )
         self.dead_tuples = Gauge(
-            "outbox_relay_dead_tuples", "Dead row versions in the outbox (pg_stat_user_tables.n_dead_tup).",
-            registry=r)
+            "outbox_relay_dead_tuples", "Dead row versions in the outbox (pg_stat_user_tables.n_dead_tup).", registry=r
+        )
         self.table_size_bytes = Gauge(
-            "outbox_relay_table_size_bytes", "Size of the outbox: heap, or all its indexes.", ["part"], registry=r)
+            "outbox_relay_table_size_bytes", "Size of the outbox: heap, or all its indexes.", ["part"], registry=r
+        )
         self.last_vacuum_age_seconds = Gauge(
             "outbox_relay_last_vacuum_age_seconds",
-            "Seconds since the outbox was last vacuumed (autovacuum or manual; NaN if never).", registry=r)
+            "Seconds since the outbox was last vacuumed (autovacuum or manual; NaN if never).",
+            registry=r,
+        )
         for status in STATUSES:
             self.queue_depth.labels(status=status).set(0)
         for outcome in OUTCOMES:
@@ -234,14 +263,14 @@ class _SlowExactCount:
             if self._closed or running or time.monotonic() - self._started_at < self._interval:
                 return
             self._started_at = time.monotonic()
-            self._thread = threading.Thread(target=self._count, args=(list(statuses),),
-                                            name="metrics-exact-count", daemon=True)
+            self._thread = threading.Thread(
+                target=self._count, args=(list(statuses),), name="metrics-exact-count", daemon=True
+            )
             self._thread.start()
 
     def _count(self, statuses: list[str]) -> None:
         try:
-            counts = self._store.exact_depth(budget_ms=self._budget_ms, statuses=statuses,
-                                             first_upto=self._first_upto)
+            counts = self._store.exact_depth(budget_ms=self._budget_ms, statuses=statuses, first_upto=self._first_upto)
         except Exception as exc:  # a failed count keeps the previous one; the next request retries
             if not self._closed:  # after close() the store is going away: an expected failure
                 log.warning("exact queue depth count failed", error=str(exc))
@@ -264,10 +293,19 @@ class StatsRefresher(PeriodicService):
 
     thread_name = "metrics-refresh"
 
-    def __init__(self, store: OutboxStore, metrics: RelayMetrics, *, interval_seconds: float,
-                 timeout_ms: int, ordered_types: list[str], count_cap: int = 100_000,
-                 exact_count_interval_seconds: float = 60.0, exact_count_timeout_ms: int = 10_000,
-                 xmin_horizon_warn_seconds: float = 300.0) -> None:
+    def __init__(
+        self,
+        store: OutboxStore,
+        metrics: RelayMetrics,
+        *,
+        interval_seconds: float,
+        timeout_ms: int,
+        ordered_types: list[str],
+        count_cap: int = 100_000,
+        exact_count_interval_seconds: float = 60.0,
+        exact_count_timeout_ms: int = 10_000,
+        xmin_horizon_warn_seconds: float = 300.0,
+    ) -> None:
         super().__init__(interval_seconds, run_first=True)
         self._store = store
         self._horizon_clock = HorizonClock()
@@ -276,8 +314,9 @@ class StatsRefresher(PeriodicService):
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
         self._count_cap = count_cap
-        self._exact = _SlowExactCount(store, interval_seconds=exact_count_interval_seconds,
-                                      budget_ms=exact_count_timeout_ms, first_upto=count_cap)
+        self._exact = _SlowExactCount(
+            store, interval_seconds=exact_count_interval_seconds, budget_ms=exact_count_timeout_ms, first_upto=count_cap
+        )
 
     def refresh_once(self) -> bool:
         vacuum_ok = self._refresh_vacuum()
@@ -304,15 +343,17 @@ class StatsRefresher(PeriodicService):
         m.dead_tuples.set(figures.dead_tuples)
         m.table_size_bytes.labels(part="heap").set(figures.heap_bytes)
         m.table_size_bytes.labels(part="indexes").set(figures.index_bytes)
-        m.last_vacuum_age_seconds.set(float("nan") if figures.since_vacuum_seconds is None
-                                      else figures.since_vacuum_seconds)
+        m.last_vacuum_age_seconds.set(
+            float("nan") if figures.since_vacuum_seconds is None else figures.since_vacuum_seconds
+        )
         return True
 
     def _refresh_table(self) -> bool:
         m = self._metrics
         try:
-            stats = self._store.stats(ordered_types=self._ordered, timeout_ms=self._timeout_ms,
-                                      count_cap=self._count_cap)
+            stats = self._store.stats(
+                ordered_types=self._ordered, timeout_ms=self._timeout_ms, count_cap=self._count_cap
+            )
         except Exception as exc:  # any failure: do not leave stale values behind
             m.stats_refresh_errors_total.inc()
             m.oldest_pending_age_seconds.set(float("nan"))
@@ -359,8 +400,15 @@ class StatsRefresher(PeriodicService):
 class MetricsServer:
     """HTTP sidecar: /metrics, /healthz (workers alive), /readyz (DB + broker + breaker)."""
 
-    def __init__(self, metrics: RelayMetrics, *, host: str, port: int,
-                 healthy: Callable[[], tuple[bool, str]], ready: Callable[[], tuple[bool, str]]) -> None:
+    def __init__(
+        self,
+        metrics: RelayMetrics,
+        *,
+        host: str,
+        port: int,
+        healthy: Callable[[], tuple[bool, str]],
+        ready: Callable[[], tuple[bool, str]],
+    ) -> None:
         self._metrics = metrics
         outer = self
 

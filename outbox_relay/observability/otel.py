@@ -92,8 +92,10 @@ def exporter_from_environment() -> SpanExporter | None:
     """The span exporter named by ``OTEL_TRACES_EXPORTER`` (default ``otlp``), or None for ``none``."""
     names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",") if n.strip()]
     if len(names) != 1 or names[0] not in ("otlp", "console", "none"):
-        raise ConfigError(f"OTEL_TRACES_EXPORTER={os.environ.get('OTEL_TRACES_EXPORTER')!r}: outbox-relay supports "
-                          "one of otlp (OTLP over HTTP/protobuf), console, none")
+        raise ConfigError(
+            f"OTEL_TRACES_EXPORTER={os.environ.get('OTEL_TRACES_EXPORTER')!r}: outbox-relay supports "
+            "one of otlp (OTLP over HTTP/protobuf), console, none"
+        )
     name = names[0]
     if name == "none":
         return None
@@ -118,16 +120,21 @@ def parse_traceparent(traceparent: str, tracestate: str | None = None) -> SpanCo
     if len(parts) < 4:
         return None
     version, trace_hex, span_hex, flags_hex = parts[:4]
-    if (len(version) != 2 or version == "ff" or len(trace_hex) != 32 or len(span_hex) != 16 or len(flags_hex) != 2
-            or not _HEX.issuperset(version + trace_hex + span_hex + flags_hex)
-            or (version == "00" and len(parts) != 4)):
+    if (
+        len(version) != 2
+        or version == "ff"
+        or len(trace_hex) != 32
+        or len(span_hex) != 16
+        or len(flags_hex) != 2
+        or not _HEX.issuperset(version + trace_hex + span_hex + flags_hex)
+        or (version == "00" and len(parts) != 4)
+    ):
         return None
     trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
     if not trace_id or not span_id:
         return None
     state = TraceState.from_header([tracestate]) if tracestate else TraceState()
-    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(flags_hex, 16)),
-                       trace_state=state)
+    return SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(int(flags_hex, 16)), trace_state=state)
 
 
 def w3c_headers(context: trace.SpanContext) -> list[tuple[str, str]]:
@@ -144,15 +151,22 @@ class OtelTracing(Tracing):
 
     enabled = True
 
-    def __init__(self, provider: trace.TracerProvider, *, table: str, publisher: Publisher | None = None,
-                 owns_provider: bool = False) -> None:
+    def __init__(
+        self,
+        provider: trace.TracerProvider,
+        *,
+        table: str,
+        publisher: Publisher | None = None,
+        owns_provider: bool = False,
+    ) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer(INSTRUMENTATION_NAME, _package_version())
         self.table = table
         # messaging.system and the target's own span attributes come from the publisher contract.
         self.system = publisher.name if publisher is not None else "custom"
         self.span_attributes: Callable[[Message], SpanAttributes] | None = (
-            publisher.span_attributes if publisher is not None else None)
+            publisher.span_attributes if publisher is not None else None
+        )
         self._owns_provider = owns_provider
 
     @classmethod
@@ -187,15 +201,25 @@ class OtelTracing(Tracing):
         flusher.start()
         flusher.join(timeout_seconds)
         if flusher.is_alive():
-            log.warning("tracing: spans not exported before shutdown (collector unreachable?)",
-                        timeout_seconds=timeout_seconds)
+            log.warning(
+                "tracing: spans not exported before shutdown (collector unreachable?)", timeout_seconds=timeout_seconds
+            )
 
 
 class OtelBatchTrace(BatchTrace):
     """The spans of one batch (used by one worker thread at a time)."""
 
-    __slots__ = ("_claim_link", "_claim_started_ns", "_finalize_started_ns", "_message_ids", "_outcomes",
-                 "_published_ns", "_spans", "_tracing", "_worker")
+    __slots__ = (
+        "_claim_link",
+        "_claim_started_ns",
+        "_finalize_started_ns",
+        "_message_ids",
+        "_outcomes",
+        "_published_ns",
+        "_spans",
+        "_tracing",
+        "_worker",
+    )
 
     def __init__(self, tracing: OtelTracing, worker: str) -> None:
         self._tracing = tracing
@@ -213,14 +237,18 @@ class OtelBatchTrace(BatchTrace):
             return  # an idle poll: nothing worth a span
         t = self._tracing
         span = t.tracer.start_span(
-            "outbox claim", context=_ROOT, kind=SpanKind.INTERNAL, start_time=self._claim_started_ns,
+            "outbox claim",
+            context=_ROOT,
+            kind=SpanKind.INTERNAL,
+            start_time=self._claim_started_ns,
             attributes={
                 "db.system.name": "postgresql",
                 "db.collection.name": t.table,
                 "messaging.batch.message_count": len(result.rows),
                 "outbox_relay.reaped": len(result.reaped),
                 "outbox_relay.worker": self._worker,
-            })
+            },
+        )
         span.end()
         self._claim_link = [Link(span.get_span_context())]
 
@@ -230,8 +258,9 @@ class OtelBatchTrace(BatchTrace):
         started_ns = time.time_ns()
         for message in messages:
             stored = {name: value for name, value in message.headers if name in TRACE_HEADERS}
-            remote = parse_traceparent(stored["traceparent"], stored.get("tracestate")) \
-                if "traceparent" in stored else None
+            remote = (
+                parse_traceparent(stored["traceparent"], stored.get("tracestate")) if "traceparent" in stored else None
+            )
             # No valid stored context: the span starts a new trace.
             parent = trace.set_span_in_context(NonRecordingSpan(remote), _ROOT) if remote is not None else _ROOT
             # Few attributes: each one costs the SDK a validation per span.
@@ -246,8 +275,14 @@ class OtelBatchTrace(BatchTrace):
             }
             if own_attributes is not None:
                 attributes.update(own_attributes(message))
-            span = tracer.start_span(f"send {message.topic}", context=parent, kind=SpanKind.PRODUCER,
-                                     attributes=attributes, links=self._claim_link, start_time=started_ns)
+            span = tracer.start_span(
+                f"send {message.topic}",
+                context=parent,
+                kind=SpanKind.PRODUCER,
+                attributes=attributes,
+                links=self._claim_link,
+                start_time=started_ns,
+            )
             # The consumer continues the trace from the relay's span, not the writer's.
             headers = [(n, v) for n, v in message.headers if n not in TRACE_HEADERS] if stored else message.headers
             headers.extend(w3c_headers(span.get_span_context()))
@@ -268,10 +303,13 @@ class OtelBatchTrace(BatchTrace):
         if not spans and not result.rows:
             return
         # Linked to the claim span (which every message span links to) and to the message spans.
-        links = self._claim_link + [Link(s.get_span_context()) for s in spans[:MAX_BATCH_LINKS - 1]]
+        links = self._claim_link + [Link(s.get_span_context()) for s in spans[: MAX_BATCH_LINKS - 1]]
         finalize = t.tracer.start_span(
-            "outbox finalize", context=_ROOT, kind=SpanKind.INTERNAL,
-            start_time=self._finalize_started_ns or time.time_ns(), links=links,
+            "outbox finalize",
+            context=_ROOT,
+            kind=SpanKind.INTERNAL,
+            start_time=self._finalize_started_ns or time.time_ns(),
+            links=links,
             attributes={
                 "db.system.name": "postgresql",
                 "db.collection.name": t.table,
@@ -284,7 +322,8 @@ class OtelBatchTrace(BatchTrace):
                 "outbox_relay.lost_leases": len(result.lost),
                 "outbox_relay.unfinalized": len(result.unfinalized),
                 "outbox_relay.worker": self._worker,
-            })
+            },
+        )
         finalize.end()
         if not spans:
             return

@@ -61,4 +61,3 @@ class Tracing:
 
     def close(self) -> None:
         """Flush and release (called once at shutdown)."""
-

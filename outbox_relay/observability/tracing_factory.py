@@ -25,6 +25,8 @@ def make_tracing(settings: Settings, publisher: Publisher | None = None) -> Trac
     try:
         from .otel import OtelTracing  # optional extra: imported only when tracing is enabled
     except ImportError as exc:
-        raise ConfigError(f"otel.enabled is true but OpenTelemetry is not installed ({exc.name or exc}): "
-                          "pip install 'outbox-relay[otel]'") from None
+        raise ConfigError(
+            f"otel.enabled is true but OpenTelemetry is not installed ({exc.name or exc}): "
+            "pip install 'outbox-relay[otel]'"
+        ) from None
     return OtelTracing.from_environment(settings, publisher=publisher)

@@ -49,8 +49,10 @@ audit_app = typer.Typer(help="The operators' retry/skip trail.", no_args_is_help
 app.add_typer(audit_app, name="audit")
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
-SourceOpt = Annotated[str | None, typer.Option(
-    "--source", help="The source (outbox) to work on, by name; needed when several are configured.")]
+SourceOpt = Annotated[
+    str | None,
+    typer.Option("--source", help="The source (outbox) to work on, by name; needed when several are configured."),
+]
 T = TypeVar("T")
 
 
@@ -149,15 +151,20 @@ def run(
 @app.command()
 def migrate(
     config: ConfigOpt = None,
-    no_notify_trigger: Annotated[bool, typer.Option(
-        "--no-notify-trigger", help="Do not install (and drop) the LISTEN/NOTIFY trigger.")] = False,
-    drop_ordering_indexes: Annotated[bool, typer.Option(
-        "--drop-ordering-indexes",
-        help="Drop the per-aggregate indexes of ordered delivery (relay.ordered_event_types must be empty).",
-    )] = False,
+    no_notify_trigger: Annotated[
+        bool, typer.Option("--no-notify-trigger", help="Do not install (and drop) the LISTEN/NOTIFY trigger.")
+    ] = False,
+    drop_ordering_indexes: Annotated[
+        bool,
+        typer.Option(
+            "--drop-ordering-indexes",
+            help="Drop the per-aggregate indexes of ordered delivery (relay.ordered_event_types must be empty).",
+        ),
+    ] = False,
     source: SourceOpt = None,
-    all_sources: Annotated[bool, typer.Option(
-        "--all-sources", help="Migrate every configured and discovered source, one after the other.")] = False,
+    all_sources: Annotated[
+        bool, typer.Option("--all-sources", help="Migrate every configured and discovered source, one after the other.")
+    ] = False,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
@@ -174,9 +181,13 @@ def migrate(
     if drop_ordering_indexes and ordering:
         _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
     with _store(settings) as store:
-        notes = store.migrate(notify_trigger=not no_notify_trigger, ordering=ordering,
-                              on_done=settings.relay.on_done, drop_ordering_indexes=drop_ordering_indexes,
-                              autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()})
+        notes = store.migrate(
+            notify_trigger=not no_notify_trigger,
+            ordering=ordering,
+            on_done=settings.relay.on_done,
+            drop_ordering_indexes=drop_ordering_indexes,
+            autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
+        )
     for note in notes:
         typer.echo(f"  {note}")
     typer.echo(f"migrated {settings.database.table}")
@@ -193,8 +204,13 @@ def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool
     for name in names:
         typer.echo(f"source {name}:")
         try:
-            migrate(config=config, no_notify_trigger=no_notify_trigger,
-                    drop_ordering_indexes=drop_ordering_indexes, source=name, all_sources=False)
+            migrate(
+                config=config,
+                no_notify_trigger=no_notify_trigger,
+                drop_ordering_indexes=drop_ordering_indexes,
+                source=name,
+                all_sources=False,
+            )
         except typer.Exit as exc:
             if exc.exit_code:
                 failed.append(name)
@@ -218,19 +234,22 @@ def status(
     if source is None and uses_sources(settings):
         from .source_cli import status_of_every_source
 
-        status_of_every_source(settings, json_out, lambda name: status(json_out=json_out, config=config,
-                                                                        source=name))
+        status_of_every_source(settings, json_out, lambda name: status(json_out=json_out, config=config, source=name))
         return
     settings = _for_source(settings, source)
     with _store(settings) as store:
         store.require_table()
-        stats = store.stats(ordered_types=list(settings.relay.ordered_event_types), include_depth=False,
-                            count_cap=settings.metrics.exact_count_limit)
+        stats = store.stats(
+            ordered_types=list(settings.relay.ordered_event_types),
+            include_depth=False,
+            count_cap=settings.metrics.exact_count_limit,
+        )
         on_done = store.on_done_mode()
         # Exact counts from each status's partial index; a status whose count runs out
         # of metrics.exact_count_timeout_ms is a lower bound ("≥ N").
-        depth = store.exact_depth(budget_ms=settings.metrics.exact_count_timeout_ms,
-                                  first_upto=settings.metrics.exact_count_limit)
+        depth = store.exact_depth(
+            budget_ms=settings.metrics.exact_count_timeout_ms, first_upto=settings.metrics.exact_count_limit
+        )
         horizon = store.xmin_horizon()
         vacuum = store.vacuum_figures()
     lower_bounds = [name for name, count in depth.items() if not count.exact]
@@ -249,9 +268,10 @@ def status(
     if json_out:
         typer.echo(json.dumps(doc))
         return
-    typer.echo(f"outbox {settings.database.table}"
-               + ("  (delivered rows are deleted: done counts rows skipped by an operator)"
-                  if on_done == "delete" else ""))
+    typer.echo(
+        f"outbox {settings.database.table}"
+        + ("  (delivered rows are deleted: done counts rows skipped by an operator)" if on_done == "delete" else "")
+    )
     typer.echo(f"  {'status':<12}{'rows':>14}")
     for name, count in depth.items():
         note = "  (lower bound: counting ran out of time)" if not count.exact else ""
@@ -272,8 +292,10 @@ def status(
     for other in horizon.holders[1:]:
         typer.echo(f"    also: {other.describe()} ({other.age_xids} transactions)")
     since = "never" if vacuum.since_vacuum_seconds is None else f"{vacuum.since_vacuum_seconds:.0f}s ago"
-    typer.echo(f"  vacuum               {vacuum.dead_tuples} dead tuples, heap {_mb(vacuum.heap_bytes)}, "
-               f"indexes {_mb(vacuum.index_bytes)}, last vacuum {since}")
+    typer.echo(
+        f"  vacuum               {vacuum.dead_tuples} dead tuples, heap {_mb(vacuum.heap_bytes)}, "
+        f"indexes {_mb(vacuum.index_bytes)}, last vacuum {since}"
+    )
 
 
 def _mb(size_bytes: int) -> str:
@@ -285,12 +307,15 @@ def _mb(size_bytes: int) -> str:
 EventTypeOpt = Annotated[str | None, typer.Option("--event-type", help="Only this event type.")]
 AggregateTypeOpt = Annotated[str | None, typer.Option("--aggregate-type", help="Only this aggregate type.")]
 AggregateIdOpt = Annotated[str | None, typer.Option("--aggregate-id", help="Only this aggregate.")]
-ErrorContainsOpt = Annotated[str | None, typer.Option(
-    "--error-contains", help="Only rows whose last_error contains TEXT (case-insensitive).")]
-SinceOpt = Annotated[str | None, typer.Option(
-    "--since", help="Only rows created at or after: a duration ago (2h, 7d) or a timestamp.")]
-UntilOpt = Annotated[str | None, typer.Option(
-    "--until", help="Only rows created before: a duration ago (2h, 7d) or a timestamp.")]
+ErrorContainsOpt = Annotated[
+    str | None, typer.Option("--error-contains", help="Only rows whose last_error contains TEXT (case-insensitive).")
+]
+SinceOpt = Annotated[
+    str | None, typer.Option("--since", help="Only rows created at or after: a duration ago (2h, 7d) or a timestamp.")
+]
+UntilOpt = Annotated[
+    str | None, typer.Option("--until", help="Only rows created before: a duration ago (2h, 7d) or a timestamp.")
+]
 
 
 def _filter(store: Any, **values: Any) -> DeadFilter:
@@ -301,7 +326,7 @@ def _filter(store: Any, **values: Any) -> DeadFilter:
         message = str(exc)
         name = message.split(":", 1)[0]
         if name in FILTER_NAMES:  # "since: ..." -> "--since: ..."
-            message = "--" + name.replace("_", "-") + message[len(name):]
+            message = "--" + name.replace("_", "-") + message[len(name) :]
         _fail(message, 2)
         raise  # unreachable
 
@@ -340,8 +365,15 @@ def dead_list(
     budget_ms = settings.metrics.exact_count_timeout_ms
     with _store(settings) as store:
         store.require_table()
-        selector = _filter(store, event_type=event_type, aggregate_type=aggregate_type, aggregate_id=aggregate_id,
-                           error_contains=error_contains, since=since, until=until)
+        selector = _filter(
+            store,
+            event_type=event_type,
+            aggregate_type=aggregate_type,
+            aggregate_id=aggregate_id,
+            error_contains=error_contains,
+            since=since,
+            until=until,
+        )
         with _errors():
             rows = store.dead_page(selector, after_id=after_id, limit=limit)
             if json_out:
@@ -350,15 +382,22 @@ def dead_list(
             matched = store.dead_count(selector, budget_ms=budget_ms)
             summary = store.dead_summary(selector, timeout_ms=budget_ms) if matched.n else None
     if not rows:
-        typer.echo("no dead rows" if not selector.has_conditions() and not after_id
-                   else "no dead rows match" + (f" after id {after_id}" if after_id else ""))
+        typer.echo(
+            "no dead rows"
+            if not selector.has_conditions() and not after_id
+            else "no dead rows match" + (f" after id {after_id}" if after_id else "")
+        )
         return
     for row in rows:
         error = (row["last_error"] or "").replace("\n", " ")
-        typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['aggregate_type']}/{row['aggregate_id']}  "
-                   f"attempts={row['attempts']}  {row['created_at']:%Y-%m-%d %H:%M:%S}  {error[:120]}")
-    typer.echo(f"{matched} dead rows match; showing {len(rows)}"
-               + (f" (next page: --after-id {rows[-1]['id']})" if len(rows) == limit else ""))
+        typer.echo(
+            f"{row['id']:>10}  {row['event_type']:<24} {row['aggregate_type']}/{row['aggregate_id']}  "
+            f"attempts={row['attempts']}  {row['created_at']:%Y-%m-%d %H:%M:%S}  {error[:120]}"
+        )
+    typer.echo(
+        f"{matched} dead rows match; showing {len(rows)}"
+        + (f" (next page: --after-id {rows[-1]['id']})" if len(rows) == limit else "")
+    )
     _print_summary(summary)
 
 
@@ -375,15 +414,31 @@ def _report_unmatched(store: Any, ids: list[int], changed: set[int]) -> int:
     return len(missing)
 
 
-def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: int | None, dry_run: bool,
-                 reason: str | None, chunk_size: int, config: str | None, filters: dict[str, Any],
-                 source: str | None = None) -> None:
+def _dead_change(
+    action: Action,
+    ids: list[int] | None,
+    all_rows: bool,
+    limit: int | None,
+    dry_run: bool,
+    reason: str | None,
+    chunk_size: int,
+    config: str | None,
+    filters: dict[str, Any],
+    source: str | None = None,
+) -> None:
     """Shared body of `dead retry` and `dead skip`: ids, --all or a filter; dry run or
     chunked change with an audit entry."""
     given_filters = {k: v for k, v in filters.items() if v is not None}
     try:
-        reason = check_dead_change(action, ids=bool(ids), all_rows=all_rows, filtered=bool(given_filters),
-                                   reason=reason, dry_run=dry_run, wording=CLI_WORDING)
+        reason = check_dead_change(
+            action,
+            ids=bool(ids),
+            all_rows=all_rows,
+            filtered=bool(given_filters),
+            reason=reason,
+            dry_run=dry_run,
+            wording=CLI_WORDING,
+        )
     except OperatorRuleError as exc:
         _fail(str(exc), 2)
     if limit is not None and ids:
@@ -412,18 +467,28 @@ def _dead_change(action: Action, ids: list[int] | None, all_rows: bool, limit: i
                     raise typer.Exit(1)
                 return
             matched = store.dead_count(selector, budget_ms=budget_ms)
-            result = change_dead(store, action, selector, actor=os_user(), source="cli", reason=reason,
-                                 chunk_size=chunk_size, budget_ms=budget_ms, matched=matched,
-                                 progress=_progress(matched.n, {"retry": "retrying", "skip": "skipping"}[action]),
-                                 keep_ids=bool(id_list))
+            result = change_dead(
+                store,
+                action,
+                selector,
+                actor=os_user(),
+                source="cli",
+                reason=reason,
+                chunk_size=chunk_size,
+                budget_ms=budget_ms,
+                matched=matched,
+                progress=_progress(matched.n, {"retry": "retrying", "skip": "skipping"}[action]),
+                keep_ids=bool(id_list),
+            )
             problems = _report_unmatched(store, id_list, set(result.changed_ids)) if id_list else 0
     typer.echo(f"{past} {result.changed} dead rows (audit entry {result.audit_id})")
     if problems:
         raise typer.Exit(1)
 
 
-LimitChangeOpt = Annotated[int | None, typer.Option(
-    "--limit", min=1, help="Change at most this many rows (the oldest by id).")]
+LimitChangeOpt = Annotated[
+    int | None, typer.Option("--limit", min=1, help="Change at most this many rows (the oldest by id).")
+]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Only say how many rows (and which) would change.")]
 ChunkOpt = Annotated[int, typer.Option("--chunk-size", min=1, help="Rows per transaction.")]
 
@@ -446,9 +511,25 @@ def dead_retry(
     source: SourceOpt = None,
 ) -> None:
     """Move dead rows back to pending: attempts 0, due now (last_error kept until the next outcome)."""
-    _dead_change("retry", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
-        "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
-        "error_contains": error_contains, "since": since, "until": until}, source)
+    _dead_change(
+        "retry",
+        ids,
+        all_rows,
+        limit,
+        dry_run,
+        reason,
+        chunk_size,
+        config,
+        {
+            "event_type": event_type,
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "error_contains": error_contains,
+            "since": since,
+            "until": until,
+        },
+        source,
+    )
 
 
 @dead_app.command("skip")
@@ -463,16 +544,36 @@ def dead_skip(
     until: UntilOpt = None,
     limit: LimitChangeOpt = None,
     dry_run: DryRunOpt = False,
-    reason: Annotated[str | None, typer.Option(
-        "--reason", help="Why (required unless --dry-run; recorded in last_error and in the audit trail).")] = None,
+    reason: Annotated[
+        str | None,
+        typer.Option(
+            "--reason", help="Why (required unless --dry-run; recorded in last_error and in the audit trail)."
+        ),
+    ] = None,
     chunk_size: ChunkOpt = 1000,
     config: ConfigOpt = None,
     source: SourceOpt = None,
 ) -> None:
     """Mark dead rows done deliberately (unblocks an ordered aggregate). Nothing is published."""
-    _dead_change("skip", ids, all_rows, limit, dry_run, reason, chunk_size, config, {
-        "event_type": event_type, "aggregate_type": aggregate_type, "aggregate_id": aggregate_id,
-        "error_contains": error_contains, "since": since, "until": until}, source)
+    _dead_change(
+        "skip",
+        ids,
+        all_rows,
+        limit,
+        dry_run,
+        reason,
+        chunk_size,
+        config,
+        {
+            "event_type": event_type,
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "error_contains": error_contains,
+            "since": since,
+            "until": until,
+        },
+        source,
+    )
 
 
 # --- aggregates and the audit trail ----------------------------------------------------
@@ -494,11 +595,22 @@ def aggregate_show(
     verdict = diagnose_aggregate(found, ordering, max_attempts=settings.relay.max_attempts)
     states = row_states(found, ordering)
     if json_out:
-        typer.echo(json.dumps({
-            "aggregate_id": aggregate_id, "unfinished": total, "diagnosis": verdict,
-            "rows": [jsonable({k: v for k, v in row.items() if k not in ("database_now",)}
-                               | {"ordered": ordering.is_ordered(row["event_type"]), "state": state})
-                     for row, state in zip(found, states, strict=True)]}))
+        typer.echo(
+            json.dumps(
+                {
+                    "aggregate_id": aggregate_id,
+                    "unfinished": total,
+                    "diagnosis": verdict,
+                    "rows": [
+                        jsonable(
+                            {k: v for k, v in row.items() if k not in ("database_now",)}
+                            | {"ordered": ordering.is_ordered(row["event_type"]), "state": state}
+                        )
+                        for row, state in zip(found, states, strict=True)
+                    ],
+                }
+            )
+        )
         return
     shown = f" (showing {len(found)})" if total > len(found) else ""
     typer.echo(f"aggregate {aggregate_id}: {total} unfinished rows{shown}")
@@ -506,8 +618,10 @@ def aggregate_show(
     for row, state in zip(found, states, strict=True):
         mark = "ordered" if ordering.is_ordered(row["event_type"]) else "unordered"
         error = (row["last_error"] or "").replace("\n", " ")[:80]
-        typer.echo(f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
-                   f"attempts={row['attempts']}  {state}" + (f"  last_error: {error}" if error else ""))
+        typer.echo(
+            f"{row['id']:>10}  {row['event_type']:<24} {row['status']:<10} {mark:<9} "
+            f"attempts={row['attempts']}  {state}" + (f"  last_error: {error}" if error else "")
+        )
 
 
 @audit_app.command("list")
@@ -533,17 +647,22 @@ def audit_list(
     for e in entries:
         state = f"{e['rows_changed']} changed" + ("" if e["finished_at"] else " (unfinished: interrupted or running)")
         matched = "?" if e["rows_matched"] is None else e["rows_matched"]
-        typer.echo(f"{e['id']:>6}  {e['started_at']:%Y-%m-%d %H:%M:%S%z}  {e['action']:<5} {e['source']}:{e['actor']}  "
-                   f"{json.dumps(e['selector'])}  matched {matched}, {state}  reason: {e['reason'] or 'none given'}")
+        typer.echo(
+            f"{e['id']:>6}  {e['started_at']:%Y-%m-%d %H:%M:%S%z}  {e['action']:<5} {e['source']}:{e['actor']}  "
+            f"{json.dumps(e['selector'])}  matched {matched}, {state}  reason: {e['reason'] or 'none given'}"
+        )
 
 
 # --- the operator console --------------------------------------------------------------
 @app.command()
 def console(
-    host: Annotated[str | None, typer.Option(
-        "--host", help="Address to bind (default console.host, 127.0.0.1).")] = None,
-    port: Annotated[int | None, typer.Option("--port", min=0, max=65535,
-                                                help="Port (default console.port, 9465; 0 = any free port).")] = None,
+    host: Annotated[
+        str | None, typer.Option("--host", help="Address to bind (default console.host, 127.0.0.1).")
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option("--port", min=0, max=65535, help="Port (default console.port, 9465; 0 = any free port)."),
+    ] = None,
     config: ConfigOpt = None,
     source: SourceOpt = None,
 ) -> None:
@@ -567,8 +686,9 @@ def console(
 @app.command()
 def purge(
     older_than: Annotated[str, typer.Option("--older-than", help="Age of done rows to delete: 30s, 15m, 12h, 7d.")],
-    chunk_size: Annotated[int, typer.Option(
-        "--chunk-size", min=1, help="Rows looked at (in id order) per delete transaction.")] = 5000,
+    chunk_size: Annotated[
+        int, typer.Option("--chunk-size", min=1, help="Rows looked at (in id order) per delete transaction.")
+    ] = 5000,
     config: ConfigOpt = None,
     source: SourceOpt = None,
 ) -> None:
@@ -593,8 +713,7 @@ def purge(
         while key_after is not None:  # dedup keys whose row is gone (delivered and deleted, or purged)
             n, key_after = store.purge_dedup_keys_chunk(seconds, chunk_size, key_after)
             keys += n
-    typer.echo(f"purged {removed} done rows older than {older_than}"
-               + (f" and {keys} dedup keys" if keys else ""))
+    typer.echo(f"purged {removed} done rows older than {older_than}" + (f" and {keys} dedup keys" if keys else ""))
 
 
 # --- least privilege -------------------------------------------------------------------
@@ -608,10 +727,12 @@ _GRANT_HELP = {
 @app.command()
 def grants(
     relay_role: Annotated[str | None, typer.Option("--relay", help="Role that runs `outbox-relay run`.")] = None,
-    operator_role: Annotated[str | None, typer.Option(
-        "--operator", help="Role of the operators (status, dead, purge).")] = None,
-    writer_role: Annotated[str | None, typer.Option(
-        "--writer", help="Role the application writes the outbox with (enqueue).")] = None,
+    operator_role: Annotated[
+        str | None, typer.Option("--operator", help="Role of the operators (status, dead, purge).")
+    ] = None,
+    writer_role: Annotated[
+        str | None, typer.Option("--writer", help="Role the application writes the outbox with (enqueue).")
+    ] = None,
     config: ConfigOpt = None,
     source: SourceOpt = None,
 ) -> None:
@@ -634,8 +755,10 @@ def grants(
         database = None
     table_sql = TableSql(settings.database.table)
     where = "" if "." in settings.database.table else " (unqualified: schema public assumed)"
-    lines = [f"-- outbox-relay grants for {settings.database.table}{where}; "
-             "run `outbox-relay migrate` as the table's owner first"]
+    lines = [
+        f"-- outbox-relay grants for {settings.database.table}{where}; "
+        "run `outbox-relay migrate` as the table's owner first"
+    ]
     for kind, role in roles.items():
         if not role:
             continue
@@ -647,11 +770,15 @@ def grants(
         lines.append(f"-- {kind} role {role}: {_GRANT_HELP[kind]}")
         lines += [" ".join(statement.as_string(None).split()) + ";" for statement in statements]
         if kind in ("relay", "operator"):
-            lines.append(f"-- {kind} role {role}: read other sessions' transaction start, so the xmin horizon "
-                         "gauge and `status` can name what holds vacuum back (without it they say what they "
-                         "cannot see); needs a superuser, or ADMIN on pg_read_all_stats")
-            lines += [" ".join(statement.as_string(None).split()) + ";"
-                      for statement in table_sql.statements("grant_read_all_stats", {"role": sql.Identifier(role)})]
+            lines.append(
+                f"-- {kind} role {role}: read other sessions' transaction start, so the xmin horizon "
+                "gauge and `status` can name what holds vacuum back (without it they say what they "
+                "cannot see); needs a superuser, or ADMIN on pg_read_all_stats"
+            )
+            lines += [
+                " ".join(statement.as_string(None).split()) + ";"
+                for statement in table_sql.statements("grant_read_all_stats", {"role": sql.Identifier(role)})
+            ]
     typer.echo("\n".join(lines))
 
 

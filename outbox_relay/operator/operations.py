@@ -111,15 +111,19 @@ class Wording:
     reason: str
 
 
-CLI_WORDING = Wording(ids="dead row ids", all_rows="--all",
-                      filters="filters (--event-type, --aggregate-type, --aggregate-id, --error-contains, "
-                              "--since, --until)", reason="--reason")
+CLI_WORDING = Wording(
+    ids="dead row ids",
+    all_rows="--all",
+    filters="filters (--event-type, --aggregate-type, --aggregate-id, --error-contains, --since, --until)",
+    reason="--reason",
+)
 API_WORDING = Wording(ids='"ids": [...]', all_rows='"all": true', filters='"filter": {...}', reason='"reason"')
 FORM_WORDING = Wording(ids="scope=ids", all_rows="scope=all", filters="scope=filter", reason="the reason field")
 
 
-def check_dead_change(action: Action, *, ids: bool, all_rows: bool, filtered: bool, reason: str | None,
-                      dry_run: bool, wording: Wording) -> str | None:
+def check_dead_change(
+    action: Action, *, ids: bool, all_rows: bool, filtered: bool, reason: str | None, dry_run: bool, wording: Wording
+) -> str | None:
     """The rules of every retry/skip, whichever surface asks (CLI, console form, API):
 
     - exactly one selection: row ids, all dead rows, or a filter (never two: "ids and a
@@ -136,8 +140,10 @@ def check_dead_change(action: Action, *, ids: bool, all_rows: bool, filtered: bo
     if cleaned and len(cleaned) > MAX_REASON_CHARS:
         raise OperatorRuleError(f"{wording.reason} must be at most {MAX_REASON_CHARS} characters")
     if action == "skip" and not dry_run and not cleaned:
-        raise OperatorRuleError(f"say why these rows are skipped ({wording.reason}): the reason is recorded "
-                                "in the audit trail and in each row's last_error")
+        raise OperatorRuleError(
+            f"say why these rows are skipped ({wording.reason}): the reason is recorded "
+            "in the audit trail and in each row's last_error"
+        )
     return cleaned or None
 
 
@@ -165,9 +171,14 @@ def change_dead(
     store.require_audit_table()
     if matched is None:
         matched = store.dead_count(selector, budget_ms=budget_ms)
-    audit_id = store.audit_begin(actor=actor, source=source, action=action,
-                                 selector=selector_description(selector),
-                                 rows_matched=matched.n if matched.exact else None, reason=reason)
+    audit_id = store.audit_begin(
+        actor=actor,
+        source=source,
+        action=action,
+        selector=selector_description(selector),
+        rows_matched=matched.n if matched.exact else None,
+        reason=reason,
+    )
     result = ChangeResult(action=action, matched=matched, audit_id=audit_id)
     reason_text = skip_reason_text(actor, reason) if action == "skip" else None
     after_id = 0
@@ -178,8 +189,9 @@ def change_dead(
                 size = min(size, selector.limit - result.changed)
                 if size <= 0:
                     break
-            ids = store.dead_change_chunk(action, selector, after_id=after_id, chunk=size,
-                                          audit_id=audit_id, reason=reason_text)
+            ids = store.dead_change_chunk(
+                action, selector, after_id=after_id, chunk=size, audit_id=audit_id, reason=reason_text
+            )
             result.changed += len(ids)
             if keep_ids:
                 result.changed_ids.extend(ids)
@@ -238,31 +250,41 @@ def blocking_head(rows: list[dict[str, Any]], ordering: OrderingRule) -> int | N
     return ordered[0]["id"] if ordered and ordered[0]["status"] == "dead" else None
 
 
-def diagnose_aggregate(rows: list[dict[str, Any]], ordering: OrderingRule, *,
-                       max_attempts: int) -> str:
+def diagnose_aggregate(rows: list[dict[str, Any]], ordering: OrderingRule, *, max_attempts: int) -> str:
     """What decides when this aggregate's unfinished rows move on, in one sentence."""
     if not rows:
         return "nothing unfinished: every row of this aggregate is done (or purged)"
     ordered = [r for r in rows if ordering.is_ordered(r["event_type"])]
     if not ordered:
-        return ("not ordered: none of these event types is in relay.ordered_event_types, "
-                "so each row is delivered on its own (see each row's state)")
+        return (
+            "not ordered: none of these event types is in relay.ordered_event_types, "
+            "so each row is delivered on its own (see each row's state)"
+        )
     head = ordered[0]
     waiting = len(ordered) - 1
     behind = f"; {waiting} ordered row(s) wait behind it" if waiting else ""
     now = head["database_now"]
     if head["status"] == "dead":
-        return (f"blocked by dead head {head['id']} ({head['event_type']}): retry it "
-                f"(`outbox-relay dead retry {head['id']}`) or skip it (`outbox-relay dead skip {head['id']} "
-                f"--reason ...`){behind}")
+        return (
+            f"blocked by dead head {head['id']} ({head['event_type']}): retry it "
+            f"(`outbox-relay dead retry {head['id']}`) or skip it (`outbox-relay dead skip {head['id']} "
+            f"--reason ...`){behind}"
+        )
     if head["status"] == "processing":
         if head["lease_expired"]:
-            fate = ("goes dead at the next claim (attempts used up)" if head["attempts"] >= max_attempts
-                    else "the next claim takes it again")
+            fate = (
+                "goes dead at the next claim (attempts used up)"
+                if head["attempts"] >= max_attempts
+                else "the next claim takes it again"
+            )
             return f"head {head['id']} lost its lease {_ago(head['lease_until'], now)}: {fate}{behind}"
-        return (f"head {head['id']} is in flight ({head['lease_owner']}, lease ends "
-                f"{_ago(head['lease_until'], now)}){behind}")
+        return (
+            f"head {head['id']} is in flight ({head['lease_owner']}, lease ends "
+            f"{_ago(head['lease_until'], now)}){behind}"
+        )
     if head["not_due"]:
-        return (f"head {head['id']} is not yet due (retry backoff or delay): due "
-                f"{_ago(head['available_at'], now)}, attempts {head['attempts']}/{max_attempts}{behind}")
+        return (
+            f"head {head['id']} is not yet due (retry backoff or delay): due "
+            f"{_ago(head['available_at'], now)}, attempts {head['attempts']}/{max_attempts}{behind}"
+        )
     return f"head {head['id']} is due: the next claim takes it{behind}"

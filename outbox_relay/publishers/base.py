@@ -81,11 +81,20 @@ def build_message(row: Claimed, topic_template: str | WireFormat, ordering: Orde
     # Positional: this runs once per message, and keyword matching of 13 arguments
     # costs more than the rest of the construction (the order is Message's fields').
     return Message(
-        row.id, encoded.topic, encoded.key, encoded.value, encoded.headers,
-        row.aggregate_type, row.aggregate_id, row.event_type, row.attempts, row.lease_version,
+        row.id,
+        encoded.topic,
+        encoded.key,
+        encoded.value,
+        encoded.headers,
+        row.aggregate_type,
+        row.aggregate_id,
+        row.event_type,
+        row.attempts,
+        row.lease_version,
         row.created_at.timestamp(),
         ordering.order_key(row.event_type, row.aggregate_id) if ordering is not None else None,
-        {}, wire.format,
+        {},
+        wire.format,
     )
 
 
@@ -198,8 +207,9 @@ class Publisher(abc.ABC):
         return _PublishOnWait(self, messages, timeout_seconds)
 
     @abc.abstractmethod
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
         """Publish and return one outcome per message, in order, by ``timeout_seconds``.
         Rows with the same ``order_key`` must be sent in order, stopping at a failure.
         ``cancel`` is set when every lease of the batch was lost: stop early."""
@@ -225,8 +235,9 @@ class SimplePublisher(Publisher):
     def abort(self) -> None:
         self._abort_requested = True
 
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
         deadline = time.monotonic() + timeout_seconds
         outcomes: list[Outcome] = []
         runs = RunGuard()
@@ -282,8 +293,9 @@ class _BatchAdapter(Publisher):
     def __init__(self, inner: _BatchShaped) -> None:
         self._inner = inner
 
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
         return self._inner.publish_batch(messages, timeout_seconds=timeout_seconds)
 
     def close(self) -> None:
@@ -319,18 +331,21 @@ def _resolve_reference(setting: str, reference: str) -> Factory:
     if not module_name or not attr_path:
         raise PublisherLoadError(
             f"relay.publisher {setting!r} is not 'kafka', 'http' or 'package.module:factory', "
-            f"nor an installed plug-in (entry point group {ENTRY_POINT_GROUP})")
+            f"nor an installed plug-in (entry point group {ENTRY_POINT_GROUP})"
+        )
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, but also a SyntaxError or a crash at import
         raise PublisherLoadError(
-            f"relay.publisher {setting!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}") from None
+            f"relay.publisher {setting!r}: cannot import {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
     for attr in attr_path.split("."):
         try:
             target = getattr(target, attr)
         except AttributeError:
             raise PublisherLoadError(
-                f"relay.publisher {setting!r}: {module_name!r} has no attribute {attr_path!r}") from None
+                f"relay.publisher {setting!r}: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
     return target  # type: ignore[no-any-return]  # checked by the caller: callable or a publisher
 
 
@@ -345,7 +360,8 @@ def _find_factory(setting: str) -> Factory | object:
             except Exception as exc:
                 raise PublisherLoadError(
                     f"relay.publisher {setting!r}: the installed plug-in {matches[0].value!r} cannot be loaded: "
-                    f"{type(exc).__name__}: {exc}") from None
+                    f"{type(exc).__name__}: {exc}"
+                ) from None
             return loaded
     return _resolve_reference(setting, setting)
 
@@ -370,7 +386,8 @@ def load_publisher(settings: Settings) -> Publisher:
             raise
         except Exception as exc:
             raise PublisherLoadError(
-                f"relay.publisher {setting!r}: the factory failed: {type(exc).__name__}: {exc}") from None
+                f"relay.publisher {setting!r}: the factory failed: {type(exc).__name__}: {exc}"
+            ) from None
     else:
         obj = found
     if isinstance(obj, Publisher):
@@ -380,4 +397,5 @@ def load_publisher(settings: Settings) -> Publisher:
     if isinstance(obj, _PublishShaped):
         return _SequentialAdapter(obj)
     raise PublisherLoadError(
-        f"relay.publisher {setting!r} returned {type(obj).__name__}, which has neither publish_batch() nor publish()")
+        f"relay.publisher {setting!r} returned {type(obj).__name__}, which has neither publish_batch() nor publish()"
+    )

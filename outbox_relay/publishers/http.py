@@ -209,8 +209,11 @@ class HttpPublisher(Publisher):
             if problem:
                 raise ConfigError(problem)  # names the header, never echoes its value (often a credential)
             lowered = name.lower()
-            if (lowered in _RESERVED_HEADERS or lowered in TRACE_HEADERS
-                    or lowered.startswith((HEADER_PREFIX.lower(), CE_HTTP_PREFIX))):
+            if (
+                lowered in _RESERVED_HEADERS
+                or lowered in TRACE_HEADERS
+                or lowered.startswith((HEADER_PREFIX.lower(), CE_HTTP_PREFIX))
+            ):
                 raise ConfigError(f"http.headers may not set {name!r}: the publisher sets it per message")
             for existing in list(base):
                 if existing.lower() == lowered:
@@ -221,8 +224,9 @@ class HttpPublisher(Publisher):
         connections = max(self.max_concurrency, int(max_connections or self.max_concurrency))
         self._client = httpx.Client(
             timeout=httpx.Timeout(self.timeout_seconds),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
-                                keepalive_expiry=30.0),
+            limits=httpx.Limits(
+                max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=30.0
+            ),
             follow_redirects=False,
             transport=transport,
         )
@@ -234,7 +238,7 @@ class HttpPublisher(Publisher):
         self.aborting.set()
 
     def describe_target(self) -> str:
-        parts = urlsplit(self.url_template.format(**{f: "x" for f in URL_FIELDS}))
+        parts = urlsplit(self.url_template.format(**dict.fromkeys(URL_FIELDS, "x")))
         return f"the HTTP target {parts.scheme}://{parts.netloc.rpartition('@')[2]}"  # never credentials
 
     @classmethod
@@ -270,8 +274,9 @@ class HttpPublisher(Publisher):
             if name not in URL_FIELDS:
                 raise ConfigError(
                     f"http.url_template: unknown placeholder {{{name}}}; use "
-                    + ", ".join("{" + f + "}" for f in URL_FIELDS))
-        sample = template.format(**{f: "x" for f in URL_FIELDS})
+                    + ", ".join("{" + f + "}" for f in URL_FIELDS)
+                )
+        sample = template.format(**dict.fromkeys(URL_FIELDS, "x"))
         parts = urlsplit(sample)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError("http.url_template must be an absolute http:// or https:// URL")
@@ -314,13 +319,15 @@ class HttpPublisher(Publisher):
         parts = urlsplit(url)
         where = f"POST {parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # no credentials, no query
         try:
-            request = self._client.build_request("POST", url, content=message.value.encode("utf-8"),
-                                                 headers=headers, timeout=httpx.Timeout(timeout))
+            request = self._client.build_request(
+                "POST", url, content=message.value.encode("utf-8"), headers=headers, timeout=httpx.Timeout(timeout)
+            )
             response = self._client.send(request, stream=True)
         except httpx.TimeoutException as exc:
             kind = type(exc).__name__
-            return RetryableError(f"HTTP timeout after {timeout:.3g}s ({kind}): {where}",
-                                  transport=isinstance(exc, httpx.ConnectTimeout))
+            return RetryableError(
+                f"HTTP timeout after {timeout:.3g}s ({kind}): {where}", transport=isinstance(exc, httpx.ConnectTimeout)
+            )
         except (httpx.NetworkError, httpx.RemoteProtocolError, httpx.ProxyError) as exc:
             return RetryableError(f"HTTP connection failed ({type(exc).__name__}: {exc}): {where}", transport=True)
         except httpx.UnsupportedProtocol as exc:
@@ -366,13 +373,17 @@ class HttpPublisher(Publisher):
             return RetryableError(detail(), retry_after_seconds=retry_after)
         if 300 <= status < 400:
             location = response.headers.get("Location")
-            return PermanentError(f"HTTP {status}: redirect not followed"
-                                  + (f" (Location: {location[:200]})" if location else "") + f": {where}")
+            return PermanentError(
+                f"HTTP {status}: redirect not followed"
+                + (f" (Location: {location[:200]})" if location else "")
+                + f": {where}"
+            )
         return PermanentError(detail())
 
     # --- the Publisher contract ------------------------------------------------------
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
         if self._closed:
             raise RuntimeError("HttpPublisher is closed")
         deadline = time.monotonic() + max(0.0, timeout_seconds)
@@ -392,12 +403,18 @@ class HttpPublisher(Publisher):
             failed = False
             for i in chain:
                 remaining = deadline - time.monotonic()
-                if (failed or stop.is_set() or self.aborting.is_set() or remaining <= 0.01
-                        or (cancel is not None and cancel.is_set())):
+                if (
+                    failed
+                    or stop.is_set()
+                    or self.aborting.is_set()
+                    or remaining <= 0.01
+                    or (cancel is not None and cancel.is_set())
+                ):
                     with lock:
                         if outcomes[i] is _PENDING:
-                            outcomes[i] = NotDelivered(RELEASED_AFTER_FAILURE if failed
-                                                       else "not sent before the batch deadline")
+                            outcomes[i] = NotDelivered(
+                                RELEASED_AFTER_FAILURE if failed else "not sent before the batch deadline"
+                            )
                     continue
                 with lock:
                     if outcomes[i] is not _PENDING:  # the batch already gave up on it
@@ -409,8 +426,9 @@ class HttpPublisher(Publisher):
                         outcomes[i] = outcome
                 failed = outcome is not None
 
-        executor = ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(batch_chains)),
-                                      thread_name_prefix="http-publish")
+        executor = ThreadPoolExecutor(
+            max_workers=min(self.max_concurrency, len(batch_chains)), thread_name_prefix="http-publish"
+        )
         futures = [executor.submit(run_chain, chain) for chain in batch_chains]
         executor.shutdown(wait=False)  # threads exit once their (deadline-bounded) chains finish
         try:
@@ -439,7 +457,8 @@ class HttpPublisher(Publisher):
                         outcomes[i] = NotDelivered("no HTTP response before shutdown")
                     else:
                         outcomes[i] = RetryableError(
-                            f"HTTP timeout: no response within the batch deadline ({timeout_seconds:.3g}s)")
+                            f"HTTP timeout: no response within the batch deadline ({timeout_seconds:.3g}s)"
+                        )
             return list(outcomes)
 
     def probe(self, timeout_seconds: float = 2.0) -> bool:

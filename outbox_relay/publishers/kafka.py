@@ -39,31 +39,63 @@ log = structlog.get_logger("outbox_relay.kafka")
 E = KafkaError
 
 # Failures of the connection as a whole: the circuit breaker counts these.
-TRANSPORT_CODES = frozenset({
-    E._MSG_TIMED_OUT, E._TRANSPORT, E._ALL_BROKERS_DOWN, E._TIMED_OUT, E.REQUEST_TIMED_OUT,
-    E.NETWORK_EXCEPTION, E._PURGE_QUEUE, E._PURGE_INFLIGHT, E._RESOLVE, E._DESTROY,
-    # Authorization and authentication fail for every message alike: usually an ACL or
-    # credential mistake during a deploy. Treated as an outage (breaker, attempts
-    # refunded) rather than dead-lettering the whole backlog.
-    E.CLUSTER_AUTHORIZATION_FAILED, E.SASL_AUTHENTICATION_FAILED, E._AUTHENTICATION,
-})
+TRANSPORT_CODES = frozenset(
+    {
+        E._MSG_TIMED_OUT,
+        E._TRANSPORT,
+        E._ALL_BROKERS_DOWN,
+        E._TIMED_OUT,
+        E.REQUEST_TIMED_OUT,
+        E.NETWORK_EXCEPTION,
+        E._PURGE_QUEUE,
+        E._PURGE_INFLIGHT,
+        E._RESOLVE,
+        E._DESTROY,
+        # Authorization and authentication fail for every message alike: usually an ACL or
+        # credential mistake during a deploy. Treated as an outage (breaker, attempts
+        # refunded) rather than dead-lettering the whole backlog.
+        E.CLUSTER_AUTHORIZATION_FAILED,
+        E.SASL_AUTHENTICATION_FAILED,
+        E._AUTHENTICATION,
+    }
+)
 # The message itself can never be accepted.
-PERMANENT_CODES = frozenset({
-    E.MSG_SIZE_TOO_LARGE, E._MSG_SIZE_TOO_LARGE if hasattr(E, "_MSG_SIZE_TOO_LARGE") else E.MSG_SIZE_TOO_LARGE,
-    E.INVALID_RECORD, E.TOPIC_EXCEPTION,
-    E.RECORD_LIST_TOO_LARGE, E._INVALID_ARG, E.INVALID_REQUIRED_ACKS, E.POLICY_VIOLATION, E._BAD_MSG,
-    E._KEY_SERIALIZATION, E._VALUE_SERIALIZATION,
-} | ({E.CORRUPT_MESSAGE} if hasattr(E, "CORRUPT_MESSAGE") else set()))
+PERMANENT_CODES = frozenset(
+    {
+        E.MSG_SIZE_TOO_LARGE,
+        E._MSG_SIZE_TOO_LARGE if hasattr(E, "_MSG_SIZE_TOO_LARGE") else E.MSG_SIZE_TOO_LARGE,
+        E.INVALID_RECORD,
+        E.TOPIC_EXCEPTION,
+        E.RECORD_LIST_TOO_LARGE,
+        E._INVALID_ARG,
+        E.INVALID_REQUIRED_ACKS,
+        E.POLICY_VIOLATION,
+        E._BAD_MSG,
+        E._KEY_SERIALIZATION,
+        E._VALUE_SERIALIZATION,
+    }
+    | ({E.CORRUPT_MESSAGE} if hasattr(E, "CORRUPT_MESSAGE") else set())
+)
 # The producer's idempotence state is broken: replace the producer.
-REPLACE_CODES = frozenset({
-    E._FATAL, E.PRODUCER_FENCED, E.UNKNOWN_PRODUCER_ID, E.OUT_OF_ORDER_SEQUENCE_NUMBER,
-    E.INVALID_PRODUCER_EPOCH, E._FENCED, E.INVALID_PRODUCER_ID_MAPPING, E._MSG_TIMED_OUT,
-    E._GAPLESS_GUARANTEE if hasattr(E, "_GAPLESS_GUARANTEE") else E._FATAL,
-})
+REPLACE_CODES = frozenset(
+    {
+        E._FATAL,
+        E.PRODUCER_FENCED,
+        E.UNKNOWN_PRODUCER_ID,
+        E.OUT_OF_ORDER_SEQUENCE_NUMBER,
+        E.INVALID_PRODUCER_EPOCH,
+        E._FENCED,
+        E.INVALID_PRODUCER_ID_MAPPING,
+        E._MSG_TIMED_OUT,
+        E._GAPLESS_GUARANTEE if hasattr(E, "_GAPLESS_GUARANTEE") else E._FATAL,
+    }
+)
 
 
-UNPROVEN_ACK = ("kafka: acknowledged by a DUPLICATE_SEQUENCE_NUMBER answer (the broker says it already "
-                "stored this batch, without an offset); not taken as proof of delivery: publishing it again")
+UNPROVEN_ACK = (
+    "kafka: acknowledged by a DUPLICATE_SEQUENCE_NUMBER answer (the broker says it already "
+    "stored this batch, without an offset); not taken as proof of delivery: publishing it again"
+)
 
 
 def is_refusal(err: KafkaError) -> bool:
@@ -127,8 +159,10 @@ def classify(err: KafkaError) -> Outcome:
     code = err.code()
     text = f"kafka: {err.name()}: {err.str()}"
     if code == E.TOPIC_AUTHORIZATION_FAILED:
-        return Defer(AUTHORIZATION_RETRY_SECONDS,
-                     f"{text} (the principal may not write to this topic: fix its ACL; the rows wait)")
+        return Defer(
+            AUTHORIZATION_RETRY_SECONDS,
+            f"{text} (the principal may not write to this topic: fix its ACL; the rows wait)",
+        )
     if code in PERMANENT_CODES:
         return PermanentError(text)
     # Unknown codes stay retryable: the attempt budget sends them dead eventually,
@@ -180,13 +214,25 @@ class DeliveryLog:
 class _BatchWaiter:
     """Collects the delivery reports of one batch (called from the poll thread)."""
 
-    __slots__ = ("_created", "_generation", "_ids", "_latencies", "_lock", "_owner", "_source", "done", "errors",
-                 "outcomes", "remaining")
+    __slots__ = (
+        "_created",
+        "_generation",
+        "_ids",
+        "_latencies",
+        "_lock",
+        "_owner",
+        "_source",
+        "done",
+        "errors",
+        "outcomes",
+        "remaining",
+    )
 
     _UNSET: Any = object()
 
-    def __init__(self, size: int, owner: KafkaPublisher, created: list[float],
-                 ids: list[int] | None = None, generation: int = 0) -> None:
+    def __init__(
+        self, size: int, owner: KafkaPublisher, created: list[float], ids: list[int] | None = None, generation: int = 0
+    ) -> None:
         self.outcomes: list[Any] = [self._UNSET] * size
         self.errors: list[KafkaError | None] = [None] * size  # delivery report errors, for isolation
         self._created = created
@@ -283,8 +329,9 @@ class KafkaPublisher(Publisher):
         # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
         self.delivery_log = DeliveryLog.from_environment()
         # The messages of a refused record batch are judged one by one: one bad record must not condemn the rest.
-        self.isolation = RejectionIsolator(self._config, classify=classify,
-                                           on_isolated=lambda count: self.observer.messages_isolated(count))
+        self.isolation = RejectionIsolator(
+            self._config, classify=classify, on_isolated=lambda count: self.observer.messages_isolated(count)
+        )
         if self.delivery_log is not None:
             self.isolation.delivery_log = self.delivery_log
 
@@ -378,8 +425,12 @@ class KafkaPublisher(Publisher):
                 self.duplicate_sequence_acks += 1
             allowed, suppressed = self._error_lines.allow("DUPLICATE_SEQUENCE_NUMBER")
             if allowed:
-                log.warning("kafka acknowledgement without an offset (a DUPLICATE_SEQUENCE_NUMBER answer); "
-                            "publishing the record batch's messages again", partition=partition, suppressed=suppressed)
+                log.warning(
+                    "kafka acknowledgement without an offset (a DUPLICATE_SEQUENCE_NUMBER answer); "
+                    "publishing the record batch's messages again",
+                    partition=partition,
+                    suppressed=suppressed,
+                )
             return True
         with self._dupseq_lock:
             expected = self._dupseq_runs.get(key)
@@ -406,15 +457,19 @@ class KafkaPublisher(Publisher):
             if allowed:
                 log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
 
-    def defer_missing_topics(self, messages: Sequence[Message], outcomes: list[Outcome],
-                             errors: Sequence[KafkaError | None]) -> list[Outcome]:
+    def defer_missing_topics(
+        self, messages: Sequence[Message], outcomes: list[Outcome], errors: Sequence[KafkaError | None]
+    ) -> list[Outcome]:
         """Messages that timed out waiting for a topic the cluster does not have (its
         automatic creation is off): a topic an operator has yet to create, not a fault
         of the rows, so they wait (Defer, attempt refunded) like those of a topic the
         ACL refuses. librdkafka reports them only as timed out; the topic's metadata
         says why. Looked up only after a timeout, a few topics per batch."""
-        timed_out = [i for i, err in enumerate(errors)
-                     if err is not None and err.code() == E._MSG_TIMED_OUT and isinstance(outcomes[i], RetryableError)]
+        timed_out = [
+            i
+            for i, err in enumerate(errors)
+            if err is not None and err.code() == E._MSG_TIMED_OUT and isinstance(outcomes[i], RetryableError)
+        ]
         if not timed_out:
             return outcomes
         producer = self._producer
@@ -434,9 +489,11 @@ class KafkaPublisher(Publisher):
         for i in timed_out:
             topic = messages[i].topic
             if topic in missing:
-                result[i] = Defer(AUTHORIZATION_RETRY_SECONDS,
-                                  f"kafka: UNKNOWN_TOPIC_OR_PART: topic {topic!r} does not exist and the cluster "
-                                  "does not create it: the rows wait until it is created")
+                result[i] = Defer(
+                    AUTHORIZATION_RETRY_SECONDS,
+                    f"kafka: UNKNOWN_TOPIC_OR_PART: topic {topic!r} does not exist and the cluster "
+                    "does not create it: the rows wait until it is created",
+                )
         for topic in missing:
             self.topic_refused(topic, KafkaError(E.UNKNOWN_TOPIC_OR_PART, "topic does not exist"))
         return result
@@ -452,8 +509,14 @@ class KafkaPublisher(Publisher):
             self.observer.topic_missing(topic)
         allowed, suppressed = self._error_lines.allow(f"acl:{topic}")
         if first or allowed:
-            log.error("kafka refuses writes to a topic: its rows wait", topic=topic, code=err.name(),
-                      detail=err.str(), retry_seconds=AUTHORIZATION_RETRY_SECONDS, suppressed=suppressed)
+            log.error(
+                "kafka refuses writes to a topic: its rows wait",
+                topic=topic,
+                code=err.name(),
+                detail=err.str(),
+                retry_seconds=AUTHORIZATION_RETRY_SECONDS,
+                suppressed=suppressed,
+            )
 
     def topic_accepted(self, topic: str) -> None:
         if self.refused_topics.pop(topic, None) is not None:
@@ -480,8 +543,10 @@ class KafkaPublisher(Publisher):
         failure = self._tls_failure
         if failure is None:
             return None
-        return (f"the TLS handshake failed (kafka.security_protocol = {self._config.get('security.protocol')}: "
-                f"is the listener plaintext?): {failure}")
+        return (
+            f"the TLS handshake failed (kafka.security_protocol = {self._config.get('security.protocol')}: "
+            f"is the listener plaintext?): {failure}"
+        )
 
     def request_replacement(self, reason: str, generation: int | None = None) -> None:
         """Ask the poll thread for a fresh producer. With ``generation``, only if that
@@ -562,8 +627,9 @@ class KafkaPublisher(Publisher):
             old.poll(0)
 
     # --- publishing ------------------------------------------------------------------
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
         """Produce the batch, wait for its reports until ``timeout_seconds``, a
         shutdown (``abort``) or ``cancel`` (the batch's leases were all lost)."""
         return self.submit(messages, timeout_seconds=timeout_seconds).wait(cancel=cancel)
@@ -574,8 +640,13 @@ class KafkaPublisher(Publisher):
         deadline = time.monotonic() + timeout_seconds
         with self._lock:
             producer, generation = self._producer, self.generation
-        waiter = _BatchWaiter(len(messages), self, [m.created_at_epoch for m in messages],
-                              [m.id for m in messages] if self.delivery_log is not None else None, generation)
+        waiter = _BatchWaiter(
+            len(messages),
+            self,
+            [m.created_at_epoch for m in messages],
+            [m.id for m in messages] if self.delivery_log is not None else None,
+            generation,
+        )
         if producer is None:
             raise RuntimeError("KafkaPublisher.start() was not called")
         runs = RunGuard()  # an ordered run stops at a row produce() refused
@@ -626,8 +697,16 @@ class KafkaPublisher(Publisher):
 class InFlightBatch(PendingBatch):
     """A produced batch whose delivery reports are still arriving."""
 
-    def __init__(self, publisher: KafkaPublisher, waiter: _BatchWaiter, size: int, deadline: float,
-                 timeout_seconds: float, generation: int, messages: Sequence[Message] = ()) -> None:
+    def __init__(
+        self,
+        publisher: KafkaPublisher,
+        waiter: _BatchWaiter,
+        size: int,
+        deadline: float,
+        timeout_seconds: float,
+        generation: int,
+        messages: Sequence[Message] = (),
+    ) -> None:
         self._messages = messages
         self._generation = generation
         self._publisher = publisher
@@ -657,16 +736,23 @@ class InFlightBatch(PendingBatch):
             # settles its messages as retryable, and so do we, right now.
             publisher.request_replacement("delivery reports overdue", generation=self._generation)
             for index in range(self._size):
-                waiter.settle(index, RetryableError(
-                    f"kafka: no delivery report within {self._timeout:.1f}s", transport=True))
+                waiter.settle(
+                    index, RetryableError(f"kafka: no delivery report within {self._timeout:.1f}s", transport=True)
+                )
         outcomes = list(waiter.outcomes)
         latencies = waiter.take_latencies()
         if latencies:
             publisher.observer.messages_acknowledged(latencies)
         # --- a refused record batch does not condemn every message in it: re-sent one by one ---
         if self._messages and not publisher.aborting.is_set() and not (cancel is not None and cancel.is_set()):
-            outcomes = publisher.isolation.resolve(self._messages, outcomes, waiter.errors, deadline=self._deadline,
-                                                   cancel=cancel, abort=publisher.aborting)
+            outcomes = publisher.isolation.resolve(
+                self._messages,
+                outcomes,
+                waiter.errors,
+                deadline=self._deadline,
+                cancel=cancel,
+                abort=publisher.aborting,
+            )
             outcomes = publisher.defer_missing_topics(self._messages, outcomes, waiter.errors)
         # --- end of the re-sends ---
         return outcomes
@@ -696,7 +782,8 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         # take all of it: a full queue is then a configuration error, not a hazard.
         "queue.buffering.max.messages": max(100_000, settings.relay.workers * settings.relay.batch_size * 4),
         "queue.buffering.max.kbytes": max(
-            1024, -(-(settings.relay.max_in_flight_bytes + 2 * k.message_max_bytes) // 1024)),
+            1024, -(-(settings.relay.max_in_flight_bytes + 2 * k.message_max_bytes) // 1024)
+        ),
         "socket.keepalive.enable": True,
         "log_level": 3,
     }
@@ -706,9 +793,11 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         conf["sasl.username"] = k.sasl_username
     if k.sasl_password is not None:
         conf["sasl.password"] = k.sasl_password.get_secret_value()
-    for name, value in (("ssl.ca.location", k.ssl_ca_location),
-                        ("ssl.certificate.location", k.ssl_certificate_location),
-                        ("ssl.key.location", k.ssl_key_location)):
+    for name, value in (
+        ("ssl.ca.location", k.ssl_ca_location),
+        ("ssl.certificate.location", k.ssl_certificate_location),
+        ("ssl.key.location", k.ssl_key_location),
+    ):
         if value:
             conf[name] = value
     if k.ssl_key_password is not None:

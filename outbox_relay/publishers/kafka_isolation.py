@@ -73,21 +73,33 @@ E = KafkaError
 #: segment size. POLICY_VIOLATION: a broker-side produce policy plug-in.
 #: INVALID_MSG (CORRUPT_MESSAGE): librdkafka retries it itself; should it still
 #: surface, one record may be the cause.
-BATCH_REJECTION_CODES: frozenset[int] = frozenset({
-    E.INVALID_RECORD, E.MSG_SIZE_TOO_LARGE, E.RECORD_LIST_TOO_LARGE, E.POLICY_VIOLATION, E.INVALID_MSG,
-})
+BATCH_REJECTION_CODES: frozenset[int] = frozenset(
+    {
+        E.INVALID_RECORD,
+        E.MSG_SIZE_TOO_LARGE,
+        E.RECORD_LIST_TOO_LARGE,
+        E.POLICY_VIOLATION,
+        E.INVALID_MSG,
+    }
+)
 
 #: librdkafka >= 2.4 (KIP-467): the broker named other records of this batch as the
 #: invalid ones; this message was not judged.
 INNOCENT_NEIGHBOUR_CODES: frozenset[int] = frozenset(
-    {E._INVALID_DIFFERENT_RECORD} if hasattr(E, "_INVALID_DIFFERENT_RECORD") else set())
+    {E._INVALID_DIFFERENT_RECORD} if hasattr(E, "_INVALID_DIFFERENT_RECORD") else set()
+)
 
 #: The idempotent producer's state, not the message, made the broker refuse the
 #: batch (nothing was written).
-PRODUCER_STATE_CODES: frozenset[int] = frozenset({
-    E.PRODUCER_FENCED, E.INVALID_PRODUCER_EPOCH, E.UNKNOWN_PRODUCER_ID, E.OUT_OF_ORDER_SEQUENCE_NUMBER,
-    *([E._GAPLESS_GUARANTEE] if hasattr(E, "_GAPLESS_GUARANTEE") else []),
-})
+PRODUCER_STATE_CODES: frozenset[int] = frozenset(
+    {
+        E.PRODUCER_FENCED,
+        E.INVALID_PRODUCER_EPOCH,
+        E.UNKNOWN_PRODUCER_ID,
+        E.OUT_OF_ORDER_SEQUENCE_NUMBER,
+        *([E._GAPLESS_GUARANTEE] if hasattr(E, "_GAPLESS_GUARANTEE") else []),
+    }
+)
 
 #: The relay purged the message from a producer it replaced (after a fenced or
 #: otherwise broken producer, or one that timed out): the broker never judged it.
@@ -95,8 +107,7 @@ PRODUCER_STATE_CODES: frozenset[int] = frozenset({
 PURGED_CODES: frozenset[int] = frozenset({E._PURGE_QUEUE, E._PURGE_INFLIGHT})
 
 #: A message that failed with one of these gets judged on its own.
-ISOLATE_CODES: frozenset[int] = (BATCH_REJECTION_CODES | INNOCENT_NEIGHBOUR_CODES | PRODUCER_STATE_CODES
-                                 | PURGED_CODES)
+ISOLATE_CODES: frozenset[int] = BATCH_REJECTION_CODES | INNOCENT_NEIGHBOUR_CODES | PRODUCER_STATE_CODES | PURGED_CODES
 
 # Overrides of the main producer's configuration for the isolation producer.
 _ISOLATION_OVERRIDES: dict[str, Any] = {
@@ -129,8 +140,9 @@ class IsolationPlan:
         return len(self.singles) + sum(len(run) for run in self.runs)
 
 
-def plan_isolation(messages: Sequence[Message], outcomes: Sequence[Outcome],
-                   errors: Sequence[KafkaError | None]) -> IsolationPlan:
+def plan_isolation(
+    messages: Sequence[Message], outcomes: Sequence[Outcome], errors: Sequence[KafkaError | None]
+) -> IsolationPlan:
     """Pure: which messages of a batch get judged on their own.
 
     An unordered message needs a verdict when its delivery failed with one of
@@ -188,9 +200,13 @@ class RejectionIsolator:
     producer, created on first need; each caller polls until its own reports are in).
     """
 
-    def __init__(self, producer_config: dict[str, Any], *,
-                 classify: Callable[[KafkaError], Outcome],
-                 on_isolated: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        producer_config: dict[str, Any],
+        *,
+        classify: Callable[[KafkaError], Outcome],
+        on_isolated: Callable[[int], None] | None = None,
+    ) -> None:
         config = {k: v for k, v in producer_config.items() if k not in _ISOLATION_DROPPED}
         config.update(_ISOLATION_OVERRIDES)
         self._config = config
@@ -230,10 +246,16 @@ class RejectionIsolator:
         producer.flush(timeout_seconds)
 
     # --- the verdicts ----------------------------------------------------------------
-    def resolve(self, messages: Sequence[Message], outcomes: Sequence[Outcome],
-                errors: Sequence[KafkaError | None], *, deadline: float,
-                cancel: threading.Event | None = None,
-                abort: threading.Event | None = None) -> list[Outcome]:
+    def resolve(
+        self,
+        messages: Sequence[Message],
+        outcomes: Sequence[Outcome],
+        errors: Sequence[KafkaError | None],
+        *,
+        deadline: float,
+        cancel: threading.Event | None = None,
+        abort: threading.Event | None = None,
+    ) -> list[Outcome]:
         """Outcomes of a batch after judging its rejected messages alone.
 
         ``outcomes``/``errors``: per message, the outcome of the batch produce and
@@ -246,27 +268,41 @@ class RejectionIsolator:
             return result
         first_errors = (errors[i] for i in plan.singles + [run[0] for run in plan.runs])
         rejected = sorted({error.name() for error in first_errors if error is not None})
-        log.warning("kafka record batch refused; producing its messages one by one to find the bad ones",
-                    messages=plan.size, ordered_runs=len(plan.runs), errors=rejected)
+        log.warning(
+            "kafka record batch refused; producing its messages one by one to find the bad ones",
+            messages=plan.size,
+            ordered_runs=len(plan.runs),
+            errors=rejected,
+        )
         produced = self._run(messages, plan, result, deadline=deadline, cancel=cancel, abort=abort)
         # A message whose producer broke (or was purged) and that gets no verdict in
         # time keeps its original outcome: releasing it with the attempt refunded could
         # repeat forever (e.g. a topic that never resolves); only a batch refusal, which
         # may be a neighbour's fault, earns the refund.
         for index, error in enumerate(errors):
-            if (error is not None and error.code() in PRODUCER_STATE_CODES | PURGED_CODES
-                    and isinstance(result[index], NotDelivered) and result[index] is not outcomes[index]
-                    and str(result[index]).startswith("released: no verdict")):
+            if (
+                error is not None
+                and error.code() in PRODUCER_STATE_CODES | PURGED_CODES
+                and isinstance(result[index], NotDelivered)
+                and result[index] is not outcomes[index]
+                and str(result[index]).startswith("released: no verdict")
+            ):
                 result[index] = outcomes[index]
         if produced:
             self.isolated_total += produced
             if self.on_isolated is not None:
                 self.on_isolated(produced)
-        dead = sum(1 for i in plan.singles + [i for run in plan.runs for i in run]
-                   if isinstance(result[i], PermanentError))
+        dead = sum(
+            1 for i in plan.singles + [i for run in plan.runs for i in run] if isinstance(result[i], PermanentError)
+        )
         delivered = sum(1 for i in plan.singles + [i for run in plan.runs for i in run] if result[i] is None)
-        log.warning("kafka isolation finished", produced_alone=produced, rejected_alone=dead,
-                    delivered=delivered, unresolved=plan.size - dead - delivered)
+        log.warning(
+            "kafka isolation finished",
+            produced_alone=produced,
+            rejected_alone=dead,
+            delivered=delivered,
+            unresolved=plan.size - dead - delivered,
+        )
         return result
 
     def _produce(self, producer: Producer, message: Message, verdict: _Verdict, deadline: float) -> Outcome | None:
@@ -275,8 +311,13 @@ class RejectionIsolator:
         headers: list[tuple[str, str | bytes | None]] = list(message.headers)
         while True:
             try:
-                producer.produce(message.topic, value=message.value, key=message.key,
-                                 headers=headers, on_delivery=verdict.on_delivery)
+                producer.produce(
+                    message.topic,
+                    value=message.value,
+                    key=message.key,
+                    headers=headers,
+                    on_delivery=verdict.on_delivery,
+                )
                 return None
             except BufferError:
                 if time.monotonic() >= deadline:
@@ -293,8 +334,16 @@ class RejectionIsolator:
             return PermanentError(f"kafka: {err.name()}: {err.str()} (rejected when produced alone)")
         return self._classify(err)
 
-    def _run(self, messages: Sequence[Message], plan: IsolationPlan, result: list[Outcome], *,
-             deadline: float, cancel: threading.Event | None, abort: threading.Event | None) -> int:
+    def _run(
+        self,
+        messages: Sequence[Message],
+        plan: IsolationPlan,
+        result: list[Outcome],
+        *,
+        deadline: float,
+        cancel: threading.Event | None,
+        abort: threading.Event | None,
+    ) -> int:
         producer = self._get_producer()
         produced = 0
         pending: dict[int, _Verdict] = {}  # batch index -> verdict, produced and unanswered
@@ -323,17 +372,32 @@ class RejectionIsolator:
 
         while pending:
             if abort is not None and abort.is_set():
-                self._give_up(result, pending, runs, position, live,
-                              lambda: NotDelivered("no delivery report before shutdown"))
+                self._give_up(
+                    result, pending, runs, position, live, lambda: NotDelivered("no delivery report before shutdown")
+                )
                 break
             if cancel is not None and cancel.is_set():
-                self._give_up(result, pending, runs, position, live,
-                              lambda: RetryableError("lease lost while waiting for delivery"))
+                self._give_up(
+                    result,
+                    pending,
+                    runs,
+                    position,
+                    live,
+                    lambda: RetryableError("lease lost while waiting for delivery"),
+                )
                 break
             if time.monotonic() >= deadline:
-                self._give_up(result, pending, runs, position, live,
-                              lambda: NotDelivered("released: no verdict on the message alone before the "
-                                                   "publish deadline (its record batch was refused)"))
+                self._give_up(
+                    result,
+                    pending,
+                    runs,
+                    position,
+                    live,
+                    lambda: NotDelivered(
+                        "released: no verdict on the message alone before the "
+                        "publish deadline (its record batch was refused)"
+                    ),
+                )
                 break
             producer.poll(_POLL_SLICE_SECONDS)
             for index in [i for i, v in pending.items() if v.done]:
@@ -357,8 +421,9 @@ class RejectionIsolator:
         return produced
 
     @staticmethod
-    def _advance(run: list[int], position: list[int], r: int, start: Callable[[int], bool],
-                 result: list[Outcome]) -> bool:
+    def _advance(
+        run: list[int], position: list[int], r: int, start: Callable[[int], bool], result: list[Outcome]
+    ) -> bool:
         """Start the run's message at ``position[r]``; False when the run is over."""
         if position[r] >= len(run):
             return False
@@ -373,13 +438,19 @@ class RejectionIsolator:
             result[index] = NotDelivered(RELEASED_AFTER_FAILURE)
 
     @staticmethod
-    def _give_up(result: list[Outcome], pending: dict[int, _Verdict], runs: list[list[int]],
-                 position: list[int], live: list[int], outcome: Callable[[], Outcome]) -> None:
+    def _give_up(
+        result: list[Outcome],
+        pending: dict[int, _Verdict],
+        runs: list[list[int]],
+        position: list[int],
+        live: list[int],
+        outcome: Callable[[], Outcome],
+    ) -> None:
         for index in pending:
             result[index] = outcome()
         for r in live:
             run = runs[r]
-            for index in run[position[r]:]:
+            for index in run[position[r] :]:
                 if index not in pending:
                     result[index] = NotDelivered("released: an earlier row of this aggregate has no verdict yet")
         pending.clear()

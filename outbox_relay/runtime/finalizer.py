@@ -54,8 +54,9 @@ class BatchResult:
         """Accepted rows per kind (computed once: metrics ask for every kind)."""
         if self._counts is None:
             accepted = self.accepted
-            self._counts = Counter(d.kind for row, d in zip(self.rows, self.decisions, strict=True)
-                                   if row.id in accepted)
+            self._counts = Counter(
+                d.kind for row, d in zip(self.rows, self.decisions, strict=True) if row.id in accepted
+            )
         return self._counts
 
     @property
@@ -86,8 +87,10 @@ class Finalizer:
         self._retry_for = retry_for_seconds
 
     def write(self, rows: Sequence[Claimed], decisions: Sequence[Decision], *, owner: str) -> BatchResult:
-        items = [FinalizeItem(row.id, row.lease_version, d.status, d.delay_seconds, d.error, d.refund_attempt)
-                 for row, d in zip(rows, decisions, strict=True)]
+        items = [
+            FinalizeItem(row.id, row.lease_version, d.status, d.delay_seconds, d.error, d.refund_attempt)
+            for row, d in zip(rows, decisions, strict=True)
+        ]
         result = BatchResult(rows=rows, decisions=decisions)
         if not items:
             return result
@@ -113,12 +116,14 @@ class Finalizer:
                 if not isinstance(exc, DatabaseUnavailable):
                     # Not the connection but the statement (bad data, a missing table):
                     # repeating it cannot help; the lease expiry recovers the rows.
-                    log.error("finalize refused by the database; rows will be reclaimed after their lease",
-                              error=str(exc), worker=owner)
+                    log.error(
+                        "finalize refused by the database; rows will be reclaimed after their lease",
+                        error=str(exc),
+                        worker=owner,
+                    )
                     return None, attempt > 1
                 if time.monotonic() > deadline:
-                    log.error("finalize failed; rows will be reclaimed after their lease", error=str(exc),
-                              worker=owner)
+                    log.error("finalize failed; rows will be reclaimed after their lease", error=str(exc), worker=owner)
                     return None, True
                 log.warning("finalize failed; retrying", error=str(exc), attempt=attempt, worker=owner)
                 time.sleep(full_jitter_backoff(attempt, base=0.05, cap=2.0) + 0.02)
@@ -131,8 +136,11 @@ class Finalizer:
         # A done row that no longer exists was deleted as done: by this finalize in
         # delete mode (relay.on_done = "delete"), or by a purge since; either way it was
         # delivered and is finished, which is what this finalize meant to record.
-        return {i.id for i in missing
-                if states.get(i.id) == (i.status, i.lease_version) or (i.status == "done" and i.id not in states)}
+        return {
+            i.id
+            for i in missing
+            if states.get(i.id) == (i.status, i.lease_version) or (i.status == "done" and i.id not in states)
+        }
 
 
 def log_batch(logger: structlog.typing.FilteringBoundLogger, result: BatchResult, *, owner: str) -> None:
@@ -142,9 +150,18 @@ def log_batch(logger: structlog.typing.FilteringBoundLogger, result: BatchResult
     for row, decision in zip(result.rows, result.decisions, strict=True):
         if row.id in result.accepted:
             if decision.kind is Kind.DEAD:
-                logger.warning("row is dead", outbox_id=row.id, lease_version=row.lease_version,
-                               lease_owner=owner, reason=decision.error)
+                logger.warning(
+                    "row is dead",
+                    outbox_id=row.id,
+                    lease_version=row.lease_version,
+                    lease_owner=owner,
+                    reason=decision.error,
+                )
         elif row.id in result.lost:
-            logger.warning("lost lease: finalize rejected, row belongs to a newer claim",
-                           outbox_id=row.id, lease_version=row.lease_version, lease_owner=owner,
-                           outcome=decision.kind.value)
+            logger.warning(
+                "lost lease: finalize rejected, row belongs to a newer claim",
+                outbox_id=row.id,
+                lease_version=row.lease_version,
+                lease_owner=owner,
+                outcome=decision.kind.value,
+            )

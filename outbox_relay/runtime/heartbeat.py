@@ -48,8 +48,9 @@ class InFlight:
 class LeaseKeeper(PeriodicService):
     thread_name = "lease-keeper"
 
-    def __init__(self, store: OutboxStore, *, lease_seconds: float, extend_after_fraction: float = 0.5,
-                 strict: bool = False) -> None:
+    def __init__(
+        self, store: OutboxStore, *, lease_seconds: float, extend_after_fraction: float = 0.5, strict: bool = False
+    ) -> None:
         super().__init__(max(0.05, min(1.0, lease_seconds / 10)))
         self._store = store
         self._strict = strict
@@ -74,8 +75,11 @@ class LeaseKeeper(PeriodicService):
         """Extend every batch that is due; called by the thread, callable from tests."""
         now = time.monotonic()
         with self._lock:
-            due = [b for b in self._batches
-                   if now - b.extended_at >= self._after and not b.cancel.is_set() and now < b.extend_until]
+            due = [
+                b
+                for b in self._batches
+                if now - b.extended_at >= self._after and not b.cancel.is_set() and now < b.extend_until
+            ]
         for batch in due:
             owned = [c for c in batch.claims if c[0] not in batch.lost]
             try:
@@ -98,8 +102,12 @@ class LeaseKeeper(PeriodicService):
             for row_id, version in owned:
                 if row_id not in kept:
                     batch.lost.add(row_id)
-                    log.warning("lease lost while publishing: a newer claim owns the row",
-                                outbox_id=row_id, lease_version=version, lease_owner=batch.owner)
+                    log.warning(
+                        "lease lost while publishing: a newer claim owns the row",
+                        outbox_id=row_id,
+                        lease_version=version,
+                        lease_owner=batch.owner,
+                    )
             if kept:
                 log.info("lease extended", rows=len(kept), lease_owner=batch.owner, lease_seconds=self._lease)
             if len(batch.lost) == len(batch.rows):

@@ -51,12 +51,22 @@ from .worker import Worker, WorkerConfig
 log = structlog.get_logger("outbox_relay.sources")
 
 # Metric families that describe one outbox: exposed once per source, labelled source=NAME.
-PER_SOURCE_FAMILIES = frozenset({
-    "outbox_relay_oldest_pending_age_seconds", "outbox_relay_expired_leases", "outbox_relay_queue_depth",
-    "outbox_relay_attempts", "outbox_relay_blocked_aggregates", "outbox_relay_lost_leases",
-    "outbox_relay_published", "outbox_relay_reaped", "outbox_relay_released",
-    "outbox_relay_stats_refresh_errors", "outbox_relay_claim_batch_size", "outbox_relay_publish_latency_seconds",
-})
+PER_SOURCE_FAMILIES = frozenset(
+    {
+        "outbox_relay_oldest_pending_age_seconds",
+        "outbox_relay_expired_leases",
+        "outbox_relay_queue_depth",
+        "outbox_relay_attempts",
+        "outbox_relay_blocked_aggregates",
+        "outbox_relay_lost_leases",
+        "outbox_relay_published",
+        "outbox_relay_reaped",
+        "outbox_relay_released",
+        "outbox_relay_stats_refresh_errors",
+        "outbox_relay_claim_batch_size",
+        "outbox_relay_publish_latency_seconds",
+    }
+)
 
 
 def has_due_rows(store: OutboxStore) -> bool:
@@ -65,8 +75,8 @@ def has_due_rows(store: OutboxStore) -> bool:
     (bounded by the connection's statement_timeout, database.statement_timeout_ms)."""
     query = sql.SQL(
         "SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND available_at <= now()) "
-        "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing' AND lease_until < now())").format(
-        t=store.sql.ident)
+        "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing' AND lease_until < now())"
+    ).format(t=store.sql.ident)
     with store.connection() as conn:
         row = conn.execute(query).fetchone()
     return bool(row and row[0])
@@ -96,9 +106,18 @@ class SourceRuntime:
             worker = self.workers.get(index)
             if worker is None:
                 assert self.cfg is not None
-                worker = Worker(index, self.store, relay.publisher, self.cfg, self.metrics,
-                                breaker=relay.breaker, stop_event=relay.stop_event, keeper=self.keeper,
-                                budget=relay.budget, tracing=relay.tracing)
+                worker = Worker(
+                    index,
+                    self.store,
+                    relay.publisher,
+                    self.cfg,
+                    self.metrics,
+                    breaker=relay.breaker,
+                    stop_event=relay.stop_event,
+                    keeper=self.keeper,
+                    budget=relay.budget,
+                    tracing=relay.tracing,
+                )
                 worker.log = worker.log.bind(source=self.name)
                 self.workers[index] = worker
             return worker
@@ -113,10 +132,14 @@ class SourcesMetrics(RelayMetrics):
         self.sources: dict[str, RelayMetrics] = {}
         self._sources_lock = threading.Lock()
         self.source_up = Gauge(
-            "outbox_relay_source_up", "1 while the source's database answers and its table is usable.",
-            ["source"], registry=self.registry)
+            "outbox_relay_source_up",
+            "1 while the source's database answers and its table is usable.",
+            ["source"],
+            registry=self.registry,
+        )
         self.sources_due = Gauge(
-            "outbox_relay_sources_due", "Sources with claimable rows waiting for a worker.", registry=self.registry)
+            "outbox_relay_sources_due", "Sources with claimable rows waiting for a worker.", registry=self.registry
+        )
 
     def add_source(self, name: str, metrics: RelayMetrics) -> None:
         with self._sources_lock:
@@ -148,8 +171,9 @@ class SourcesMetrics(RelayMetrics):
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type)
                     merged.unit = family.unit
                 for sample in family.samples:
-                    merged.add_sample(sample.name, dict(sample.labels, source=name), sample.value,
-                                      sample.timestamp, sample.exemplar)
+                    merged.add_sample(
+                        sample.name, dict(sample.labels, source=name), sample.value, sample.timestamp, sample.exemplar
+                    )
         out.extend(families.values())
         return out
 
@@ -167,8 +191,9 @@ class _Collected:
 class MultiRelay:
     """Serves every configured and discovered source from one process."""
 
-    def __init__(self, settings: Settings, *, publisher: Publisher | None = None,
-                 tracing: Tracing | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, publisher: Publisher | None = None, tracing: Tracing | None = None
+    ) -> None:
         self.settings = settings
         self.metrics = SourcesMetrics()
         self._given_publisher = publisher
@@ -200,8 +225,9 @@ class MultiRelay:
                 return
             pool_size = min(self.settings.pool_size, self.settings.relay.workers + 2)
             store = make_store(settings, pool_size=pool_size)
-            runtime = SourceRuntime(name=name, settings=settings, store=store, metrics=RelayMetrics(),
-                                    discovered=discovered)
+            runtime = SourceRuntime(
+                name=name, settings=settings, store=store, metrics=RelayMetrics(), discovered=discovered
+            )
             self.runtimes[name] = runtime
         self.metrics.add_source(name, runtime.metrics)
         self.scheduler.add(name)
@@ -216,7 +242,8 @@ class MultiRelay:
         if runtime is None:
             return
         if state is not None and not self.scheduler.wait_inactive(
-                name, state, timeout=self.settings.relay.shutdown_timeout_seconds):
+            name, state, timeout=self.settings.relay.shutdown_timeout_seconds
+        ):
             log.warning("source removed with batches still in flight: their leases expire", source=name)
         with self._runtimes_lock:
             self.runtimes.pop(name, None)
@@ -254,17 +281,24 @@ class MultiRelay:
         if mismatch is not None:
             return mismatch[0]
         runtime.cfg = WorkerConfig.from_settings(s, self.publisher)
-        runtime.keeper = LeaseKeeper(runtime.store, lease_seconds=s.relay.lease_seconds,
-                                     extend_after_fraction=s.relay.heartbeat_after_fraction,
-                                     strict=s.relay.strict_lease)
+        runtime.keeper = LeaseKeeper(
+            runtime.store,
+            lease_seconds=s.relay.lease_seconds,
+            extend_after_fraction=s.relay.heartbeat_after_fraction,
+            strict=s.relay.strict_lease,
+        )
         runtime.keeper.start()
         m = self.settings.metrics
-        runtime.refresher = StatsRefresher(runtime.store, runtime.metrics, interval_seconds=m.refresh_interval_seconds,
-                                           timeout_ms=m.query_timeout_ms,
-                                           ordered_types=list(s.relay.ordered_event_types),
-                                           count_cap=m.exact_count_limit,
-                                           exact_count_interval_seconds=m.exact_count_interval_seconds,
-                                           exact_count_timeout_ms=m.exact_count_timeout_ms)
+        runtime.refresher = StatsRefresher(
+            runtime.store,
+            runtime.metrics,
+            interval_seconds=m.refresh_interval_seconds,
+            timeout_ms=m.query_timeout_ms,
+            ordered_types=list(s.relay.ordered_event_types),
+            count_cap=m.exact_count_limit,
+            exact_count_interval_seconds=m.exact_count_interval_seconds,
+            exact_count_timeout_ms=m.exact_count_timeout_ms,
+        )
         runtime.opened = True
         log.info("source ready", source=runtime.name, table=s.database.table)
         return None
@@ -331,17 +365,21 @@ class MultiRelay:
         self._waiting_for = "starting"
         if s.metrics.enabled:
             try:
-                self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
-                                             healthy=self.health, ready=self.readiness)
+                self._server = MetricsServer(
+                    self.metrics, host=s.metrics.host, port=s.metrics.port, healthy=self.health, ready=self.readiness
+                )
             except OSError as exc:
                 self.publisher.close()
-                raise ConfigError(f"metrics.port {s.metrics.port}: cannot listen on "
-                                  f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}") from None
+                raise ConfigError(
+                    f"metrics.port {s.metrics.port}: cannot listen on "
+                    f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}"
+                ) from None
             self._server.start()
         if self.publisher.can_probe:
             publisher = self.publisher
-            self.breaker = CircuitBreaker(lambda: publisher.probe(timeout_seconds=2.0),
-                                          self.metrics.circuit_breaker_open)
+            self.breaker = CircuitBreaker(
+                lambda: publisher.probe(timeout_seconds=2.0), self.metrics.circuit_breaker_open
+            )
         for name, source_settings in static_sources(s).items():
             self.add_source(name, source_settings)
         self._start_threads()
@@ -350,9 +388,15 @@ class MultiRelay:
             self._discovery.start()
         self._started = True
         self._waiting_for = None
-        log.info("relay started", sources=len(self.runtimes), discovery=s.discovery.enabled,
-                 workers=s.relay.workers, owner=s.relay.owner, publisher=s.relay.publisher,
-                 metrics_port=self.metrics_port)
+        log.info(
+            "relay started",
+            sources=len(self.runtimes),
+            discovery=s.discovery.enabled,
+            workers=s.relay.workers,
+            owner=s.relay.owner,
+            publisher=s.relay.publisher,
+            metrics_port=self.metrics_port,
+        )
 
     def _start_threads(self) -> None:
         s = self.settings
@@ -420,8 +464,9 @@ class MultiRelay:
                     problem = runtime.store.redact(str(exc))
                     delay = self.scheduler.failed(name, problem)
                     self._set_up(name, False)
-                    worker.log.warning("source's database unavailable; backing off", error=problem,
-                                       retry_in_seconds=round(delay, 2))
+                    worker.log.warning(
+                        "source's database unavailable; backing off", error=problem, retry_in_seconds=round(delay, 2)
+                    )
                     self.scheduler.done(name)
                     continue
                 held = sum(r.size_bytes for r in rows)

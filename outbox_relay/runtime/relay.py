@@ -35,8 +35,9 @@ from .worker import Worker, WorkerConfig
 log = structlog.get_logger("outbox_relay.relay")
 
 
-def make_store(settings: Settings, *, pool_size: int | None = None,
-               application_name: str = "outbox-relay") -> OutboxStore:
+def make_store(
+    settings: Settings, *, pool_size: int | None = None, application_name: str = "outbox-relay"
+) -> OutboxStore:
     return OutboxStore(
         settings.database.dsn.get_secret_value(),
         settings.database.table,
@@ -51,8 +52,14 @@ def make_store(settings: Settings, *, pool_size: int | None = None,
 
 
 class Relay:
-    def __init__(self, settings: Settings, *, publisher: Publisher | None = None,
-                 metrics: RelayMetrics | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        publisher: Publisher | None = None,
+        metrics: RelayMetrics | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.settings = settings
         self.metrics = metrics or RelayMetrics()
         self.store = make_store(settings)
@@ -129,11 +136,14 @@ class Relay:
         if not s.metrics.enabled:
             return
         try:
-            self._server = MetricsServer(self.metrics, host=s.metrics.host, port=s.metrics.port,
-                                         healthy=self.health, ready=self.readiness)
+            self._server = MetricsServer(
+                self.metrics, host=s.metrics.host, port=s.metrics.port, healthy=self.health, ready=self.readiness
+            )
         except OSError as exc:
-            raise ConfigError(f"metrics.port {s.metrics.port}: cannot listen on "
-                              f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}") from None
+            raise ConfigError(
+                f"metrics.port {s.metrics.port}: cannot listen on "
+                f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}"
+            ) from None
         self._server.start()
 
     def _wait_for_dependencies(self) -> bool:
@@ -154,8 +164,7 @@ class Relay:
                 # A table set up for another on_done mode is a configuration error; one
                 # from an older version, or still without the ordering indexes this
                 # relay needs (a migrate may be building them), is waited for.
-                mismatch = self.store.run_problem(ordering=bool(s.relay.ordered_event_types),
-                                                  on_done=s.relay.on_done)
+                mismatch = self.store.run_problem(ordering=bool(s.relay.ordered_event_types), on_done=s.relay.on_done)
                 if mismatch is not None:
                     message, waitable = mismatch
                     if not waitable:
@@ -180,8 +189,12 @@ class Relay:
                 raise BrokerUnavailable(problems["target"])
             if self._stop_claiming.is_set():
                 return False
-            log.warning("waiting for dependencies before starting", waited_seconds=round(waited, 1),
-                        retry_in_seconds=round(delay, 1), **problems)
+            log.warning(
+                "waiting for dependencies before starting",
+                waited_seconds=round(waited, 1),
+                retry_in_seconds=round(delay, 1),
+                **problems,
+            )
             if self._stop_claiming.wait(delay):
                 return False
             delay = min(5.0, delay * 2)
@@ -190,21 +203,36 @@ class Relay:
         s = self.settings
         publisher = self.publisher
         if publisher.can_probe:
-            self.breaker = CircuitBreaker(lambda: publisher.probe(timeout_seconds=2.0),
-                                          self.metrics.circuit_breaker_open)
+            self.breaker = CircuitBreaker(
+                lambda: publisher.probe(timeout_seconds=2.0), self.metrics.circuit_breaker_open
+            )
         cfg = WorkerConfig.from_settings(s, publisher)
         budget = InFlightBudget(s.relay.max_in_flight_bytes, self.metrics.in_flight_bytes)
-        self.keeper = LeaseKeeper(self.store, lease_seconds=s.relay.lease_seconds,
-                                  extend_after_fraction=s.relay.heartbeat_after_fraction,
-                                  strict=s.relay.strict_lease)
+        self.keeper = LeaseKeeper(
+            self.store,
+            lease_seconds=s.relay.lease_seconds,
+            extend_after_fraction=s.relay.heartbeat_after_fraction,
+            strict=s.relay.strict_lease,
+        )
         self.keeper.start()
         # Pipelining publishers: one thread builds and submits every worker's batches,
         # so workers go straight on to their next statement (submitter.py).
         self._submitter = Submitter() if publisher.pipelines else None
         for index in range(s.relay.workers):
-            worker = Worker(index, self.store, self.publisher, cfg, self.metrics, wakeup=self.wakeup,
-                            breaker=self.breaker, stop_event=self._stop_claiming, keeper=self.keeper,
-                            budget=budget, tracing=self.tracing, submitter=self._submitter)
+            worker = Worker(
+                index,
+                self.store,
+                self.publisher,
+                cfg,
+                self.metrics,
+                wakeup=self.wakeup,
+                breaker=self.breaker,
+                stop_event=self._stop_claiming,
+                keeper=self.keeper,
+                budget=budget,
+                tracing=self.tracing,
+                submitter=self._submitter,
+            )
             self.workers.append(worker)
             thread = threading.Thread(target=self._run_worker, args=(worker,), name=f"worker-{index}", daemon=True)
             self._threads.append(thread)
@@ -213,30 +241,42 @@ class Relay:
             self._listener.start()
         elif s.relay.listen_notify:
             # Said once: LISTEN through a transaction pooler would never hear anything.
-            log.info("transaction pooler without database.listen_dsn: no LISTEN, idle workers poll",
-                     poll_interval_seconds=s.relay.poll_interval_seconds,
-                     hint="set database.listen_dsn to a direct DSN for wake-ups; without any listening relay, "
-                          "`migrate --no-notify-trigger` spares writers the NOTIFY")
+            log.info(
+                "transaction pooler without database.listen_dsn: no LISTEN, idle workers poll",
+                poll_interval_seconds=s.relay.poll_interval_seconds,
+                hint="set database.listen_dsn to a direct DSN for wake-ups; without any listening relay, "
+                "`migrate --no-notify-trigger` spares writers the NOTIFY",
+            )
         if s.metrics.enabled:
-            self._refresher = StatsRefresher(self.store, self.metrics,
-                                             interval_seconds=s.metrics.refresh_interval_seconds,
-                                             timeout_ms=s.metrics.query_timeout_ms,
-                                             ordered_types=list(s.relay.ordered_event_types),
-                                             count_cap=s.metrics.exact_count_limit,
-                                             exact_count_interval_seconds=s.metrics.exact_count_interval_seconds,
-                                             exact_count_timeout_ms=s.metrics.exact_count_timeout_ms,
-                                             xmin_horizon_warn_seconds=s.metrics.xmin_horizon_warn_seconds)
+            self._refresher = StatsRefresher(
+                self.store,
+                self.metrics,
+                interval_seconds=s.metrics.refresh_interval_seconds,
+                timeout_ms=s.metrics.query_timeout_ms,
+                ordered_types=list(s.relay.ordered_event_types),
+                count_cap=s.metrics.exact_count_limit,
+                exact_count_interval_seconds=s.metrics.exact_count_interval_seconds,
+                exact_count_timeout_ms=s.metrics.exact_count_timeout_ms,
+                xmin_horizon_warn_seconds=s.metrics.xmin_horizon_warn_seconds,
+            )
             self._refresher.start()
         for thread in self._threads:
             thread.start()
         self.metrics.worker_threads_alive.set(len(self._threads))
         self._started = True
         self._waiting_for = None
-        log.info("relay started", workers=s.relay.workers, table=s.database.table,
-                 owner=s.relay.owner, publisher=s.relay.publisher, batch_size=s.relay.batch_size,
-                 message_format=s.kafka.message_format, tracing=self.tracing.enabled,
-                 lease_seconds=s.relay.lease_seconds,
-                 metrics_port=self._server.port if self._server else None)
+        log.info(
+            "relay started",
+            workers=s.relay.workers,
+            table=s.database.table,
+            owner=s.relay.owner,
+            publisher=s.relay.publisher,
+            batch_size=s.relay.batch_size,
+            message_format=s.kafka.message_format,
+            tracing=self.tracing.enabled,
+            lease_seconds=s.relay.lease_seconds,
+            metrics_port=self._server.port if self._server else None,
+        )
 
     @property
     def metrics_port(self) -> int | None:

@@ -62,8 +62,14 @@ class SourceState:
 class SourceScheduler:
     """Round-robin over due sources; idle and failing sources are probed on a timer."""
 
-    def __init__(self, *, probe_min_seconds: float = 0.05, probe_max_seconds: float = 1.0,
-                 error_cap_seconds: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        probe_min_seconds: float = 0.05,
+        probe_max_seconds: float = 1.0,
+        error_cap_seconds: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._cond = threading.Condition()
         self._states: dict[str, SourceState] = {}
         self._ring: collections.deque[str] = collections.deque()

@@ -28,13 +28,20 @@ def uses_sources(settings: Settings) -> bool:
 
 def settings_for(settings: Settings, source: SourceSettings) -> Settings:
     """The settings of one source: the process's, with the source's database and overrides."""
-    database = settings.database.model_copy(update={
-        "dsn": source.dsn, "table": source.table, "listen_dsn": None, **source.overrides(DATABASE_OVERRIDES)})
+    database = settings.database.model_copy(
+        update={"dsn": source.dsn, "table": source.table, "listen_dsn": None, **source.overrides(DATABASE_OVERRIDES)}
+    )
     relay = settings.relay.model_copy(update=source.overrides(RELAY_OVERRIDES))
     kafka = settings.kafka.model_copy(update=source.overrides(KAFKA_OVERRIDES))
-    return settings.model_copy(update={"database": database, "relay": relay, "kafka": kafka,
-                                       "sources": {}, "discovery": settings.discovery.model_copy(
-                                           update={"dsn": None})})
+    return settings.model_copy(
+        update={
+            "database": database,
+            "relay": relay,
+            "kafka": kafka,
+            "sources": {},
+            "discovery": settings.discovery.model_copy(update={"dsn": None}),
+        }
+    )
 
 
 def discovered_source(settings: Settings, database: str) -> SourceSettings:
@@ -53,11 +60,14 @@ def list_databases(settings: Settings, *, connect_timeout_seconds: float | None 
     dsn = settings.discovery.dsn.get_secret_value()
     timeout = connect_timeout_seconds or settings.database.connect_timeout_seconds
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=max(1, round(timeout)),
-                             application_name="outbox-relay-discovery") as conn:
+        with psycopg.connect(
+            dsn, autocommit=True, connect_timeout=max(1, round(timeout)), application_name="outbox-relay-discovery"
+        ) as conn:
             rows = conn.execute(
                 "SELECT datname FROM pg_database WHERE datname LIKE %s AND datallowconn AND NOT datistemplate "
-                "ORDER BY datname", (settings.discovery.database_pattern,)).fetchall()
+                "ORDER BY datname",
+                (settings.discovery.database_pattern,),
+            ).fetchall()
     except psycopg.Error as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DatabaseUnavailable(f"discovery: cannot list the databases: {redact_dsn(first, dsn)}") from None
@@ -92,14 +102,15 @@ def source_settings(settings: Settings, name: str | None) -> Settings:
         names = sorted(static_sources(settings))
         if len(names) == 1 and not settings.discovery.enabled:
             return static_sources(settings)[names[0]]
-        raise ConfigError("several sources are configured: name one with --source NAME"
-                          + (f" (configured: {', '.join(names)})" if names else ""))
+        raise ConfigError(
+            "several sources are configured: name one with --source NAME"
+            + (f" (configured: {', '.join(names)})" if names else "")
+        )
     statics = static_sources(settings)
     if name in statics:
         return statics[name]
-    if settings.discovery.enabled:
-        if name in list_databases(settings):
-            return settings_for(settings, discovered_source(settings, name))
+    if settings.discovery.enabled and name in list_databases(settings):
+        return settings_for(settings, discovered_source(settings, name))
     known = sorted(statics) + (["<discovered databases>"] if settings.discovery.enabled else [])
     raise ConfigError(f"--source {name}: no such source (sources: {', '.join(known)})")
 

@@ -79,8 +79,9 @@ class WorkerConfig:
         if self.wire_format is None:
             self.wire_format = WireFormat(topic_template=self.topic_template)
         self.ordering = OrderingRule.of(self.ordered_types)
-        self.retry_policy = RetryPolicy(self.max_attempts, self.backoff_base_seconds, self.backoff_cap_seconds,
-                                        self.max_error_chars)
+        self.retry_policy = RetryPolicy(
+            self.max_attempts, self.backoff_base_seconds, self.backoff_cap_seconds, self.max_error_chars
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings, publisher: Publisher | None = None, **overrides: Any) -> WorkerConfig:
@@ -141,11 +142,22 @@ class _Submitted:
 class Worker:
     """One worker thread's loop. ``stop()`` makes it finish its batch and return."""
 
-    def __init__(self, index: int, store: OutboxStore, publisher: Publisher, config: WorkerConfig,
-                 metrics: RelayMetrics, *, wakeup: Wakeup | None = None,
-                 breaker: CircuitBreaker | None = None, stop_event: threading.Event | None = None,
-                 keeper: LeaseKeeper | None = None, budget: InFlightBudget | None = None,
-                 tracing: Tracing | None = None, submitter: Submitter | None = None) -> None:
+    def __init__(
+        self,
+        index: int,
+        store: OutboxStore,
+        publisher: Publisher,
+        config: WorkerConfig,
+        metrics: RelayMetrics,
+        *,
+        wakeup: Wakeup | None = None,
+        breaker: CircuitBreaker | None = None,
+        stop_event: threading.Event | None = None,
+        keeper: LeaseKeeper | None = None,
+        budget: InFlightBudget | None = None,
+        tracing: Tracing | None = None,
+        submitter: Submitter | None = None,
+    ) -> None:
         self.index = index
         self.owner = f"{config.owner}:w{index}"
         self.store = store
@@ -163,8 +175,9 @@ class Worker:
         self._in_flight: _Batch | _Submitted | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.tracing = tracing or Tracing()
-        self.finalizer = Finalizer(store, strict_lease=config.strict_lease,
-                                   retry_for_seconds=config.lease_seconds * 0.5)
+        self.finalizer = Finalizer(
+            store, strict_lease=config.strict_lease, retry_for_seconds=config.lease_seconds * 0.5
+        )
         self._db_failures = 0
         self._ordered_after: str | None = None  # aggregate_id where the last ordered claim ended
         self.log = log.bind(worker=self.owner)
@@ -300,17 +313,28 @@ class Worker:
     def _claim(self) -> tuple[list[Claimed], BatchTrace]:
         cfg = self.cfg
         trace = self.tracing.batch(self.owner)
-        result = self.store.claim(owner=self.owner, batch=cfg.batch_size, lease_seconds=cfg.lease_seconds,
-                                  max_attempts=cfg.max_attempts, ordered_types=cfg.ordered_types,
-                                  run_length=cfg.run_length, ordered_after=self._ordered_after,
-                                  max_batch_bytes=cfg.max_batch_bytes, candidates=self._candidates(),
-                                  max_message_bytes=cfg.max_message_bytes)
+        result = self.store.claim(
+            owner=self.owner,
+            batch=cfg.batch_size,
+            lease_seconds=cfg.lease_seconds,
+            max_attempts=cfg.max_attempts,
+            ordered_types=cfg.ordered_types,
+            run_length=cfg.run_length,
+            ordered_after=self._ordered_after,
+            max_batch_bytes=cfg.max_batch_bytes,
+            candidates=self._candidates(),
+            max_message_bytes=cfg.max_message_bytes,
+        )
         self._ordered_after = result.ordered_after
         if result.rows:
             self._avg_row_bytes = sum(r.size_bytes for r in result.rows) / len(result.rows)
         for row_id, version, owner in result.reaped:
-            self.log.warning("reaped: attempts used up without an outcome; row is dead",
-                             outbox_id=row_id, lease_version=version, lease_owner=owner)
+            self.log.warning(
+                "reaped: attempts used up without an outcome; row is dead",
+                outbox_id=row_id,
+                lease_version=version,
+                lease_owner=owner,
+            )
         self.metrics.record_claim(result)
         trace.claimed(result)
         return result.rows, trace
@@ -346,7 +370,8 @@ class Worker:
             if row.payload is None:  # claimed without its payload: above the target's limit
                 batch.outcomes[i] = PermanentError(
                     f"message too large (MSG_SIZE_TOO_LARGE): payload and headers are {row.size_bytes} bytes, "
-                    f"above the publisher's limit of {cfg.max_message_bytes} bytes (Kafka: kafka.message_max_bytes)")
+                    f"above the publisher's limit of {cfg.max_message_bytes} bytes (Kafka: kafka.message_max_bytes)"
+                )
                 runs.record(key, failed=True)
                 continue
             try:
@@ -360,8 +385,9 @@ class Worker:
         if batch.messages:
             # Heartbeat for at most the publish timeout plus one lease.
             if self.keeper is not None:
-                batch.ticket = self.keeper.track(rows, self.owner,
-                                                 max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds)
+                batch.ticket = self.keeper.track(
+                    rows, self.owner, max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds
+                )
             trace.publishing(batch.messages)
             batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
         return batch
@@ -405,19 +431,31 @@ class Worker:
         outage = self.breaker is not None and is_outage(batch.outcomes)
         if self.cfg.ordering.enabled:
             ordering = self.cfg.ordering
-            release_after_failures([ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows],
-                                   batch.outcomes)
-        return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=time.monotonic() - batch.started,
-                              trace=batch.trace, outage=outage)
+            release_after_failures(
+                [ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows], batch.outcomes
+            )
+        return self._finalize(
+            batch.rows,
+            batch.outcomes,
+            elapsed_seconds=time.monotonic() - batch.started,
+            trace=batch.trace,
+            outage=outage,
+        )
 
     # --- decide, write, record -----------------------------------------------------------
     def finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome]) -> BatchResult:
         """Decide every row's next state from its outcome and write them with fencing."""
         return self._finalize(rows, outcomes, elapsed_seconds=None)
 
-    def _finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome], *,
-                  elapsed_seconds: float | None, trace: BatchTrace = NO_TRACE,
-                  outage: bool | None = None) -> BatchResult:
+    def _finalize(
+        self,
+        rows: Sequence[Claimed],
+        outcomes: Sequence[Outcome],
+        *,
+        elapsed_seconds: float | None,
+        trace: BatchTrace = NO_TRACE,
+        outage: bool | None = None,
+    ) -> BatchResult:
         # A batch that failed only on transport means the target is unreachable as a
         # whole: release it (attempts refunded) and open the breaker.
         if outage is None:
@@ -425,8 +463,10 @@ class Worker:
         policy = self.cfg.retry_policy
         # A delivered row is DONE whatever else is true (decide's first rule), spelled
         # out here because it is nearly every row of nearly every batch.
-        decisions = [DONE if outcome is None else decide(row.attempts, outcome, outage=outage, policy=policy)
-                     for row, outcome in zip(rows, outcomes, strict=True)]
+        decisions = [
+            DONE if outcome is None else decide(row.attempts, outcome, outage=outage, policy=policy)
+            for row, outcome in zip(rows, outcomes, strict=True)
+        ]
         if self.breaker is not None:
             if outage:
                 failures = sum(1 for o in outcomes if o is not None and not isinstance(o, NotDelivered))

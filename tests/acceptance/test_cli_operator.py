@@ -43,8 +43,9 @@ def bad_deploy(store, pg_dsn, table):
         "target": seed_dead(pg_dsn, table, 8, aggregates=3),
         "old_target": seed_dead(pg_dsn, table, 2, age_seconds=3 * 3600, aggregate_prefix="old-"),
         "other_error": seed_dead(pg_dsn, table, 3, last_error="permanent: MSG_SIZE_TOO_LARGE"),
-        "other_type": seed_dead(pg_dsn, table, 4, event_type="OrderCreated", aggregate_type="order",
-                                aggregate_prefix="order-"),
+        "other_type": seed_dead(
+            pg_dsn, table, 4, event_type="OrderCreated", aggregate_type="order", aggregate_prefix="order-"
+        ),
         "pending": seed_dead(pg_dsn, table, 2, status="pending"),
     }
 
@@ -60,13 +61,15 @@ def test_dead_list_filters(bad_deploy, pg_dsn, table):
     def ids(*args: str) -> list[int]:
         return [r["id"] for r in json.loads(run_ok("dead", "list", "--json", *args, env=env))]
 
-    assert ids("--event-type", "PaymentCaptured", "--error-contains", "unknown_topic") == \
-        sorted(b["target"] + b["old_target"])
+    assert ids("--event-type", "PaymentCaptured", "--error-contains", "unknown_topic") == sorted(
+        b["target"] + b["old_target"]
+    )
     assert ids("--event-type", "PaymentCaptured", "--error-contains", "UNKNOWN_TOPIC", "--since", "1h") == b["target"]
     assert ids("--until", "1h") == b["old_target"]
     assert ids("--aggregate-type", "order") == b["other_type"]
-    assert ids("--aggregate-id", "pay-1") == [i for i in b["target"] + b["other_error"]
-                                             if row_aggregate(pg_dsn, table, i) == "pay-1"]
+    assert ids("--aggregate-id", "pay-1") == [
+        i for i in b["target"] + b["other_error"] if row_aggregate(pg_dsn, table, i) == "pay-1"
+    ]
     # A timestamp bound (no zone = UTC) and keyset pagination by id.
     future = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S")
     assert ids("--until", future, "--event-type", "OrderCreated") == b["other_type"]
@@ -120,14 +123,16 @@ def test_retry_by_filter_dry_run_then_chunked_with_audit(bad_deploy, pg_dsn, tab
 def test_skip_by_filter_with_limit_and_reason_and_legacy_forms(bad_deploy, pg_dsn, table):
     env = cli_env(pg_dsn, table)
     b = bad_deploy
-    out = run_ok("dead", "skip", "--event-type", "OrderCreated", "--limit", "3", "--reason", "replayed by hand",
-                 env=env)
+    out = run_ok(
+        "dead", "skip", "--event-type", "OrderCreated", "--limit", "3", "--reason", "replayed by hand", env=env
+    )
     assert "skipped 3 dead rows" in out
     states = row_states(pg_dsn, table, b["other_type"])
     assert [states[i][0] for i in b["other_type"]] == ["done", "done", "done", "dead"]  # the oldest 3 by id
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        error = conn.execute(f"SELECT last_error FROM {quoted(table)} WHERE id = %s",
-                             (b["other_type"][0],)).fetchone()[0]
+        error = conn.execute(f"SELECT last_error FROM {quoted(table)} WHERE id = %s", (b["other_type"][0],)).fetchone()[
+            0
+        ]
     assert error == f"skipped by {os_user()}: replayed by hand"
 
     # Ids and --all are audited too; a skip needs a reason on every surface.
@@ -164,7 +169,7 @@ def test_usage_errors_change_nothing(bad_deploy, pg_dsn, table):
 
 def test_aggregate_show_says_what_blocks(store, pg_dsn, table):
     env = cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES='["*"]')
-    head = seed_dead(pg_dsn, table, 1, aggregate_prefix="cart-", aggregates=1)[0]   # aggregate "cart-0"
+    head = seed_dead(pg_dsn, table, 1, aggregate_prefix="cart-", aggregates=1)[0]  # aggregate "cart-0"
     followers = seed_dead(pg_dsn, table, 2, aggregate_prefix="cart-", aggregates=1, status="pending")
 
     doc = json.loads(run_ok("aggregate", "show", "cart-0", "--json", env=env))
@@ -174,12 +179,17 @@ def test_aggregate_show_says_what_blocks(store, pg_dsn, table):
     assert [r["state"] for r in doc["rows"]] == ["dead", f"waits behind head {head}", f"waits behind head {head}"]
 
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # the head is retried but backs off
-        conn.execute(f"UPDATE {quoted(table)} SET status = 'pending', available_at = now() + interval '1 hour'"
-                     " WHERE id = %s", (head,))
+        conn.execute(
+            f"UPDATE {quoted(table)} SET status = 'pending', available_at = now() + interval '1 hour' WHERE id = %s",
+            (head,),
+        )
     assert "is not yet due" in json.loads(run_ok("aggregate", "show", "cart-0", "--json", env=env))["diagnosis"]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # a relay holds it
-        conn.execute(f"UPDATE {quoted(table)} SET status = 'processing', lease_owner = 'host:1',"
-                     " lease_until = now() + interval '30 seconds', lease_version = 1 WHERE id = %s", (head,))
+        conn.execute(
+            f"UPDATE {quoted(table)} SET status = 'processing', lease_owner = 'host:1',"
+            " lease_until = now() + interval '30 seconds', lease_version = 1 WHERE id = %s",
+            (head,),
+        )
     human = run_ok("aggregate", "show", "cart-0", env=env)
     assert f"head {head} is in flight (host:1" in human
     assert "unordered" not in human
@@ -200,8 +210,9 @@ def test_status_counts_exactly_above_the_cap(store, pg_dsn, table):
 
 def test_status_says_lower_bound_when_counting_runs_out(store, pg_dsn, table):
     seed_dead(pg_dsn, table, 50_000, aggregates=1000)
-    env = cli_env(pg_dsn, table, OUTBOX_RELAY_METRICS__EXACT_COUNT_LIMIT="100",
-                  OUTBOX_RELAY_METRICS__EXACT_COUNT_TIMEOUT_MS="1")
+    env = cli_env(
+        pg_dsn, table, OUTBOX_RELAY_METRICS__EXACT_COUNT_LIMIT="100", OUTBOX_RELAY_METRICS__EXACT_COUNT_TIMEOUT_MS="1"
+    )
     doc = json.loads(run_ok("status", "--json", env=env))
     # dead is a lower bound; done (no index: its count reads the table) may be one too.
     assert "dead" in doc["queue_depth_estimated"] and set(doc["queue_depth_estimated"]) <= {"dead", "done"}

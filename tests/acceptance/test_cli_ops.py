@@ -31,10 +31,20 @@ def qualified(table: str) -> str:
     return f'"{schema}"."{name}"'
 
 
-def seed(dsn: str, table: str, status: str, n: int = 1, *, event_type: str = "OrderCreated",
-         aggregate_id: str | None = None, attempts: int = 0, last_error: str | None = None,
-         age_seconds: float = 0.0, lease_seconds: float | None = None,
-         done_age_seconds: float | None = None) -> list[int]:
+def seed(
+    dsn: str,
+    table: str,
+    status: str,
+    n: int = 1,
+    *,
+    event_type: str = "OrderCreated",
+    aggregate_id: str | None = None,
+    attempts: int = 0,
+    last_error: str | None = None,
+    age_seconds: float = 0.0,
+    lease_seconds: float | None = None,
+    done_age_seconds: float | None = None,
+) -> list[int]:
     """Insert n rows directly in the given state; return their ids (ascending)."""
     t = qualified(table)
     lease = None
@@ -54,9 +64,17 @@ def seed(dsn: str, table: str, status: str, n: int = 1, *, event_type: str = "Or
                 "  CASE WHEN %(lease)s::float8 IS NULL THEN 0 ELSE 1 END,"
                 "  now() - make_interval(secs => %(done_age)s::float8))"
                 " RETURNING id",
-                {"agg": aggregate_id or f"agg-{status}-{i}", "et": event_type, "payload": json.dumps({"i": i}),
-                 "status": status, "attempts": attempts, "err": last_error, "age": age_seconds,
-                 "lease": lease, "done_age": done_age},
+                {
+                    "agg": aggregate_id or f"agg-{status}-{i}",
+                    "et": event_type,
+                    "payload": json.dumps({"i": i}),
+                    "status": status,
+                    "attempts": attempts,
+                    "err": last_error,
+                    "age": age_seconds,
+                    "lease": lease,
+                    "done_age": done_age,
+                },
             ).fetchone()
             ids.append(row[0])
     return ids
@@ -66,9 +84,10 @@ def state(dsn: str, table: str) -> dict[int, dict[str, Any]]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         cur = conn.execute(
             f"SELECT id, status, attempts, last_error, available_at <= now() AS due, done_at, lease_until"
-            f" FROM {qualified(table)} ORDER BY id")
+            f" FROM {qualified(table)} ORDER BY id"
+        )
         names = [d.name for d in cur.description]
-        return {r[0]: dict(zip(names, r)) for r in cur.fetchall()}
+        return {r[0]: dict(zip(names, r, strict=True)) for r in cur.fetchall()}
 
 
 def assert_one_line_error(proc, code: int) -> str:
@@ -90,9 +109,9 @@ def run_ok(*args: str, env: dict[str, str]):
 def test_status_json_matches_seeded_rows(store, pg_dsn, table):
     seed(pg_dsn, table, "pending", 2)
     oldest = seed(pg_dsn, table, "pending", 1, attempts=2, age_seconds=900)
-    seed(pg_dsn, table, "processing", 1, attempts=1)                      # lease still running
-    seed(pg_dsn, table, "processing", 2, attempts=1, lease_seconds=-60)   # claimed, never finalized
-    seed(pg_dsn, table, "done", 4, age_seconds=5000)                     # older, but finished
+    seed(pg_dsn, table, "processing", 1, attempts=1)  # lease still running
+    seed(pg_dsn, table, "processing", 2, attempts=1, lease_seconds=-60)  # claimed, never finalized
+    seed(pg_dsn, table, "done", 4, age_seconds=5000)  # older, but finished
     seed(pg_dsn, table, "dead", 1, attempts=5, last_error="boom", age_seconds=5000)
     assert oldest
 
@@ -133,12 +152,36 @@ def test_status_human_table_mentions_each_status(store, pg_dsn, table):
 
 # --------------------------------------------------------------------------- dead list
 def test_dead_list_json_fields_limit_and_filters(store, pg_dsn, table):
-    a = seed(pg_dsn, table, "dead", 1, event_type="OrderCreated", aggregate_id="o-1", attempts=5,
-             last_error="retries exhausted: broker said no")[0]
-    b = seed(pg_dsn, table, "dead", 1, event_type="OrderPaid", aggregate_id="o-2", attempts=3,
-             last_error="permanent: too large")[0]
-    c = seed(pg_dsn, table, "dead", 1, event_type="OrderCreated", aggregate_id="o-3", attempts=1,
-             last_error="permanent: bad payload")[0]
+    a = seed(
+        pg_dsn,
+        table,
+        "dead",
+        1,
+        event_type="OrderCreated",
+        aggregate_id="o-1",
+        attempts=5,
+        last_error="retries exhausted: broker said no",
+    )[0]
+    b = seed(
+        pg_dsn,
+        table,
+        "dead",
+        1,
+        event_type="OrderPaid",
+        aggregate_id="o-2",
+        attempts=3,
+        last_error="permanent: too large",
+    )[0]
+    c = seed(
+        pg_dsn,
+        table,
+        "dead",
+        1,
+        event_type="OrderCreated",
+        aggregate_id="o-3",
+        attempts=1,
+        last_error="permanent: bad payload",
+    )[0]
     seed(pg_dsn, table, "pending", 2, event_type="OrderCreated")
     seed(pg_dsn, table, "done", 1, event_type="OrderCreated")
     env = cli_env(pg_dsn, table)
@@ -150,8 +193,13 @@ def test_dead_list_json_fields_limit_and_filters(store, pg_dsn, table):
         assert DEAD_FIELDS <= row.keys()
         assert dt.datetime.fromisoformat(row["created_at"]).tzinfo is not None
     first = listed[0]
-    assert (first["aggregate_type"], first["aggregate_id"], first["event_type"], first["attempts"],
-            first["last_error"]) == ("order", "o-1", "OrderCreated", 5, "retries exhausted: broker said no")
+    assert (
+        first["aggregate_type"],
+        first["aggregate_id"],
+        first["event_type"],
+        first["attempts"],
+        first["last_error"],
+    ) == ("order", "o-1", "OrderCreated", 5, "retries exhausted: broker said no")
 
     limited = json.loads(run_ok("dead", "list", "--json", "--limit", "2", env=env).stdout)
     assert [r["id"] for r in limited] == [a, b]
@@ -182,12 +230,10 @@ def test_dead_list_human_when_empty(store, pg_dsn, table):
 
 # --------------------------------------------------------------------------- dead retry
 def test_dead_retry_ids_back_to_pending_keeping_last_error(store, pg_dsn, table):
-    target = seed(pg_dsn, table, "dead", 1, attempts=5, last_error="retries exhausted: timeout",
-                  age_seconds=100)[0]
+    target = seed(pg_dsn, table, "dead", 1, attempts=5, last_error="retries exhausted: timeout", age_seconds=100)[0]
     other = seed(pg_dsn, table, "dead", 1, attempts=4, last_error="other")[0]
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # make "due now" observable
-        conn.execute(f"UPDATE {qualified(table)} SET available_at = now() + interval '1 day' WHERE id = %s",
-                     (target,))
+        conn.execute(f"UPDATE {qualified(table)} SET available_at = now() + interval '1 day' WHERE id = %s", (target,))
 
     proc = run_ok("dead", "retry", str(target), env=cli_env(pg_dsn, table))
     assert "retried 1" in proc.stdout
@@ -237,8 +283,12 @@ def test_dead_retry_all(store, pg_dsn, table):
     assert "retried 5" in proc.stdout
     rows = state(pg_dsn, table)
     for i in dead:
-        assert (rows[i]["status"], rows[i]["attempts"], rows[i]["due"], rows[i]["last_error"]) == \
-            ("pending", 0, True, "boom")
+        assert (rows[i]["status"], rows[i]["attempts"], rows[i]["due"], rows[i]["last_error"]) == (
+            "pending",
+            0,
+            True,
+            "boom",
+        )
     assert (rows[pending[0]]["status"], rows[pending[0]]["attempts"]) == ("pending", 2)
     assert rows[done[0]]["status"] == "done"
 
@@ -261,8 +311,9 @@ def test_dead_skip_marks_done_with_reason(store, pg_dsn, table):
     target = seed(pg_dsn, table, "dead", 1, attempts=5, last_error="permanent: schema mismatch")[0]
     other = seed(pg_dsn, table, "dead", 1, attempts=5, last_error="keep me")[0]
 
-    proc = run_ok("dead", "skip", str(target), "--reason", "replayed by hand, ticket OPS-42",
-                  env=cli_env(pg_dsn, table))
+    proc = run_ok(
+        "dead", "skip", str(target), "--reason", "replayed by hand, ticket OPS-42", env=cli_env(pg_dsn, table)
+    )
     assert "skipped 1" in proc.stdout
     rows = state(pg_dsn, table)
     assert rows[target]["status"] == "done"
@@ -333,8 +384,16 @@ def test_bad_setting_is_a_usage_error():
     assert "workers" in line
 
 
-@pytest.mark.parametrize("args", [("status",), ("status", "--json"), ("dead", "list", "--json"),
-                                  ("dead", "retry", "--all"), ("purge", "--older-than", "1h")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("status",),
+        ("status", "--json"),
+        ("dead", "list", "--json"),
+        ("dead", "retry", "--all"),
+        ("purge", "--older-than", "1h"),
+    ],
+)
 def test_dsn_password_never_printed(args):
     env = cli_env("postgresql://u:s3cretpw@127.0.0.1:1/x", "outbox")
     proc = cli(*args, env=env)

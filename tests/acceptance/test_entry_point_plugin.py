@@ -26,8 +26,13 @@ PLUGIN = ROOT / "tests" / "plugins" / "jsonl_publisher"
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = tmp_path_factory.mktemp("plugin-site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
-                    str(PLUGIN)], check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site), str(PLUGIN)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert list(site.glob("outbox_relay_jsonl-*.dist-info"))  # installed as a distribution
     return site
 
@@ -36,15 +41,29 @@ def test_entry_point_plugin_drains_rows_end_to_end(pg_dsn, table, store, plugin_
     out = tmp_path / "events.jsonl"
     ids = insert_rows(pg_dsn, table, 60)
     bad = insert_rows(pg_dsn, table, 1, event_type="Unwritable")
-    env = cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__PUBLISHER="jsonl", OUTBOX_RELAY_RELAY__WORKERS="2",
-                  OUTBOX_RELAY_METRICS__ENABLED="false", OUTBOX_RELAY_JSONL_PATH=str(out),
-                  PYTHONPATH=os.pathsep.join([str(plugin_site), str(ROOT)]))
+    env = cli_env(
+        pg_dsn,
+        table,
+        OUTBOX_RELAY_RELAY__PUBLISHER="jsonl",
+        OUTBOX_RELAY_RELAY__WORKERS="2",
+        OUTBOX_RELAY_METRICS__ENABLED="false",
+        OUTBOX_RELAY_JSONL_PATH=str(out),
+        PYTHONPATH=os.pathsep.join([str(plugin_site), str(ROOT)]),
+    )
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")} | env
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run"], env=full_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_relay.operator.cli", "run"],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: statuses(pg_dsn, table) == {"done": 60, "dead": 1} or proc.poll() is not None,
-                 timeout=60, message="rows drained by the plug-in")
+        wait_for(
+            lambda: statuses(pg_dsn, table) == {"done": 60, "dead": 1} or proc.poll() is not None,
+            timeout=60,
+            message="rows drained by the plug-in",
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=30)
@@ -61,8 +80,12 @@ def test_entry_point_plugin_drains_rows_end_to_end(pg_dsn, table, store, plugin_
 
 
 def test_unknown_plugin_name_exits_2_naming_it(pg_dsn, table, store):
-    result = cli("run", env=cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__PUBLISHER="no-such-plugin",
-                                    OUTBOX_RELAY_METRICS__ENABLED="false"))
+    result = cli(
+        "run",
+        env=cli_env(
+            pg_dsn, table, OUTBOX_RELAY_RELAY__PUBLISHER="no-such-plugin", OUTBOX_RELAY_METRICS__ENABLED="false"
+        ),
+    )
     assert result.returncode == 2
     [line] = [x for x in result.stderr.splitlines() if x.strip()]
     assert "'no-such-plugin'" in line and "outbox_relay.publishers" in line

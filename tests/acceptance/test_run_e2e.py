@@ -17,9 +17,14 @@ from tests.helpers.db import statuses, wait_for
 
 
 def test_migrate_run_drain_and_sigterm(pg_dsn, table, broker, topic_prefix, tmp_path):
-    env = cli_env(pg_dsn, table, broker.bootstrap_servers,
-                  OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-                  OUTBOX_RELAY_METRICS__PORT="0", OUTBOX_RELAY_RELAY__LEASE_SECONDS="15")
+    env = cli_env(
+        pg_dsn,
+        table,
+        broker.bootstrap_servers,
+        OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_RELAY__LEASE_SECONDS="15",
+    )
     migrated = cli("migrate", env=env)
     assert migrated.returncode == 0, migrated.stderr
     assert cli("migrate", env=env).returncode == 0  # idempotent
@@ -32,19 +37,32 @@ def test_migrate_run_drain_and_sigterm(pg_dsn, table, broker, topic_prefix, tmp_
             topic = f"{topic_prefix}.override" if i % 50 == 0 else None
             headers = {"trace_id": f"tr-{i}"} if i % 7 == 0 else None
             payload = {"seq": i, "text": "héllo", "nested": {"n": i}}
-            row_id = enqueue(conn, aggregate_type=agg_type, aggregate_id=f"a-{i % 40}", event_type="Happened",
-                             payload=payload, topic=topic, headers=headers, table=table)
+            row_id = enqueue(
+                conn,
+                aggregate_type=agg_type,
+                aggregate_id=f"a-{i % 40}",
+                event_type="Happened",
+                payload=payload,
+                topic=topic,
+                headers=headers,
+                table=table,
+            )
             expected[int(row_id)] = (topic or f"{topic_prefix}.{agg_type}", f"a-{i % 40}", payload, headers, agg_type)
 
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "4"],
-                            env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "4"],
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        wait_for(lambda: statuses(pg_dsn, table).get("done") == n, timeout=120, interval=0.2,
-                 message=f"all {n} rows done")
+        wait_for(
+            lambda: statuses(pg_dsn, table).get("done") == n, timeout=120, interval=0.2, message=f"all {n} rows done"
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
+        _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-2000:]
     # Logs are JSON lines off a terminal and mention the graceful stop.
     events = [json.loads(line)["event"] for line in err.splitlines() if line.startswith("{")]
@@ -78,8 +96,9 @@ def test_bad_setting_exits_2_with_one_line(pg_dsn, table):
 
 
 def test_delivery_timeout_not_below_lease_is_refused(pg_dsn, table):
-    env = cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__LEASE_SECONDS="10",
-                  OUTBOX_RELAY_KAFKA__DELIVERY_TIMEOUT_SECONDS="10")
+    env = cli_env(
+        pg_dsn, table, OUTBOX_RELAY_RELAY__LEASE_SECONDS="10", OUTBOX_RELAY_KAFKA__DELIVERY_TIMEOUT_SECONDS="10"
+    )
     result = cli("run", env=env)
     assert result.returncode == 2
     assert "delivery_timeout_seconds" in result.stderr and "Traceback" not in result.stderr
@@ -93,16 +112,27 @@ def test_table_name_with_semicolon_is_refused(pg_dsn):
 
 
 def test_run_against_missing_table_says_migrate(pg_dsn, table, broker):
-    env = cli_env(pg_dsn, table.split(".")[0] + ".nothing_here", broker.bootstrap_servers,
-                  OUTBOX_RELAY_METRICS__PORT="0", OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1")
+    env = cli_env(
+        pg_dsn,
+        table.split(".")[0] + ".nothing_here",
+        broker.bootstrap_servers,
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1",
+    )
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 1
     assert "migrate" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_run_against_unreachable_broker_is_clear(pg_dsn, table):
-    env = cli_env(pg_dsn, table, "127.0.0.1:1", OUTBOX_RELAY_METRICS__PORT="0",
-                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1", OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1")
+    env = cli_env(
+        pg_dsn,
+        table,
+        "127.0.0.1:1",
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1",
+        OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1",
+    )
     assert cli("migrate", env=env).returncode == 0
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 1
@@ -110,8 +140,13 @@ def test_run_against_unreachable_broker_is_clear(pg_dsn, table):
 
 
 def test_run_against_unreachable_database_hides_password(table):
-    env = cli_env("postgresql://app:s3cretpw@127.0.0.1:1/db", table, OUTBOX_RELAY_METRICS__PORT="0",
-                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1", OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1")
+    env = cli_env(
+        "postgresql://app:s3cretpw@127.0.0.1:1/db",
+        table,
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1",
+        OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="1",
+    )
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 1
     assert "cannot connect to the database" in result.stderr
@@ -121,17 +156,30 @@ def test_run_against_unreachable_database_hides_password(table):
 def test_sasl_password_never_printed(pg_dsn, table):
     secret = "kafka-s3cret-pw"
     # A validation error elsewhere in the kafka section...
-    bad = cli("run", env=cli_env(pg_dsn, table, OUTBOX_RELAY_KAFKA__SASL_PASSWORD=secret,
-                                 OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="bogus"))
+    bad = cli(
+        "run",
+        env=cli_env(
+            pg_dsn, table, OUTBOX_RELAY_KAFKA__SASL_PASSWORD=secret, OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="bogus"
+        ),
+    )
     assert bad.returncode == 2 and "kafka.security_protocol" in bad.stderr
     # ...and a start-up failure against an unreachable SASL broker.
-    unreachable = cli("run", env=cli_env(pg_dsn, table, "127.0.0.1:1", OUTBOX_RELAY_METRICS__PORT="0",
-                                         OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="2",
-                                         OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
-                                         OUTBOX_RELAY_KAFKA__SASL_MECHANISM="PLAIN",
-                                         OUTBOX_RELAY_KAFKA__SASL_USERNAME="relay",
-                                         OUTBOX_RELAY_KAFKA__SASL_PASSWORD=secret,
-                                         OUTBOX_RELAY_LOG__LEVEL="DEBUG"), timeout=90)
+    unreachable = cli(
+        "run",
+        env=cli_env(
+            pg_dsn,
+            table,
+            "127.0.0.1:1",
+            OUTBOX_RELAY_METRICS__PORT="0",
+            OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="2",
+            OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
+            OUTBOX_RELAY_KAFKA__SASL_MECHANISM="PLAIN",
+            OUTBOX_RELAY_KAFKA__SASL_USERNAME="relay",
+            OUTBOX_RELAY_KAFKA__SASL_PASSWORD=secret,
+            OUTBOX_RELAY_LOG__LEVEL="DEBUG",
+        ),
+        timeout=90,
+    )
     assert unreachable.returncode in (1, 2)
     for result in (bad, unreachable):
         assert secret not in result.stdout + result.stderr
@@ -139,8 +187,13 @@ def test_sasl_password_never_printed(pg_dsn, table):
 
 
 def test_kafka_property_typo_is_a_config_error(pg_dsn, table, broker):
-    env = cli_env(pg_dsn, table, broker.bootstrap_servers, OUTBOX_RELAY_METRICS__PORT="0",
-                  OUTBOX_RELAY_KAFKA__EXTRA='{"linger.msec": "5"}')
+    env = cli_env(
+        pg_dsn,
+        table,
+        broker.bootstrap_servers,
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_KAFKA__EXTRA='{"linger.msec": "5"}',
+    )
     assert cli("migrate", env=env).returncode == 0
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 2

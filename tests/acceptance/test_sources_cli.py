@@ -102,8 +102,11 @@ def test_status_of_every_source_reports_an_unreachable_one_and_exits_1(databases
 def test_discovered_databases_are_sources_for_the_cli(databases, pg_dsn):
     databases("t1")
     prefix = databases.prefix
-    env = {"OUTBOX_RELAY_DISCOVERY__DSN": pg_dsn, "OUTBOX_RELAY_DISCOVERY__DATABASE_PATTERN": prefix + r"\_%",
-           "OUTBOX_RELAY_LOG__FORMAT": "json"}
+    env = {
+        "OUTBOX_RELAY_DISCOVERY__DSN": pg_dsn,
+        "OUTBOX_RELAY_DISCOVERY__DATABASE_PATTERN": prefix + r"\_%",
+        "OUTBOX_RELAY_LOG__FORMAT": "json",
+    }
     new_dsn = databases("t2", migrate=False)
     out = ok(cli("migrate", "--source", f"{prefix}_t2", env=env))
     assert "migrated outbox" in out

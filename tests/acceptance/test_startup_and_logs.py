@@ -54,32 +54,50 @@ def test_relay_waits_for_its_dependencies_and_every_line_is_json(tmp_path, topic
         dsn = pg.dsn
         pg.stop_server()
         env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")} | {
-            "OUTBOX_RELAY_DATABASE__DSN": dsn, "OUTBOX_RELAY_DATABASE__TABLE": "public.outbox",
+            "OUTBOX_RELAY_DATABASE__DSN": dsn,
+            "OUTBOX_RELAY_DATABASE__TABLE": "public.outbox",
             "OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS": "1",
             "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
             "OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE": topic_prefix + ".{aggregate_type}",
             "OUTBOX_RELAY_KAFKA__DELIVERY_TIMEOUT_SECONDS": "3",
-            "OUTBOX_RELAY_RELAY__LEASE_SECONDS": "8", "OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS": "0.2",
-            "OUTBOX_RELAY_METRICS__PORT": str(metrics_port), "OUTBOX_RELAY_LOG__FORMAT": "json",
+            "OUTBOX_RELAY_RELAY__LEASE_SECONDS": "8",
+            "OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS": "0.2",
+            "OUTBOX_RELAY_METRICS__PORT": str(metrics_port),
+            "OUTBOX_RELAY_LOG__FORMAT": "json",
             "PYTHONPATH": str(ROOT),
         }
         with out.open("wb") as sink:
-            proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "2"], env=env,
-                                    stdout=sink, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "2"],
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
         try:
             # 1. Database down: up, healthy, not ready, one structured line per retry.
-            wait_for(lambda: http_get(metrics_port, "/readyz") == (503, "not ready: cannot connect to the database")
-                     or "cannot connect to the database" in http_get(metrics_port, "/readyz")[1],
-                     timeout=30, message="/readyz 503 naming the database")
+            wait_for(
+                lambda: (
+                    http_get(metrics_port, "/readyz") == (503, "not ready: cannot connect to the database")
+                    or "cannot connect to the database" in http_get(metrics_port, "/readyz")[1]
+                ),
+                timeout=30,
+                message="/readyz 503 naming the database",
+            )
             assert http_get(metrics_port, "/readyz")[0] == 503
             assert http_get(metrics_port, "/healthz")[0] == 200
-            wait_for(lambda: sum(e.get("event") == "waiting for dependencies before starting"
-                                 for e in log_events(out)) >= 2, timeout=30, message="retry lines")
+            wait_for(
+                lambda: sum(e.get("event") == "waiting for dependencies before starting" for e in log_events(out)) >= 2,
+                timeout=30,
+                message="retry lines",
+            )
             assert proc.poll() is None
             # 2. Database back, table not migrated yet: still waiting, for the table now.
             pg.start_server()
-            wait_for(lambda: "does not exist" in http_get(metrics_port, "/readyz")[1], timeout=30,
-                     message="waiting for the table")
+            wait_for(
+                lambda: "does not exist" in http_get(metrics_port, "/readyz")[1],
+                timeout=30,
+                message="waiting for the table",
+            )
             with OutboxStore(dsn, "public.outbox", pool_size=1) as setup:
                 setup.migrate()
             ids = insert_rows(dsn, "public.outbox", 50)
@@ -120,8 +138,12 @@ def test_relay_waits_for_its_dependencies_and_every_line_is_json(tmp_path, topic
         assert not bad, bad[:5]
         events = [json.loads(line) for line in lines]
         names = {e["event"] for e in events}
-        assert {"waiting for dependencies before starting", "dependencies answer: starting", "relay started",
-                "relay stopped"} <= names
+        assert {
+            "waiting for dependencies before starting",
+            "dependencies answer: starting",
+            "relay started",
+            "relay stopped",
+        } <= names
         # stdlib records (psycopg-pool) and librdkafka's own lines arrive structured too.
         assert any(e.get("logger", "").startswith("psycopg") for e in events), names
     finally:

@@ -15,7 +15,8 @@ Checked at the end:
 
 The broker is only ever paused (SIGSTOP/SIGCONT), never killed: on tansu (which the
 suite can still run on) a restart would lose delivered messages and make the first
-check unverifiable; a Kafka broker restart is tests/kafka/test_broker_restart.py. The fault *schedule* is deterministic (random.Random(1234)); timing is not.
+check unverifiable; a Kafka broker restart is tests/kafka/test_broker_restart.py. The
+fault *schedule* is deterministic (random.Random(1234)); timing is not.
 A JSON summary (duplicates, faults injected, recovery time, ...) is written to the test's
 tmp dir and printed (visible with ``pytest -s``).
 """
@@ -53,15 +54,15 @@ BATCHES = 20
 BATCH_ROWS = 1000
 TOTAL = BATCHES * BATCH_ROWS
 FAULTS_PER_KIND = 4
-STRIKE_DELAY = (0.05, 0.5)      # seconds from an enqueue commit to the fault: hit in-flight batches
-FAULT_GAP = (0.5, 2.0)          # seconds after a fault before the next step
-PAUSE_SECONDS = (2.0, 6.0)      # broker SIGSTOP duration
+STRIKE_DELAY = (0.05, 0.5)  # seconds from an enqueue commit to the fault: hit in-flight batches
+FAULT_GAP = (0.5, 2.0)  # seconds after a fault before the next step
+PAUSE_SECONDS = (2.0, 6.0)  # broker SIGSTOP duration
 LEASE_SECONDS = 5
 FREEZE_SECONDS = (LEASE_SECONDS + 1.5, LEASE_SECONDS + 3.0)  # relay SIGSTOP: longer than its lease
-DRAIN_TIMEOUT = 90.0            # after the last fault: all rows done within this (less if the budget is short)
-TEST_BUDGET = 285.0             # seconds; pytest-timeout is 300: fail with a diagnosis before it fires
+DRAIN_TIMEOUT = 90.0  # after the last fault: all rows done within this (less if the budget is short)
+TEST_BUDGET = 285.0  # seconds; pytest-timeout is 300: fail with a diagnosis before it fires
 READBACK_TIMEOUT = 60.0
-GRACEFUL_EXIT_TIMEOUT = 30.0    # a SIGTERMed relay must have exited (0) within this
+GRACEFUL_EXIT_TIMEOUT = 30.0  # a SIGTERMed relay must have exited (0) within this
 
 
 # --- the relay processes -------------------------------------------------------------
@@ -73,7 +74,12 @@ class RelayProcess:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", str(WORKERS)],
-                env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.stop_kind: str | None = None  # "kill" | "term" | "final"
 
     def signal(self, sig: signal.Signals) -> None:
@@ -105,7 +111,8 @@ def status_counts(conn: psycopg.Connection[Any], table: str) -> dict[str, int]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("on_done", ["keep", "delete"])
 def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
-        pg_dsn: str, table: str, own_broker: EmbeddedBroker, tmp_path: Path, on_done: str) -> None:
+    pg_dsn: str, table: str, own_broker: EmbeddedBroker, tmp_path: Path, on_done: str
+) -> None:
     """Both relay.on_done modes: with ``delete`` a delivered row leaves the table (the
     audit records the fenced delete as a transition to "deleted")."""
     finished = "deleted" if on_done == "delete" else "done"
@@ -129,25 +136,29 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     audit = install_audit(pg_dsn, table)
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
-    env.update(cli_env(
-        pg_dsn, table, own_broker.bootstrap_servers,
-        OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-        OUTBOX_RELAY_METRICS__PORT="0",
-        OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
-        OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS),
-        OUTBOX_RELAY_RELAY__ON_DONE=on_done,
-        OUTBOX_RELAY_RELAY__BATCH_SIZE="25",
-        # Small batches and a long linger keep batches in flight long enough for the faults to
-        # strike them (a broker round trip of ~0.1 s); 8 workers still drain ~1k events/s.
-        OUTBOX_RELAY_KAFKA__LINGER_MS="100",
-        OUTBOX_RELAY_RELAY__MAX_ATTEMPTS="50",
-        OUTBOX_RELAY_RELAY__BACKOFF_BASE_SECONDS="0.05",
-        OUTBOX_RELAY_RELAY__BACKOFF_CAP_SECONDS="2",
-        OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
-        OUTBOX_RELAY_RELAY__SHUTDOWN_TIMEOUT_SECONDS="3",
-        OUTBOX_RELAY_LOG__FORMAT="json",
-        OUTBOX_RELAY_LOG__LEVEL="INFO",
-    ))
+    env.update(
+        cli_env(
+            pg_dsn,
+            table,
+            own_broker.bootstrap_servers,
+            OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+            OUTBOX_RELAY_METRICS__PORT="0",
+            OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
+            OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS),
+            OUTBOX_RELAY_RELAY__ON_DONE=on_done,
+            OUTBOX_RELAY_RELAY__BATCH_SIZE="25",
+            # Small batches and a long linger keep batches in flight long enough for the faults to
+            # strike them (a broker round trip of ~0.1 s); 8 workers still drain ~1k events/s.
+            OUTBOX_RELAY_KAFKA__LINGER_MS="100",
+            OUTBOX_RELAY_RELAY__MAX_ATTEMPTS="50",
+            OUTBOX_RELAY_RELAY__BACKOFF_BASE_SECONDS="0.05",
+            OUTBOX_RELAY_RELAY__BACKOFF_CAP_SECONDS="2",
+            OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
+            OUTBOX_RELAY_RELAY__SHUTDOWN_TIMEOUT_SECONDS="3",
+            OUTBOX_RELAY_LOG__FORMAT="json",
+            OUTBOX_RELAY_LOG__LEVEL="INFO",
+        )
+    )
     log_dir = tmp_path / "relay-logs"
     log_dir.mkdir()
 
@@ -170,8 +181,11 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     def enqueue_batch() -> None:
         batch = batches_written[0]
         aggregate_type = "order" if batch % 2 == 0 else "invoice"
-        enqueued_ids.extend(insert_rows(pg_dsn, table, BATCH_ROWS, aggregate_type=aggregate_type,
-                                        aggregates=50, event_type="ChaosHappened"))
+        enqueued_ids.extend(
+            insert_rows(
+                pg_dsn, table, BATCH_ROWS, aggregate_type=aggregate_type, aggregates=50, event_type="ChaosHappened"
+            )
+        )
         batches_written[0] += 1
 
     def supervise() -> None:
@@ -192,12 +206,16 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     last_fault_end = t0
     last_fault_start = time.time()
     try:
-        wait_for(lambda: all(r.started() or r.proc.poll() is not None for r in active), 60, interval=0.2,
-                 message="relays to start")
+        wait_for(
+            lambda: all(r.started() or r.proc.poll() is not None for r in active),
+            60,
+            interval=0.2,
+            message="relays to start",
+        )
         assert all(r.proc.poll() is None for r in active), [r.log_path.read_text()[-2000:] for r in active]
 
         # --- fault phase: write a batch, strike while it is in flight, let it breathe ---
-        for step, (kind, batches) in enumerate(zip(schedule, per_step)):
+        for step, (kind, batches) in enumerate(zip(schedule, per_step, strict=True)):
             supervise()
             for _ in range(batches):
                 enqueue_batch()
@@ -230,7 +248,8 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
                 backends_terminated[0] += monitor.execute(
                     "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE application_name = 'outbox-relay' AND datname = current_database() "
-                    "AND pid <> pg_backend_pid()) AS t").fetchone()[0]
+                    "AND pid <> pg_backend_pid()) AS t"
+                ).fetchone()[0]
             faults[kind] += 1
             last_fault_end = time.monotonic()
             if step < len(schedule) - 1:
@@ -239,8 +258,9 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
 
         # --- drain ---------------------------------------------------------------------
         assert len(enqueued_ids) == TOTAL
-        drain_timeout = max(20.0, min(DRAIN_TIMEOUT,
-                                      TEST_BUDGET - (time.monotonic() - t0) - READBACK_TIMEOUT - GRACEFUL_EXIT_TIMEOUT))
+        drain_timeout = max(
+            20.0, min(DRAIN_TIMEOUT, TEST_BUDGET - (time.monotonic() - t0) - READBACK_TIMEOUT - GRACEFUL_EXIT_TIMEOUT)
+        )
         drain_deadline = time.monotonic() + drain_timeout
         counts: dict[str, int] = {}
         while time.monotonic() < drain_deadline:
@@ -252,7 +272,8 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         drain_seconds = time.monotonic() - last_fault_end
         assert finished_rows(counts) == TOTAL, (
             f"not drained {drain_timeout:.0f}s after the last fault: {counts}; "
-            f"first unfinished: {monitor.execute(_unfinished_sql(table)).fetchall()}")
+            f"first unfinished: {monitor.execute(_unfinished_sql(table)).fetchall()}"
+        )
 
         # --- stop the last relays gracefully ------------------------------------------
         for relay in active:
@@ -278,8 +299,9 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         schema, name = table.split(".")
         ids = [r[0] for r in conn.execute(f'SELECT id FROM "{schema}"."{name}" ORDER BY id').fetchall()]
         max_attempts_seen = conn.execute(f'SELECT max(attempts) FROM "{schema}"."{name}"').fetchone()[0]
-        finalized_ids = {r[0] for r in conn.execute(
-            f"SELECT DISTINCT id FROM {audit} WHERE new_status = %s", (finished,)).fetchall()}
+        finalized_ids = {
+            r[0] for r in conn.execute(f"SELECT DISTINCT id FROM {audit} WHERE new_status = %s", (finished,)).fetchall()
+        }
     if on_done == "delete":
         assert final_counts == {}, final_counts  # every row delivered and deleted
         ids = sorted(finalized_ids)
@@ -293,7 +315,7 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
 
     def complete(out: list[dict[str, object]]) -> bool:
         # Read until every id arrived and nothing new came for 2 s (so duplicates count fully).
-        for m in out[len(seen_order):]:
+        for m in out[len(seen_order) :]:
             seen_order.append(m)
             seen.add(int(m["headers"]["message_id"]))
         if len(out) != growth["n"]:
@@ -302,8 +324,9 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
 
     seen_order: list[dict[str, object]] = []
     read_started = time.monotonic()
-    messages = read_messages(own_broker.bootstrap_servers, topics, expected=10 * TOTAL, timeout=READBACK_TIMEOUT,
-                             stop_when=complete)
+    messages = read_messages(
+        own_broker.bootstrap_servers, topics, expected=10 * TOTAL, timeout=READBACK_TIMEOUT, stop_when=complete
+    )
     read_seconds = time.monotonic() - read_started
     delivered_ids = Counter(int(m["headers"]["message_id"]) for m in messages)
     missing = expected - set(delivered_ids)
@@ -312,8 +335,8 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
     violations, transitions = check_audit(pg_dsn, audit)
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         last_done = conn.execute(
-            f"SELECT extract(epoch FROM max(at))::float8 FROM {audit} WHERE new_status = %s",
-            (finished,)).fetchone()[0]
+            f"SELECT extract(epoch FROM max(at))::float8 FROM {audit} WHERE new_status = %s", (finished,)
+        ).fetchone()[0]
     # From the injection of the last fault to the last row's done (a fault lasting seconds,
     # e.g. a relay SIGSTOPped past its lease, may be recovered from while it still lasts).
     recovery_seconds = last_done - last_fault_start
@@ -356,18 +379,21 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
         "max_attempts_seen": max_attempts_seen,
         "audit_transitions": dict(sorted(transitions.items())),
         "stale_finalize_violations": len(violations),
-        "log_events": {k: events[k] for k in (
-            "lost lease: finalize rejected, row belongs to a newer claim",
-            "replacing kafka producer",
-            "broker unreachable: circuit breaker open, claiming paused",
-            "claim commit outcome unknown; not publishing",
-            "database unavailable; backing off",
-            "finalize failed; retrying",
-            "finalize failed; rows will be reclaimed after their lease",
-            "lease lost while publishing: a newer claim owns the row",
-            "shutdown deadline reached: releasing unacknowledged rows",
-            "worker crashed",
-        )},
+        "log_events": {
+            k: events[k]
+            for k in (
+                "lost lease: finalize rejected, row belongs to a newer claim",
+                "replacing kafka producer",
+                "broker unreachable: circuit breaker open, claiming paused",
+                "claim commit outcome unknown; not publishing",
+                "database unavailable; backing off",
+                "finalize failed; retrying",
+                "finalize failed; rows will be reclaimed after their lease",
+                "lease lost while publishing: a newer claim owns the row",
+                "shutdown deadline reached: releasing unacknowledged rows",
+                "worker crashed",
+            )
+        },
         "relay_logs": str(log_dir),
     }
     summary_path = tmp_path / "chaos_summary.json"
@@ -385,5 +411,7 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
 
 def _unfinished_sql(table: str) -> str:
     schema, name = table.split(".")
-    return (f'SELECT id, status, attempts, lease_version, lease_owner, lease_until, available_at, last_error '
-            f'FROM "{schema}"."{name}" WHERE status <> \'done\' ORDER BY id LIMIT 10')
+    return (
+        f"SELECT id, status, attempts, lease_version, lease_owner, lease_until, available_at, last_error "
+        f'FROM "{schema}"."{name}" WHERE status <> \'done\' ORDER BY id LIMIT 10'
+    )

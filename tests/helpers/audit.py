@@ -71,7 +71,8 @@ def check_audit(dsn: str, audit: str) -> tuple[list[str], Counter]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         records = conn.execute(
             f"SELECT seq, id, old_status, new_status, old_version, new_version, old_owner, new_owner, "
-            f"old_lease_until < tx_now FROM {audit} ORDER BY id, seq").fetchall()
+            f"old_lease_until < tx_now FROM {audit} ORDER BY id, seq"
+        ).fetchall()
     violations: list[str] = []
     counts: Counter = Counter()
     highest: dict[int, int] = {}
@@ -82,8 +83,10 @@ def check_audit(dsn: str, audit: str) -> tuple[list[str], Counter]:
             if new_owner != old_owner:
                 violations.append(f"seq {seq} id {row_id}: lease extension changed owner {old_owner} -> {new_owner}")
             if new_v != top:
-                violations.append(f"seq {seq} id {row_id}: STALE lease extension by {old_owner} "
-                                  f"with version {new_v}, row had reached version {top}")
+                violations.append(
+                    f"seq {seq} id {row_id}: STALE lease extension by {old_owner} "
+                    f"with version {new_v}, row had reached version {top}"
+                )
             continue
         counts[f"{old}->{new}"] += 1
         if new == "processing" and old in ("pending", "processing"):  # a claim
@@ -96,8 +99,10 @@ def check_audit(dsn: str, audit: str) -> tuple[list[str], Counter]:
             if new_v != old_v:
                 violations.append(f"seq {seq} id {row_id}: finalize {old}->{new} changed version {old_v} -> {new_v}")
             if new_v != top:
-                violations.append(f"seq {seq} id {row_id}: STALE finalize {old}->{new} by {old_owner} "
-                                  f"with version {new_v}, row had reached version {top}")
+                violations.append(
+                    f"seq {seq} id {row_id}: STALE finalize {old}->{new} by {old_owner} "
+                    f"with version {new_v}, row had reached version {top}"
+                )
         else:
             violations.append(f"seq {seq} id {row_id}: unexpected transition {old}->{new} (v{old_v} -> v{new_v})")
     return violations, counts

@@ -43,18 +43,35 @@ class TestCA:
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .sign(self._key, hashes.SHA256())
         )
         self.cert_path = directory / f"{name}-ca.crt"
         self.cert_path.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, common_name: str, *, dns_names: tuple[str, ...] = ("localhost",),
-              ip_addresses: tuple[str, ...] = ("127.0.0.1",), client: bool = False,
-              key_password: str | None = None, file_stem: str | None = None) -> IssuedPair:
+    def issue(
+        self,
+        common_name: str,
+        *,
+        dns_names: tuple[str, ...] = ("localhost",),
+        ip_addresses: tuple[str, ...] = ("127.0.0.1",),
+        client: bool = False,
+        key_password: str | None = None,
+        file_stem: str | None = None,
+    ) -> IssuedPair:
         """A leaf certificate for a server (SANs) or a client (CN), signed by this CA.
         ``key_password`` writes the key encrypted (PKCS#8)."""
         key = ec.generate_private_key(ec.SECP256R1())
@@ -70,8 +87,10 @@ class TestCA:
             .not_valid_before(now - dt.timedelta(minutes=5))
             .not_valid_after(now + dt.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH if client else ExtendedKeyUsageOID.SERVER_AUTH]),
+                critical=False,
+            )
         )
         if names and not client:
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
@@ -81,9 +100,12 @@ class TestCA:
         key_path = self.directory / f"{stem}.key"
         cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         encryption: serialization.KeySerializationEncryption = (
-            serialization.BestAvailableEncryption(key_password.encode()) if key_password
-            else serialization.NoEncryption())
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               encryption))
+            serialization.BestAvailableEncryption(key_password.encode())
+            if key_password
+            else serialization.NoEncryption()
+        )
+        key_path.write_bytes(
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, encryption)
+        )
         key_path.chmod(0o600)
         return IssuedPair(cert_path, key_path)

@@ -25,8 +25,10 @@ def main() -> None:
     store = OutboxStore(dsn, table, pool_size=1)
     store.open()
     result = store.claim(owner=f"child:{os.getpid()}", batch=1, lease_seconds=30, max_attempts=3)
-    print(json.dumps([{"id": c.id, "lease_version": c.lease_version, "attempts": c.attempts}
-                      for c in result.rows]), flush=True)
+    print(
+        json.dumps([{"id": c.id, "lease_version": c.lease_version, "attempts": c.attempts} for c in result.rows]),
+        flush=True,
+    )
     while True:  # never finalizes: the parent kills us here
         time.sleep(60)
 

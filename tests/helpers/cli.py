@@ -12,13 +12,20 @@ from tests.helpers.db import DELETE_MODE
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
-        input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, input_text: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m outbox_relay.operator.cli ARGS`` with only the OUTBOX_RELAY_* variables given."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "outbox_relay.operator.cli", *args], env=full_env, capture_output=True,
-                          text=True, timeout=timeout, input=input_text)
+    return subprocess.run(
+        [sys.executable, "-m", "outbox_relay.operator.cli", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input_text,
+    )
 
 
 def cli_env(dsn: str, table: str, bootstrap: str = "127.0.0.1:1", **more: str) -> dict[str, str]:

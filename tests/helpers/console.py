@@ -22,23 +22,47 @@ def quoted(table: str) -> str:
     return f'"{schema}"."{name}"'
 
 
-def seed_dead(dsn: str, table: str, n: int, *, event_type: str = "PaymentCaptured",
-              aggregate_type: str = "payment", aggregate_prefix: str = "pay-", aggregates: int = 10,
-              last_error: str = "retries exhausted: UNKNOWN_TOPIC_OR_PART", payload: dict[str, Any] | None = None,
-              attempts: int | None = None, age_seconds: float = 0.0, status: str = "dead") -> list[int]:
+def seed_dead(
+    dsn: str,
+    table: str,
+    n: int,
+    *,
+    event_type: str = "PaymentCaptured",
+    aggregate_type: str = "payment",
+    aggregate_prefix: str = "pay-",
+    aggregates: int = 10,
+    last_error: str = "retries exhausted: UNKNOWN_TOPIC_OR_PART",
+    payload: dict[str, Any] | None = None,
+    attempts: int | None = None,
+    age_seconds: float = 0.0,
+    status: str = "dead",
+) -> list[int]:
     """Insert n rows in one statement (status dead by default, attempts used up); their ids, ascending."""
     if attempts is None:
         attempts = 12 if status == "dead" else 0
     with psycopg.connect(dsn, autocommit=True) as conn:
-        ids = [r[0] for r in conn.execute(
-            f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
-            " last_error, created_at)"
-            " SELECT %(at)s, %(prefix)s || (g %% %(aggs)s), %(et)s, %(payload)s::jsonb, %(status)s, %(attempts)s,"
-            "        %(err)s, now() - make_interval(secs => %(age)s)"
-            " FROM generate_series(1, %(n)s) AS g RETURNING id",
-            {"at": aggregate_type, "prefix": aggregate_prefix, "aggs": aggregates, "et": event_type,
-             "payload": json.dumps(payload or {"amount": 100}), "status": status, "attempts": attempts,
-             "err": last_error if status == "dead" else None, "age": age_seconds, "n": n}).fetchall()]
+        ids = [
+            r[0]
+            for r in conn.execute(
+                f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
+                " last_error, created_at)"
+                " SELECT %(at)s, %(prefix)s || (g %% %(aggs)s), %(et)s, %(payload)s::jsonb, %(status)s, %(attempts)s,"
+                "        %(err)s, now() - make_interval(secs => %(age)s)"
+                " FROM generate_series(1, %(n)s) AS g RETURNING id",
+                {
+                    "at": aggregate_type,
+                    "prefix": aggregate_prefix,
+                    "aggs": aggregates,
+                    "et": event_type,
+                    "payload": json.dumps(payload or {"amount": 100}),
+                    "status": status,
+                    "attempts": attempts,
+                    "err": last_error if status == "dead" else None,
+                    "age": age_seconds,
+                    "n": n,
+                },
+            ).fetchall()
+        ]
     return sorted(ids)
 
 
@@ -46,8 +70,9 @@ def console_settings(dsn: str, table: str, *, token: str | None = None, **consol
     section: dict[str, Any] = {"host": "127.0.0.1", "port": 0, **console}
     if token is not None:
         section["token"] = token
-    return load_settings(None, database={"dsn": dsn, "table": table}, console=section,
-                         log={"level": "WARNING", "format": "json"})
+    return load_settings(
+        None, database={"dsn": dsn, "table": table}, console=section, log={"level": "WARNING", "format": "json"}
+    )
 
 
 @contextmanager
@@ -90,10 +115,21 @@ def console_process(dsn: str, table: str, **env: str) -> Iterator[tuple[str, lis
     import sys
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
-    environ.update({"OUTBOX_RELAY_DATABASE__DSN": dsn, "OUTBOX_RELAY_DATABASE__TABLE": table,
-                    "OUTBOX_RELAY_LOG__FORMAT": "json", **env})
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "console", "--port", "0"], env=environ,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    environ.update(
+        {
+            "OUTBOX_RELAY_DATABASE__DSN": dsn,
+            "OUTBOX_RELAY_DATABASE__TABLE": table,
+            "OUTBOX_RELAY_LOG__FORMAT": "json",
+            **env,
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_relay.operator.cli", "console", "--port", "0"],
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stderr is not None
     lines: list[str] = []
     started = threading.Event()

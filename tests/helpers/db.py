@@ -42,12 +42,26 @@ def run_sql(dsn: str, table: str, query: str, params: Sequence[object] | Mapping
         return cur.fetchall() if cur.description else []
 
 
-def make_row(dsn: str, table: str, *, status: str = "pending", aggregate_type: str = "order",
-             aggregate_id: str = "agg-1", event_type: str = "OrderCreated", payload: Any = None,
-             topic: str | None = None, headers: Mapping[str, str] | None = None, attempts: int = 0,
-             lease_version: int | None = None, lease_owner: str | None = None, lease_seconds: float = 30.0,
-             last_error: str | None = None, available_in_seconds: float = 0.0, created_ago_seconds: float = 0.0,
-             dedup_key: str | None = None) -> int:
+def make_row(
+    dsn: str,
+    table: str,
+    *,
+    status: str = "pending",
+    aggregate_type: str = "order",
+    aggregate_id: str = "agg-1",
+    event_type: str = "OrderCreated",
+    payload: Any = None,
+    topic: str | None = None,
+    headers: Mapping[str, str] | None = None,
+    attempts: int = 0,
+    lease_version: int | None = None,
+    lease_owner: str | None = None,
+    lease_seconds: float = 30.0,
+    last_error: str | None = None,
+    available_in_seconds: float = 0.0,
+    created_ago_seconds: float = 0.0,
+    dedup_key: str | None = None,
+) -> int:
     """Insert one row directly in ``status``; return its id.
 
     processing rows get ``lease_until = now() + lease_seconds`` (negative: already
@@ -57,7 +71,10 @@ def make_row(dsn: str, table: str, *, status: str = "pending", aggregate_type: s
         raise ValueError(f"unknown status {status!r}")
     processing = status == "processing"
     version = lease_version if lease_version is not None else (max(1, attempts) if status != "pending" else 0)
-    [(row_id,)] = run_sql(dsn, table, """
+    [(row_id,)] = run_sql(
+        dsn,
+        table,
+        """
         INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, topic, headers, status, attempts,
                          lease_version, lease_owner, lease_until, last_error, available_at, created_at, done_at,
                          dedup_key)
@@ -67,21 +84,40 @@ def make_row(dsn: str, table: str, *, status: str = "pending", aggregate_type: s
                 %(last_error)s, now() + make_interval(secs => %(available_in)s),
                 now() - make_interval(secs => %(created_ago)s),
                 CASE WHEN %(status)s = 'done' THEN now() END, %(dedup_key)s)
-        RETURNING id""", {
-        "aggregate_type": aggregate_type, "aggregate_id": aggregate_id, "event_type": event_type,
-        "payload": json.dumps(payload if payload is not None else {"made_by": "make_row"}), "topic": topic,
-        "headers": json.dumps(dict(headers)) if headers is not None else None, "status": status,
-        "attempts": attempts, "version": version,
-        "owner": lease_owner if lease_owner is not None else ("test-owner" if processing else None),
-        "processing": processing, "lease": float(lease_seconds), "last_error": last_error,
-        "available_in": float(available_in_seconds), "created_ago": float(created_ago_seconds),
-        "dedup_key": dedup_key,
-    })
+        RETURNING id""",
+        {
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "event_type": event_type,
+            "payload": json.dumps(payload if payload is not None else {"made_by": "make_row"}),
+            "topic": topic,
+            "headers": json.dumps(dict(headers)) if headers is not None else None,
+            "status": status,
+            "attempts": attempts,
+            "version": version,
+            "owner": lease_owner if lease_owner is not None else ("test-owner" if processing else None),
+            "processing": processing,
+            "lease": float(lease_seconds),
+            "last_error": last_error,
+            "available_in": float(available_in_seconds),
+            "created_ago": float(created_ago_seconds),
+            "dedup_key": dedup_key,
+        },
+    )
     return int(row_id)
 
 
-def insert_rows(dsn: str, table: str, n: int, *, aggregate_type: str = "order", aggregates: int = 10,
-                event_type: str = "OrderCreated", payload_size: int = 0, **extra: Any) -> list[int]:
+def insert_rows(
+    dsn: str,
+    table: str,
+    n: int,
+    *,
+    aggregate_type: str = "order",
+    aggregates: int = 10,
+    event_type: str = "OrderCreated",
+    payload_size: int = 0,
+    **extra: Any,
+) -> list[int]:
     """Insert n rows with enqueue() in one transaction; return their ids."""
     from outbox_relay import enqueue
 
@@ -91,8 +127,17 @@ def insert_rows(dsn: str, table: str, n: int, *, aggregate_type: str = "order", 
             payload: dict[str, Any] = {"seq": i}
             if payload_size:
                 payload["pad"] = "x" * payload_size
-            ids.append(enqueue(conn, aggregate_type=aggregate_type, aggregate_id=f"agg-{i % aggregates}",
-                               event_type=event_type, payload=payload, table=table, **extra))
+            ids.append(
+                enqueue(
+                    conn,
+                    aggregate_type=aggregate_type,
+                    aggregate_id=f"agg-{i % aggregates}",
+                    event_type=event_type,
+                    payload=payload,
+                    table=table,
+                    **extra,
+                )
+            )
     return ids
 
 
@@ -108,12 +153,14 @@ def statuses(dsn: str, table: str) -> dict[str, int]:
 ROW_STATE_COLUMNS = ("status", "attempts", "lease_version", "lease_owner", "lease_until", "last_error", "done_at")
 
 
-def row_states(dsn: str, table: str, ids: Sequence[int],
-               columns: Sequence[str] = ("status", "attempts")) -> dict[int, tuple[Any, ...]]:
+def row_states(
+    dsn: str, table: str, ids: Sequence[int], columns: Sequence[str] = ("status", "attempts")
+) -> dict[int, tuple[Any, ...]]:
     """The one way to read rows' state: id -> the values of ``columns`` (row ids that
     do not exist are absent)."""
     query = sql.SQL("SELECT id, {} FROM {} WHERE id = ANY(%s)").format(
-        sql.SQL(", ").join(sql.Identifier(c) for c in columns), sql.Identifier(*table.split(".")))
+        sql.SQL(", ").join(sql.Identifier(c) for c in columns), sql.Identifier(*table.split("."))
+    )
     with psycopg.connect(dsn, autocommit=True) as conn:
         return {r[0]: tuple(r[1:]) for r in conn.execute(query, (list(ids),)).fetchall()}
 
@@ -138,8 +185,13 @@ def assert_delivered(dsn: str, table: str, ids: Sequence[int]) -> None:
     """Every row of ``ids`` was finalized as delivered, as the table's mode says: keep,
     each row is ``done`` with ``done_at`` set, its lease and last error cleared;
     delete, none of them is left in the table."""
-    found = run_sql(dsn, table, "SELECT id, status, done_at IS NOT NULL, lease_owner, lease_until, last_error "
-                                "FROM {t} WHERE id = ANY(%s) ORDER BY id", (list(ids),))
+    found = run_sql(
+        dsn,
+        table,
+        "SELECT id, status, done_at IS NOT NULL, lease_owner, lease_until, last_error "
+        "FROM {t} WHERE id = ANY(%s) ORDER BY id",
+        (list(ids),),
+    )
     if DELETE_MODE:
         assert found == [], f"delete mode: delivered rows still in the table: {found}"
         return

@@ -107,11 +107,17 @@ class HttpTarget:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            def do_POST(self) -> None:  # http.server naming
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                record = Recorded(self.command, self.path, {k.lower(): v for k, v in self.headers.items()},
-                                  body, time.monotonic(), self.client_address[1])
+                record = Recorded(
+                    self.command,
+                    self.path,
+                    {k.lower(): v for k, v in self.headers.items()},
+                    body,
+                    time.monotonic(),
+                    self.client_address[1],
+                )
                 with target._lock:
                     target.requests.append(record)
                 step = target._next_step(self.path, record.message_id)
@@ -130,21 +136,22 @@ class HttpTarget:
                 except OSError:  # the client gave up (timeout) and closed the connection
                     self.close_connection = True
 
-            do_PUT = do_POST  # noqa: N815
+            do_PUT = do_POST
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence
+            def log_message(self, format: str, *args: object) -> None:  # silence
                 return
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             block_on_close = False
 
-            def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - silence
+            def handle_error(self, request, client_address) -> None:  # silence
                 return
 
         self._server = Server(("127.0.0.1", self._listen_port), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name="http-target", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="http-target", daemon=True
+        )
         self._thread.start()
         return self
 

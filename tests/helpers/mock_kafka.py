@@ -28,8 +28,13 @@ def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(candidates[0])
     lib.rd_kafka_conf_new.restype = ctypes.c_void_p
     lib.rd_kafka_conf_set.restype = ctypes.c_int
-    lib.rd_kafka_conf_set.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
-                                      ctypes.c_size_t]
+    lib.rd_kafka_conf_set.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ]
     lib.rd_kafka_new.restype = ctypes.c_void_p
     lib.rd_kafka_new.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
     lib.rd_kafka_destroy.argtypes = [ctypes.c_void_p]
@@ -69,8 +74,11 @@ class MockCluster:
     def fail_next_produce_requests(self, *error_codes: int) -> None:
         """The next ``len(error_codes)`` Produce requests (any client) get these errors."""
         self._lib.rd_kafka_mock_push_request_errors(
-            ctypes.c_void_p(self._cluster), ctypes.c_int16(PRODUCE_API_KEY), ctypes.c_size_t(len(error_codes)),
-            *[ctypes.c_int(code) for code in error_codes])
+            ctypes.c_void_p(self._cluster),
+            ctypes.c_int16(PRODUCE_API_KEY),
+            ctypes.c_size_t(len(error_codes)),
+            *[ctypes.c_int(code) for code in error_codes],
+        )
 
     def close(self) -> None:
         if self._cluster:
@@ -83,6 +91,7 @@ class MockCluster:
     def __enter__(self) -> MockCluster:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()

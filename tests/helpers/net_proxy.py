@@ -66,8 +66,15 @@ class TcpProxy:
     ``target_host:target_port``, or to a Unix socket when ``target_host`` is a path
     (a PostgreSQL socket directory: ``<dir>/.s.PGSQL.<port>``)."""
 
-    def __init__(self, target_host: str, target_port: int, *, listen_host: str = "127.0.0.1",
-                 listen_port: int = 0, retransmit_seconds: float = 0.2) -> None:
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        retransmit_seconds: float = 0.2,
+    ) -> None:
         self.target = (target_host, target_port)
         self.listen_host = listen_host
         self.delay_seconds = 0.0
@@ -140,6 +147,7 @@ class TcpProxy:
         def abort() -> None:
             for writer in list(self._writers):
                 writer.transport.abort()
+
         self._loop.call_soon_threadsafe(abort)
 
     def connection_count(self) -> int:
@@ -161,7 +169,8 @@ class TcpProxy:
         try:
             await asyncio.gather(
                 self._pipe(client_reader, server_writer, watch=watch, downstream=False),
-                self._pipe(server_reader, client_writer, watch=None, downstream=True))
+                self._pipe(server_reader, client_writer, watch=None, downstream=True),
+            )
         except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # a reset, or the proxy stopping
         finally:
@@ -169,8 +178,14 @@ class TcpProxy:
                 self._writers.discard(writer)
                 writer.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
-                    watch: Callable[[bytes], None] | None, downstream: bool) -> None:
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        *,
+        watch: Callable[[bytes], None] | None,
+        downstream: bool,
+    ) -> None:
         queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
         sender = asyncio.ensure_future(self._send(queue, writer, downstream=downstream))
         due = 0.0
@@ -193,8 +208,9 @@ class TcpProxy:
             await sender
             writer.transport.abort()
 
-    async def _send(self, queue: asyncio.Queue[tuple[float, bytes] | None], writer: asyncio.StreamWriter, *,
-                    downstream: bool) -> None:
+    async def _send(
+        self, queue: asyncio.Queue[tuple[float, bytes] | None], writer: asyncio.StreamWriter, *, downstream: bool
+    ) -> None:
         while True:
             item = await queue.get()
             if item is None:

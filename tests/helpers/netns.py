@@ -67,8 +67,21 @@ def netns_missing_reason() -> str | None:
         pair = _ip("link", "add", f"{probe}a", "type", "veth", "peer", "name", f"{probe}b", check=False)
         if pair.returncode != 0:
             return f"no veth pairs: {pair.stderr.strip()}"
-        bucket = _tc("qdisc", "add", "dev", f"{probe}a", "root", "tbf", "rate", "8bit", "burst", "10",
-                     "latency", "1ms", check=False)
+        bucket = _tc(
+            "qdisc",
+            "add",
+            "dev",
+            f"{probe}a",
+            "root",
+            "tbf",
+            "rate",
+            "8bit",
+            "burst",
+            "10",
+            "latency",
+            "1ms",
+            check=False,
+        )
         if bucket.returncode != 0:
             return f"no tbf qdisc to cut a link with: {bucket.stderr.strip()}"
         return None
@@ -110,18 +123,46 @@ class Link:
         self.is_cut = False
         _ip("netns", "add", self.router)
         _ip("-n", self.router, "link", "set", "lo", "up")
-        subprocess.run(["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
-                       check=True, capture_output=True, timeout=20)
+        subprocess.run(
+            ["ip", "netns", "exec", self.router, "sysctl", "-qw", "net.ipv4.ip_forward=1"],
+            check=True,
+            capture_output=True,
+            timeout=20,
+        )
         # relay namespace <-> router
-        _ip("-n", self.router, "link", "add", self.router_ns_if, "type", "veth", "peer", "name", self.ns_if,
-            "netns", host.name)
+        _ip(
+            "-n",
+            self.router,
+            "link",
+            "add",
+            self.router_ns_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.ns_if,
+            "netns",
+            host.name,
+        )
         _ip("-n", self.router, "addr", "add", f"{router_ns_side}/30", "dev", self.router_ns_if)
         _ip("-n", self.router, "link", "set", self.router_ns_if, "up")
         _ip("-n", host.name, "addr", "add", f"{self.ns_address}/30", "dev", self.ns_if)
         _ip("-n", host.name, "link", "set", self.ns_if, "up")
         # router <-> host
-        _ip("-n", self.router, "link", "add", self.router_host_if, "type", "veth", "peer", "name", self.host_if,
-            "netns", "1")
+        _ip(
+            "-n",
+            self.router,
+            "link",
+            "add",
+            self.router_host_if,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            self.host_if,
+            "netns",
+            "1",
+        )
         _ip("-n", self.router, "addr", "add", f"{router_host_side}/30", "dev", self.router_host_if)
         _ip("-n", self.router, "link", "set", self.router_host_if, "up")
         _ip("addr", "add", f"{self.host_address}/30", "dev", self.host_if)
@@ -140,8 +181,22 @@ class Link:
     def cut(self) -> None:
         """Drop every packet on this link, both ways, silently (the connections stay open)."""
         for interface in (self.router_ns_if, self.router_host_if):
-            _tc("-n", self.router, "qdisc", "replace", "dev", interface, "root", "tbf", "rate", "8bit",
-                "burst", "10", "latency", "1ms")
+            _tc(
+                "-n",
+                self.router,
+                "qdisc",
+                "replace",
+                "dev",
+                interface,
+                "root",
+                "tbf",
+                "rate",
+                "8bit",
+                "burst",
+                "10",
+                "latency",
+                "1ms",
+            )
         self.is_cut = True
 
     def heal(self) -> None:
@@ -203,18 +258,19 @@ class RelayHost:
         return proc
 
     def run(self, argv: Sequence[str], timeout_seconds: float = 30, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([*self.prefix, *argv], capture_output=True, text=True, timeout=timeout_seconds,
-                              **kwargs)
+        return subprocess.run([*self.prefix, *argv], capture_output=True, text=True, timeout=timeout_seconds, **kwargs)
 
     def http_status(self, url: str, timeout_seconds: float = 5.0) -> int | None:
         """The status of GET ``url`` made from inside the namespace (None: no answer)."""
-        code = ("import sys, urllib.request, urllib.error\n"
-                "try:\n"
-                f"    print(urllib.request.urlopen(sys.argv[1], timeout={timeout_seconds}).status)\n"
-                "except urllib.error.HTTPError as e:\n"
-                "    print(e.code)\n"
-                "except Exception:\n"
-                "    print('none')\n")
+        code = (
+            "import sys, urllib.request, urllib.error\n"
+            "try:\n"
+            f"    print(urllib.request.urlopen(sys.argv[1], timeout={timeout_seconds}).status)\n"
+            "except urllib.error.HTTPError as e:\n"
+            "    print(e.code)\n"
+            "except Exception:\n"
+            "    print('none')\n"
+        )
         result = self.run([sys.executable, "-c", code, url], timeout_seconds=timeout_seconds + 10)
         text = result.stdout.strip()
         return int(text) if text.isdigit() else None
@@ -238,4 +294,3 @@ class RelayHost:
             with contextlib.suppress(ProcessLookupError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
         _ip("netns", "del", self.name, check=False)
-

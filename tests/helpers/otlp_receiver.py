@@ -74,15 +74,24 @@ class OtlpReceiver:
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for s in scope_spans.spans:
-                    received.append(ReceivedSpan(
-                        trace_id=s.trace_id.hex(), span_id=s.span_id.hex(), parent_span_id=s.parent_span_id.hex(),
-                        name=s.name, kind=KINDS.get(s.kind, str(s.kind)),
-                        attributes={a.key: _value(a.value) for a in s.attributes},
-                        status=STATUS.get(s.status.code, str(s.status.code)), status_message=s.status.message,
-                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
-                        events=[(e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
-                        resource=resource, scope=scope_spans.scope.name,
-                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano))
+                    received.append(
+                        ReceivedSpan(
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_span_id=s.parent_span_id.hex(),
+                            name=s.name,
+                            kind=KINDS.get(s.kind, str(s.kind)),
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                            status=STATUS.get(s.status.code, str(s.status.code)),
+                            status_message=s.status.message,
+                            links=[(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
+                            events=[(e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
+                            resource=resource,
+                            scope=scope_spans.scope.name,
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
+                        )
+                    )
         with self._lock:
             self.spans.extend(received)
             self.requests += 1
@@ -106,7 +115,7 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server naming
+            def do_POST(self) -> None:  # http.server naming
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -123,7 +132,7 @@ class OtlpReceiver:
                 self.end_headers()
                 self.wfile.write(reply)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - silence
+            def log_message(self, format: str, *args: object) -> None:  # silence
                 return
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

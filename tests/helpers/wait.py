@@ -14,8 +14,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def wait_for(predicate: Callable[[], T], timeout: float = 90, interval: float = 0.1,
-             message: str = "condition", ignoring: tuple[type[BaseException], ...] = ()) -> T:
+def wait_for(
+    predicate: Callable[[], T],
+    timeout: float = 90,
+    interval: float = 0.1,
+    message: str = "condition",
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> T:
     """Poll until ``predicate()`` is truthy and return that value; AssertionError naming
     ``message`` after ``timeout`` seconds. ``ignoring``: exceptions that count as "not
     yet" (e.g. psycopg.Error while a server restarts)."""

@@ -37,10 +37,16 @@ def test_existing_table_gets_them_on_the_next_migrate(pg_dsn: str, table: str) -
         for name in QUEUE_AUTOVACUUM:
             _alter(pg_dsn, table, f"RESET ({name})")
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
-            conn.execute(sql.SQL("ALTER TABLE {} DROP COLUMN autovacuum_applied").format(
-                sql.Identifier(table.split(".")[0], "outbox_relay_state")))
-            conn.execute(sql.SQL("DELETE FROM {} WHERE name = 'add_autovacuum_applied'").format(
-                sql.Identifier(table.split(".")[0], "outbox_migrations")))
+            conn.execute(
+                sql.SQL("ALTER TABLE {} DROP COLUMN autovacuum_applied").format(
+                    sql.Identifier(table.split(".")[0], "outbox_relay_state")
+                )
+            )
+            conn.execute(
+                sql.SQL("DELETE FROM {} WHERE name = 'add_autovacuum_applied'").format(
+                    sql.Identifier(table.split(".")[0], "outbox_migrations")
+                )
+            )
         notes = store.migrate(on_done=ON_DONE)
         assert any(n.startswith("autovacuum: ") for n in notes), notes
         assert _options(pg_dsn, table) == QUEUE_AUTOVACUUM
@@ -59,9 +65,14 @@ def test_operator_values_are_kept_and_config_overrides_apply(pg_dsn: str, table:
         store.migrate(on_done=ON_DONE)
         assert "autovacuum_vacuum_cost_delay" not in _options(pg_dsn, table)  # stays reset
         # database.autovacuum: applied on every migrate; "default" removes a parameter.
-        store.migrate(on_done=ON_DONE, autovacuum={"autovacuum_vacuum_threshold": "5000",
-                                                   "autovacuum_analyze_threshold": "2000",
-                                                   "autovacuum_vacuum_scale_factor": "default"})
+        store.migrate(
+            on_done=ON_DONE,
+            autovacuum={
+                "autovacuum_vacuum_threshold": "5000",
+                "autovacuum_analyze_threshold": "2000",
+                "autovacuum_vacuum_scale_factor": "default",
+            },
+        )
         options = _options(pg_dsn, table)
         assert options["autovacuum_vacuum_threshold"] == "5000"
         assert options["autovacuum_analyze_threshold"] == "2000"
@@ -70,7 +81,9 @@ def test_operator_values_are_kept_and_config_overrides_apply(pg_dsn: str, table:
 
 def test_overrides_are_validated() -> None:
     assert check_overrides({"autovacuum_vacuum_threshold": 5000, "autovacuum_enabled": True}) == {
-        "autovacuum_vacuum_threshold": "5000", "autovacuum_enabled": "true"}
+        "autovacuum_vacuum_threshold": "5000",
+        "autovacuum_enabled": "true",
+    }
     with pytest.raises(ValueError, match="not an autovacuum storage parameter"):
         check_overrides({"fillfactor; DROP TABLE x": "1"})
     with pytest.raises(ValueError, match="plain number"):

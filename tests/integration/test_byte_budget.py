@@ -27,8 +27,7 @@ def test_claim_stops_at_the_byte_budget_and_takes_one_larger_row_alone(store, pg
     alone = store.claim(owner="b", batch=100, lease_seconds=30, max_attempts=3, max_batch_bytes=1024)
     assert [c.id for c in alone.rows] == [ids[2]] and alone.rows[0].payload is not None
     # Sizing few candidates (the worker's adaptive limit) still claims the oldest rows.
-    few = store.claim(owner="c", batch=100, lease_seconds=30, max_attempts=3, max_batch_bytes=10 * size,
-                      candidates=3)
+    few = store.claim(owner="c", batch=100, lease_seconds=30, max_attempts=3, max_batch_bytes=10 * size, candidates=3)
     assert [c.id for c in few.rows] == ids[3:6]
 
 
@@ -43,15 +42,16 @@ def test_row_above_the_message_limit_is_claimed_without_its_payload(store, pg_ds
 def test_a_row_larger_than_the_batch_budget_is_delivered(make_settings, store, pg_dsn, table):
     big = insert_rows(pg_dsn, table, 1, payload_size=300_000)
     small = insert_rows(pg_dsn, table, 20)
-    settings = make_settings(relay={"max_batch_bytes": 100_000, "max_in_flight_bytes": 200_000},
-                             kafka={"message_max_bytes": 1_000_000})
+    settings = make_settings(
+        relay={"max_batch_bytes": 100_000, "max_in_flight_bytes": 200_000}, kafka={"message_max_bytes": 1_000_000}
+    )
     relay = Relay(settings)
     relay.start()
     try:
         wait_for(lambda: statuses(pg_dsn, table).get("done") == 21, message="big and small rows done")
     finally:
         relay.stop()
-    assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == {i: ("done", 1) for i in big + small}
+    assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == dict.fromkeys(big + small, ("done", 1))
 
 
 class SlowPublisher(SimplePublisher):
@@ -71,8 +71,9 @@ def test_workers_wait_for_the_in_flight_budget_and_nothing_fails(make_settings, 
     ids = insert_rows(pg_dsn, table, 40, payload_size=20_000)
     size = run_sql(pg_dsn, table, "SELECT max(octet_length(payload::text)) FROM {t}")[0][0]
     budget = 5 * size  # two batches of two rows fit; a third reservation must wait
-    settings = make_settings(relay={"workers": 4, "batch_size": 100, "max_batch_bytes": 2 * size + 100,
-                                    "max_in_flight_bytes": budget})
+    settings = make_settings(
+        relay={"workers": 4, "batch_size": 100, "max_batch_bytes": 2 * size + 100, "max_in_flight_bytes": budget}
+    )
     publisher = SlowPublisher()
     relay = Relay(settings, publisher=publisher)
     relay.start()
@@ -80,8 +81,11 @@ def test_workers_wait_for_the_in_flight_budget_and_nothing_fails(make_settings, 
     try:
         deadline = time.monotonic() + 90
         while statuses(pg_dsn, table).get("done", 0) < 40 and time.monotonic() < deadline:
-            [(in_flight,)] = run_sql(pg_dsn, table, "SELECT coalesce(sum(octet_length(payload::text)), 0) "
-                                                    "FROM {t} WHERE status = 'processing'")
+            [(in_flight,)] = run_sql(
+                pg_dsn,
+                table,
+                "SELECT coalesce(sum(octet_length(payload::text)), 0) FROM {t} WHERE status = 'processing'",
+            )
             highest = max(highest, int(in_flight))
             time.sleep(0.02)
         waits = relay.metrics.registry.get_sample_value("outbox_relay_in_flight_budget_waits_total")
@@ -108,21 +112,28 @@ def test_a_full_producer_queue_is_waited_out(make_settings, store, pg_dsn, table
         wait_for(lambda: statuses(pg_dsn, table).get("done") == 400, message="all rows through a tiny queue")
     finally:
         relay.stop()
-    assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == {i: ("done", 1) for i in ids}
+    assert {r[0]: (r[1], r[2]) for r in rows(pg_dsn, table)} == dict.fromkeys(ids, ("done", 1))
     assert isinstance(relay.publisher, KafkaPublisher) and relay.publisher.local_queue_full_waits > 0
 
 
 def test_ordered_claim_keeps_to_the_byte_budget_and_a_prefix_of_each_run(store, pg_dsn, table):
     # Two aggregates of four rows each, ~30 KB per row; a budget of three rows.
     ids = {agg: [] for agg in ("x", "y")}
-    for i in range(4):
+    for _ in range(4):
         for agg in ("x", "y"):
             [row_id] = insert_rows(pg_dsn, table, 1, aggregates=1, payload_size=30_000)
             run_sql(pg_dsn, table, "UPDATE {t} SET aggregate_id = %s WHERE id = %s", (agg, row_id))
             ids[agg].append(row_id)
     size = run_sql(pg_dsn, table, "SELECT max(octet_length(payload::text)) FROM {t}")[0][0]
-    claimed = store.claim(owner="o", batch=100, lease_seconds=30, max_attempts=3, ordered_types=["*"],
-                          run_length=10, max_batch_bytes=3 * size)
+    claimed = store.claim(
+        owner="o",
+        batch=100,
+        lease_seconds=30,
+        max_attempts=3,
+        ordered_types=["*"],
+        run_length=10,
+        max_batch_bytes=3 * size,
+    )
     got = sorted(c.id for c in claimed.rows)
     assert len(got) == 3 and sum(c.size_bytes for c in claimed.rows) <= 3 * size
     for agg, agg_ids in ids.items():  # whatever was taken of an aggregate is its head and what follows
@@ -131,8 +142,9 @@ def test_ordered_claim_keeps_to_the_byte_budget_and_a_prefix_of_each_run(store, 
     # A head larger than the whole budget is still claimed alone (once the first
     # claim's rows are finished: nothing behind an unfinished head is claimable).
     store.mark_done([(c.id, c.lease_version) for c in claimed.rows])
-    rest = store.claim(owner="p", batch=100, lease_seconds=30, max_attempts=3, ordered_types=["*"],
-                       run_length=10, max_batch_bytes=1000)
+    rest = store.claim(
+        owner="p", batch=100, lease_seconds=30, max_attempts=3, ordered_types=["*"], run_length=10, max_batch_bytes=1000
+    )
     assert len(rest.rows) == 1
 
 
@@ -146,13 +158,14 @@ class PipeliningPublisher(SimplePublisher):
 
 
 def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_the_bytes_back(
-        make_settings, store, pg_dsn, table, monkeypatch):
+    make_settings, store, pg_dsn, table, monkeypatch
+):
     """A bug while building a batch on the Submitter's thread surfaces in the worker that
     handed it over (the thread ends, /healthz reports it) and the batch's bytes go back to
     the process budget, as when the worker built the batch itself."""
-    from outbox_relay.runtime import worker as worker_module
     from outbox_relay.core.budget import InFlightBudget
     from outbox_relay.observability.metrics import RelayMetrics
+    from outbox_relay.runtime import worker as worker_module
     from outbox_relay.runtime.submitter import Submitter
     from outbox_relay.runtime.worker import Worker, WorkerConfig
 
@@ -166,8 +179,15 @@ def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_t
         raise RuntimeError("a bug in build_message")
 
     monkeypatch.setattr(worker_module, "build_message", broken)
-    worker = Worker(0, store, publisher, WorkerConfig.from_settings(settings, publisher), RelayMetrics(),
-                    budget=budget, submitter=submitter)
+    worker = Worker(
+        0,
+        store,
+        publisher,
+        WorkerConfig.from_settings(settings, publisher),
+        RelayMetrics(),
+        budget=budget,
+        submitter=submitter,
+    )
     try:
         with pytest.raises(RuntimeError, match="a bug in build_message"):
             worker.run()

@@ -20,8 +20,10 @@ from outbox_relay.db.claim_cursor import DueCursor
 from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import DELETE_MODE, run_sql
 
-INSERT = ("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-          "VALUES ('order', %s, 'OrderCreated', '{{}}'::jsonb) RETURNING id")
+INSERT = (
+    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+    "VALUES ('order', %s, 'OrderCreated', '{{}}'::jsonb) RETURNING id"
+)
 
 
 def _claim_all(store: OutboxStore, seen: dict[int, int], *, batch: int = 50) -> int:
@@ -39,9 +41,10 @@ def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
     return int(row[0])
 
 
-def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str,
-                                                                  store: OutboxStore) -> None:
-    store.due_cursor = DueCursor(lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0)
+def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str, store: OutboxStore) -> None:
+    store.due_cursor = DueCursor(
+        lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0
+    )
     seen: dict[int, int] = {}
     # A writer transaction that begins (available_at = its start), inserts, and stays open.
     late = psycopg.connect(pg_dsn)
@@ -70,9 +73,12 @@ def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, t
     assert store.due_cursor.fast_claims > 0
 
 
-def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(pg_dsn: str, table: str,
-                                                                             store: OutboxStore) -> None:
-    store.due_cursor = DueCursor(lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5, fast_above_seconds=0.0)
+def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    store.due_cursor = DueCursor(
+        lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5, fast_above_seconds=0.0
+    )
     inserted: set[int] = set()
     lock = threading.Lock()
     stop = threading.Event()
@@ -132,15 +138,16 @@ def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(pg
         assert run_sql(pg_dsn, table, "SELECT count(*) FROM {t} WHERE status = 'done'") == [(0,)]
 
 
-def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, table: str,
-                                                                  store: OutboxStore) -> None:
+def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, table: str, store: OutboxStore) -> None:
     """Under a held snapshot the full claim's due scan visits every delivered row's dead
     entry; the fast claim's scan starts past them (buffers read, not time)."""
     holder = psycopg.connect(pg_dsn)
     holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
     holder.execute("SELECT 1").fetchone()
     try:
-        store.due_cursor = DueCursor(lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0)
+        store.due_cursor = DueCursor(
+            lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
+        )
         seen: dict[int, int] = {}
         with psycopg.connect(pg_dsn, autocommit=True) as writer:
             for _ in range(20):
@@ -158,7 +165,8 @@ def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, 
                 "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) SELECT id FROM {} WHERE status = 'pending' "
                 "AND available_at <= now() AND (%(from_at)s::timestamptz IS NULL "
                 "OR (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint)) "
-                "ORDER BY available_at, id LIMIT 100").format(sql.Identifier(*table.split(".")))
+                "ORDER BY available_at, id LIMIT 100"
+            ).format(sql.Identifier(*table.split(".")))
             with psycopg.connect(pg_dsn, autocommit=True) as conn:
                 conn.execute("SET enable_bitmapscan = off")
                 conn.execute("SET plan_cache_mode = force_custom_plan")

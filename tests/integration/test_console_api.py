@@ -20,8 +20,15 @@ BEARER = {"Authorization": f"Bearer {TOKEN}"}
 def seeded(store, pg_dsn, table):
     return {
         "target": seed_dead(pg_dsn, table, 6, aggregates=3),
-        "other": seed_dead(pg_dsn, table, 4, event_type="OrderCreated", aggregate_type="order",
-                           aggregate_prefix="order-", last_error="permanent: MSG_SIZE_TOO_LARGE"),
+        "other": seed_dead(
+            pg_dsn,
+            table,
+            4,
+            event_type="OrderCreated",
+            aggregate_type="order",
+            aggregate_prefix="order-",
+            last_error="permanent: MSG_SIZE_TOO_LARGE",
+        ),
     }
 
 
@@ -59,8 +66,10 @@ def test_token_required_everywhere(console_url, pg_dsn, table, seeded):
 
 def test_dry_run_changes_nothing(console_url, pg_dsn, table, seeded):
     with httpx.Client(base_url=console_url, headers=BEARER) as http:
-        answer = http.post("/api/dead/retry", json={
-            "filter": {"event_type": "PaymentCaptured", "error_contains": "unknown_topic"}, "dry_run": True})
+        answer = http.post(
+            "/api/dead/retry",
+            json={"filter": {"event_type": "PaymentCaptured", "error_contains": "unknown_topic"}, "dry_run": True},
+        )
         assert answer.status_code == 200, answer.text
         doc = answer.json()
         assert (doc["matched"], doc["changed"], doc["dry_run"]) == (6, 0, True)
@@ -98,7 +107,9 @@ def test_retry_and_skip_by_filter_and_ids_are_audited(console_url, pg_dsn, table
 
         entries = http.get("/api/audit").json()["entries"]
         assert [(e["action"], e["actor"], e["source"], e["rows_changed"], e["reason"]) for e in entries] == [
-            ("skip", "deploy-bot", "api", 2, "OPS-7"), ("retry", "deploy-bot", "api", 6, None)]
+            ("skip", "deploy-bot", "api", 2, "OPS-7"),
+            ("retry", "deploy-bot", "api", 6, None),
+        ]
         assert entries[1]["selector"] == {"filter": {"event_type": "PaymentCaptured"}}
 
 
@@ -116,8 +127,12 @@ def test_bad_requests_are_refused_with_a_reason(console_url, pg_dsn, table, seed
             answer = http.post("/api/dead/retry", json=body)
             assert answer.status_code == 400, (body, answer.text)
             assert word in answer.json()["error"], (body, answer.text)
-        assert http.post("/api/dead/retry", content=b"ids=1", headers={
-            "Content-Type": "application/x-www-form-urlencoded"}).status_code == 415
+        assert (
+            http.post(
+                "/api/dead/retry", content=b"ids=1", headers={"Content-Type": "application/x-www-form-urlencoded"}
+            ).status_code
+            == 415
+        )
         assert http.get("/api/dead", params={"colour": "red"}).status_code == 400
     assert {s for s, _ in row_states(pg_dsn, table, seeded["target"]).values()} == {"dead"}
 
@@ -142,12 +157,22 @@ def test_read_only_console_refuses_every_action(store, pg_dsn, table, seeded):
 
 def test_rows_are_escaped(store, pg_dsn, table):
     script = "<script>document.title='pwned'</script>"
-    [row_id] = seed_dead(pg_dsn, table, 1, payload={"note": script}, event_type="<b>Evil</b>",
-                         aggregate_prefix="<img src=x onerror=alert(1)>", aggregates=1,
-                         last_error="boom: <iframe src=//evil.example>")
+    [row_id] = seed_dead(
+        pg_dsn,
+        table,
+        1,
+        payload={"note": script},
+        event_type="<b>Evil</b>",
+        aggregate_prefix="<img src=x onerror=alert(1)>",
+        aggregates=1,
+        last_error="boom: <iframe src=//evil.example>",
+    )
     with running_console(console_settings(pg_dsn, table)) as url, httpx.Client(base_url=url) as http:
-        pages = [http.get(f"/rows/{row_id}"), http.get("/dead"),
-                 http.get("/aggregates/%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E0")]
+        pages = [
+            http.get(f"/rows/{row_id}"),
+            http.get("/dead"),
+            http.get("/aggregates/%3Cimg%20src%3Dx%20onerror%3Dalert(1)%3E0"),
+        ]
         for page in pages:
             assert page.status_code == 200, page.text
             assert "<script>document" not in page.text and "<img src=x" not in page.text
@@ -173,8 +198,12 @@ def test_login_session_cookie_and_csrf(console_url, pg_dsn, table, seeded):
         form = {"action": "skip", "scope": "ids", "id": [str(i) for i in seeded["other"]], "reason": "dup"}
         assert http.post("/dead/apply", data=form).status_code == 403  # no CSRF token
         assert http.post("/dead/apply", data=dict(form, csrf_token="forged")).status_code == 403
-        assert http.post("/dead/apply", data=dict(form, csrf_token=csrf),
-                         headers={"Origin": "https://evil.example"}).status_code == 403
+        assert (
+            http.post(
+                "/dead/apply", data=dict(form, csrf_token=csrf), headers={"Origin": "https://evil.example"}
+            ).status_code
+            == 403
+        )
         no_reason = http.post("/dead/apply", data=dict(form, csrf_token=csrf, reason=" "))
         assert no_reason.status_code == 400 and "say why" in no_reason.text
         assert {s for s, _ in row_states(pg_dsn, table, seeded["other"]).values()} == {"dead"}
@@ -186,8 +215,12 @@ def test_login_session_cookie_and_csrf(console_url, pg_dsn, table, seeded):
         assert {s for s, _ in row_states(pg_dsn, table, seeded["other"]).values()} == {"done"}
         audit_page = http.get(done.headers["location"])
         assert "alice" in audit_page.text and "dup" in audit_page.text
-        assert http.post("/api/dead/retry", json={"ids": seeded["target"]},
-                         headers={"X-CSRF-Token": csrf}).json()["changed"] == 6
+        assert (
+            http.post("/api/dead/retry", json={"ids": seeded["target"]}, headers={"X-CSRF-Token": csrf}).json()[
+                "changed"
+            ]
+            == 6
+        )
 
         assert http.post("/logout", data={"csrf_token": csrf}).status_code == 303
         assert http.get("/dead").status_code == 303
@@ -203,8 +236,9 @@ def as_client(address: str) -> dict[str, str]:
 
 
 def test_wrong_tokens_are_throttled_per_client_address(store, pg_dsn, table, seeded):
-    settings = console_settings(pg_dsn, table, token=TOKEN, login_max_failures=3, login_lockout_seconds=600,
-                                forwarded_allow_ips=["127.0.0.1"])
+    settings = console_settings(
+        pg_dsn, table, token=TOKEN, login_max_failures=3, login_lockout_seconds=600, forwarded_allow_ips=["127.0.0.1"]
+    )
     with running_console(settings) as url, httpx.Client(base_url=url, follow_redirects=False) as http:
         alice = as_client("198.51.100.7")
         logged_in = http.post("/login", data={"name": "alice", "token": TOKEN}, headers=alice)
@@ -233,14 +267,20 @@ def test_wrong_tokens_are_throttled_per_client_address(store, pg_dsn, table, see
         assert http.get("/api/status", headers=dict(BEARER, **as_client("198.51.100.8"))).status_code == 200
         # Wrong bearer tokens count too; an IPv6 client is counted per /64.
         for _ in range(3):
-            assert http.get("/api/status", headers={"Authorization": "Bearer guess",
-                                                    **as_client("2001:db8::1")}).status_code == 403
+            assert (
+                http.get(
+                    "/api/status", headers={"Authorization": "Bearer guess", **as_client("2001:db8::1")}
+                ).status_code
+                == 403
+            )
         assert http.get("/api/status", headers=dict(BEARER, **as_client("2001:db8::2"))).status_code == 429
         assert http.get("/api/status", headers=dict(BEARER, **as_client("2001:db8:0:1::1"))).status_code == 200
         # No name given: the token is not checked, so nothing is counted.
         for _ in range(4):
-            assert http.post("/login", data={"name": "", "token": "guess"},
-                             headers=as_client("198.51.100.9")).status_code == 401
+            assert (
+                http.post("/login", data={"name": "", "token": "guess"}, headers=as_client("198.51.100.9")).status_code
+                == 401
+            )
         assert http.get("/api/status", headers=dict(BEARER, **as_client("198.51.100.9"))).status_code == 200
     assert {s for s, _ in row_states(pg_dsn, table, seeded["target"]).values()} == {"dead"}
 
@@ -293,9 +333,13 @@ def test_wrong_tokens_are_logged_without_the_token(store, pg_dsn, table):
     import json
 
     guess = "guess-Zq81-never-logged"
-    with console_process(pg_dsn, table, OUTBOX_RELAY_CONSOLE__TOKEN=TOKEN,
-                         OUTBOX_RELAY_CONSOLE__LOGIN_MAX_FAILURES="2",
-                         OUTBOX_RELAY_CONSOLE__LOGIN_LOCKOUT_SECONDS="600") as (url, lines):
+    with console_process(
+        pg_dsn,
+        table,
+        OUTBOX_RELAY_CONSOLE__TOKEN=TOKEN,
+        OUTBOX_RELAY_CONSOLE__LOGIN_MAX_FAILURES="2",
+        OUTBOX_RELAY_CONSOLE__LOGIN_LOCKOUT_SECONDS="600",
+    ) as (url, lines):
         with httpx.Client(base_url=url, follow_redirects=False) as http:
             assert http.post("/login", data={"name": "alice", "token": TOKEN}).status_code == 303
             assert http.post("/login", data={"name": "mallory", "token": guess}).status_code == 401
@@ -309,7 +353,9 @@ def test_wrong_tokens_are_logged_without_the_token(store, pg_dsn, table):
     assert [(e["user"], e["client"], e["level"]) for e in logins] == [("alice", "127.0.0.1", "info")]
     failed = [e for e in events if e["event"].startswith("console login failed")]
     assert [(e["via"], e["client"], e["failures"], e.get("locked_out_seconds"), e["level"]) for e in failed] == [
-        ("form", "127.0.0.1", 1, None, "warning"), ("bearer", "127.0.0.1", 2, 600.0, "warning")]
+        ("form", "127.0.0.1", 1, None, "warning"),
+        ("bearer", "127.0.0.1", 2, 600.0, "warning"),
+    ]
     assert failed[0]["user"] == "mallory"
     refused = [e for e in events if e["event"].startswith("console login refused")]
     assert len(refused) == 1 and refused[0]["via"] == "bearer" and 1 <= refused[0]["retry_after_seconds"] <= 600
@@ -317,15 +363,26 @@ def test_wrong_tokens_are_logged_without_the_token(store, pg_dsn, table):
 
 def test_bulk_pages_escape_hostile_text_and_every_action_needs_csrf(store, pg_dsn, table):
     hostile = "<script>document.title='pwned'</script>"
-    ids = seed_dead(pg_dsn, table, 3, event_type=f"Evt{hostile}", aggregate_prefix=f"agg{hostile}", aggregates=2,
-                    last_error=f"boom {hostile}")
-    with running_console(console_settings(pg_dsn, table, token=TOKEN)) as url, \
-            httpx.Client(base_url=url, follow_redirects=False) as http:
+    ids = seed_dead(
+        pg_dsn,
+        table,
+        3,
+        event_type=f"Evt{hostile}",
+        aggregate_prefix=f"agg{hostile}",
+        aggregates=2,
+        last_error=f"boom {hostile}",
+    )
+    with (
+        running_console(console_settings(pg_dsn, table, token=TOKEN)) as url,
+        httpx.Client(base_url=url, follow_redirects=False) as http,
+    ):
         assert http.post("/login", data={"name": f"eve{hostile}", "token": TOKEN}).status_code == 303
-        by_filter = {"action": "skip", "scope": "filter", "event_type": f"Evt{hostile}",
-                     "error_contains": "<script>"}
-        pages = [http.get("/dead/preview", params=by_filter), http.get("/dead/preview", params={
-            "action": "retry", "scope": "all"}), http.get("/dead", params={"event_type": f"Evt{hostile}"})]
+        by_filter = {"action": "skip", "scope": "filter", "event_type": f"Evt{hostile}", "error_contains": "<script>"}
+        pages = [
+            http.get("/dead/preview", params=by_filter),
+            http.get("/dead/preview", params={"action": "retry", "scope": "all"}),
+            http.get("/dead", params={"event_type": f"Evt{hostile}"}),
+        ]
         assert [page.status_code for page in pages] == [200, 200, 200]
         assert "3</strong> dead rows will be" in pages[0].text and "3</strong> dead rows will be" in pages[1].text
         csrf = re.search(r'name="csrf_token" value="([^"]+)"', pages[0].text).group(1)
@@ -333,11 +390,14 @@ def test_bulk_pages_escape_hostile_text_and_every_action_needs_csrf(store, pg_ds
 
         # State-changing routes: without the session's CSRF token nothing changes.
         assert http.post("/dead/apply", data=form).status_code == 403
-        assert http.post("/api/dead/skip", json={"filter": {"event_type": f"Evt{hostile}"},
-                                                 "reason": "x"}).status_code == 403
+        assert (
+            http.post("/api/dead/skip", json={"filter": {"event_type": f"Evt{hostile}"}, "reason": "x"}).status_code
+            == 403
+        )
         assert http.post("/api/dead/retry", json={"all": True}, headers={"X-CSRF-Token": "forged"}).status_code == 403
-        cross_site = http.post("/api/dead/retry", json={"all": True},
-                               headers={"X-CSRF-Token": csrf, "Origin": "https://evil.example"})
+        cross_site = http.post(
+            "/api/dead/retry", json={"all": True}, headers={"X-CSRF-Token": csrf, "Origin": "https://evil.example"}
+        )
         assert cross_site.status_code == 403 and "evil.example" in cross_site.json()["error"]
         session_id = http.cookies[COOKIE]
         assert http.post("/logout", data={}).status_code == 303  # no CSRF token: the session is not ended

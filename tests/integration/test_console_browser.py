@@ -36,17 +36,29 @@ CHROMEDRIVER = shutil.which("chromedriver")
 @pytest.fixture
 def browser() -> Iterator[Any]:
     if not CHROMIUM or not CHROMEDRIVER:
-        pytest.skip("Chromium and chromedriver are not installed (Debian: apt-get install chromium chromium-driver; "
-                    "./dev test installs them when it runs as root)")
+        pytest.skip(
+            "Chromium and chromedriver are not installed (Debian: apt-get install chromium chromium-driver; "
+            "./dev test installs them when it runs as root)"
+        )
     webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (test extra)")
     from selenium.webdriver.chrome.service import Service
 
     profile = tempfile.mkdtemp(prefix="outbox-relay-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
-                 f"--user-data-dir={profile}", "--window-size=1366,860", "--lang=en-US"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={profile}",
+        "--window-size=1366,860",
+        "--lang=en-US",
+    ):
         options.add_argument(flag)
     os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager look for downloads
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
@@ -61,8 +73,9 @@ def browser() -> Iterator[Any]:
 @pytest.fixture
 def console_process(store, pg_dsn, table) -> Iterator[str]:
     """`outbox-relay console --port 0` as a subprocess; yields its base URL."""
-    with running_console_process(pg_dsn, table, OUTBOX_RELAY_CONSOLE__TOKEN=TOKEN,
-                                 OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES='["PaymentCaptured"]') as (url, _lines):
+    with running_console_process(
+        pg_dsn, table, OUTBOX_RELAY_CONSOLE__TOKEN=TOKEN, OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES='["PaymentCaptured"]'
+    ) as (url, _lines):
         yield url
 
 
@@ -90,18 +103,28 @@ def shoot(driver: Any, name: str) -> None:
 def test_operator_retries_by_filter_in_the_browser(browser, console_process, pg_dsn, table):
     from selenium.webdriver.common.by import By
 
-    target = seed_dead(pg_dsn, table, 6, aggregates=3)                               # what must be retried
-    other_error = seed_dead(pg_dsn, table, 3, last_error="permanent: MSG_SIZE_TOO_LARGE",
-                            aggregate_prefix="refund-", aggregates=3)
-    other_type = seed_dead(pg_dsn, table, 4, event_type="OrderCreated", aggregate_type="order",
-                           aggregate_prefix="order-", payload={"note": "<script>document.title='pwned'</script>"},
-                           last_error="permanent: invalid record")
+    target = seed_dead(pg_dsn, table, 6, aggregates=3)  # what must be retried
+    other_error = seed_dead(
+        pg_dsn, table, 3, last_error="permanent: MSG_SIZE_TOO_LARGE", aggregate_prefix="refund-", aggregates=3
+    )
+    other_type = seed_dead(
+        pg_dsn,
+        table,
+        4,
+        event_type="OrderCreated",
+        aggregate_type="order",
+        aggregate_prefix="order-",
+        payload={"note": "<script>document.title='pwned'</script>"},
+        last_error="permanent: invalid record",
+    )
     seed_dead(pg_dsn, table, 5, status="pending", aggregate_prefix="refund-", aggregates=3)  # behind dead heads
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # an hour of published history for the overview
-        conn.execute(f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status,"
-                     " created_at, done_at) SELECT 'order', 'order-' || g, 'OrderPaid', '{}', 'done',"
-                     " now() - make_interval(secs => g + 1), now() - make_interval(secs => g)"
-                     " FROM generate_series(1, 3500, 2) AS g")
+        conn.execute(
+            f"INSERT INTO {quoted(table)} (aggregate_type, aggregate_id, event_type, payload, status,"
+            " created_at, done_at) SELECT 'order', 'order-' || g, 'OrderPaid', '{}', 'done',"
+            " now() - make_interval(secs => g + 1), now() - make_interval(secs => g)"
+            " FROM generate_series(1, 3500, 2) AS g"
+        )
     b = browser
     url = console_process
 

@@ -25,8 +25,15 @@ ROWS = 12
 def consume(bootstrap: str, topic: str, expected: int, handle: Any, timeout: float = 30.0) -> int:
     """Read ``topic`` from offset 0 with a real consumer, calling ``handle(msg)``; commit
     each offset after it was handled (as the recipe does). Returns messages read."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"inbox-test-{time.monotonic_ns()}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest", "log_level": 3})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"inbox-test-{time.monotonic_ns()}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log_level": 3,
+        }
+    )
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])  # no group join (tansu is slow at it)
@@ -57,12 +64,21 @@ def test_redelivered_messages_are_applied_once(fmt, make_settings, store, pg_dsn
         claimed = crashed.claim()
         messages = [build_message(row, cfg.wire_format or cfg.topic_template) for row in claimed]
         assert publisher.publish_batch(messages, timeout_seconds=10) == [None] * ROWS
-        wait_for(lambda: run_sql(pg_dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
-                                 ([c.id for c in claimed],))[0][0],
-                 timeout=10, interval=0.05, message="the crashed worker's leases to expire")
+        wait_for(
+            lambda: run_sql(
+                pg_dsn,
+                table,
+                "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
+                ([c.id for c in claimed],),
+            )[0][0],
+            timeout=10,
+            interval=0.05,
+            message="the crashed worker's leases to expire",
+        )
         # Worker 2 takes the expired leases over and publishes everything again.
-        survivor = Worker(1, store, publisher, WorkerConfig.from_settings(settings, publisher, owner="survivor"),
-                          RelayMetrics())
+        survivor = Worker(
+            1, store, publisher, WorkerConfig.from_settings(settings, publisher, owner="survivor"), RelayMetrics()
+        )
         assert survivor.run_once().done == ROWS
     finally:
         publisher.close()
@@ -74,8 +90,7 @@ def test_redelivered_messages_are_applied_once(fmt, make_settings, store, pg_dsn
 
     def apply(conn: psycopg.Connection[Any], msg: Any) -> None:
         delivery = delivery_id(msg)
-        conn.execute(f'INSERT INTO "{table.split(".")[0]}".effects (message_id) VALUES (%s)',
-                     (delivery.message_id,))
+        conn.execute(f'INSERT INTO "{table.split(".")[0]}".effects (message_id) VALUES (%s)', (delivery.message_id,))
         if delivery.message_id == str(ids[0]) and not failed_once:
             failed_once.add(delivery.message_id)
             raise RuntimeError("consumer crashed while applying")  # rolls back the effect AND the inbox id

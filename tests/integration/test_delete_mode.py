@@ -30,8 +30,9 @@ def delete_store(pg_dsn, table):
 
 
 def _claim(store, *, owner="A", batch=10, lease=30.0, types=(), run_length=1):
-    return store.claim(owner=owner, batch=batch, lease_seconds=lease, max_attempts=5, ordered_types=list(types),
-                       run_length=run_length).rows
+    return store.claim(
+        owner=owner, batch=batch, lease_seconds=lease, max_attempts=5, ordered_types=list(types), run_length=run_length
+    ).rows
 
 
 def test_finalize_deletes_done_rows_under_the_fence_and_keeps_the_rest(delete_store, pg_dsn, table):
@@ -39,18 +40,23 @@ def test_finalize_deletes_done_rows_under_the_fence_and_keeps_the_rest(delete_st
 
     a, b, c, d = insert_rows(pg_dsn, table, 4)
     claimed = {r.id: r for r in _claim(delete_store, lease=0.2)}
-    wait_for(lambda: run_sql(pg_dsn, table, "SELECT bool_and(lease_until < now()) FROM {t}")[0][0],
-             timeout=10, message="the lease of A's claim to expire")  # then B takes them over
+    wait_for(
+        lambda: run_sql(pg_dsn, table, "SELECT bool_and(lease_until < now()) FROM {t}")[0][0],
+        timeout=10,
+        message="the lease of A's claim to expire",
+    )  # then B takes them over
     again = _claim(delete_store, owner="B")
     assert [r.id for r in again] == [a, b, c, d]
     stale = delete_store.finalize([FinalizeItem(d, claimed[d].lease_version, "done")])
     assert stale == set()  # a lost lease deletes nothing
     v = {r.id: r.lease_version for r in again}
-    accepted = delete_store.finalize([
-        FinalizeItem(a, v[a], "done"),
-        FinalizeItem(b, v[b], "pending", 60.0, "retry: broker busy"),
-        FinalizeItem(c, v[c], "dead", 0.0, "permanent: bad payload"),
-    ])
+    accepted = delete_store.finalize(
+        [
+            FinalizeItem(a, v[a], "done"),
+            FinalizeItem(b, v[b], "pending", 60.0, "retry: broker busy"),
+            FinalizeItem(c, v[c], "dead", 0.0, "permanent: bad payload"),
+        ]
+    )
     assert accepted == {a, b, c}
     assert {r[0]: r[1] for r in rows(pg_dsn, table)} == {b: "pending", c: "dead", d: "processing"}
     assert delete_store.mark_done([(d, v[d])]) == {d}
@@ -66,8 +72,15 @@ def test_a_dedup_key_is_refused_after_its_row_was_delivered_until_purged(pg_dsn,
 
         def put(key: str) -> int:
             with psycopg.connect(pg_dsn) as conn, conn.transaction():
-                return enqueue(conn, aggregate_type="order", aggregate_id="o-1", event_type="ReceiptIssued",
-                               payload={"order": 1}, table=table, dedup_key=key)
+                return enqueue(
+                    conn,
+                    aggregate_type="order",
+                    aggregate_id="o-1",
+                    event_type="ReceiptIssued",
+                    payload={"order": 1},
+                    table=table,
+                    dedup_key=key,
+                )
 
         first = put("receipt:o-1")
         assert not first.duplicate
@@ -82,8 +95,11 @@ def test_a_dedup_key_is_refused_after_its_row_was_delivered_until_purged(pg_dsn,
         purged = cli("purge", "--older-than", "1h", env=env)
         assert purged.returncode == 0 and "dedup keys" not in purged.stdout  # the key is younger than 1h
         assert put("receipt:o-1").duplicate
-        run_sql(pg_dsn, table.replace(".outbox", ".outbox_dedup_keys"),
-                "UPDATE {t} SET created_at = now() - interval '2 hours'")
+        run_sql(
+            pg_dsn,
+            table.replace(".outbox", ".outbox_dedup_keys"),
+            "UPDATE {t} SET created_at = now() - interval '2 hours'",
+        )
         purged = cli("purge", "--older-than", "1h", env=env)
         assert purged.returncode == 0, purged.stderr
         if on_done == "keep":  # the done row is younger than 1h: it and its key stay
@@ -97,8 +113,9 @@ def test_a_dedup_key_is_refused_after_its_row_was_delivered_until_purged(pg_dsn,
         assert not fresh.duplicate and int(fresh) != int(first)
 
 
-def test_relay_drains_in_delete_mode_and_the_broker_has_every_message(make_settings, delete_store, pg_dsn, table,
-                                                                      broker, topic_prefix):
+def test_relay_drains_in_delete_mode_and_the_broker_has_every_message(
+    make_settings, delete_store, pg_dsn, table, broker, topic_prefix
+):
     ids = insert_rows(pg_dsn, table, 300, aggregates=7)
     relay = Relay(make_settings(relay={"on_done": "delete", "ordered_event_types": ALL, "max_run_length": 5}))
     relay.start()
@@ -172,10 +189,20 @@ def test_finalize_whose_reply_was_lost_is_recognised_in_delete_mode(pg_dsn, tabl
     try:
         insert_rows(pg_dsn, table, 5)
         metrics = RelayMetrics()
-        cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=[],
-                           run_length=1, strict_lease=False, topic_template="t.{aggregate_type}",
-                           poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
-                           publish_timeout_seconds=5)
+        cfg = WorkerConfig(
+            owner="w",
+            batch_size=10,
+            lease_seconds=30,
+            max_attempts=3,
+            ordered_types=[],
+            run_length=1,
+            strict_lease=False,
+            topic_template="t.{aggregate_type}",
+            poll_interval_seconds=1,
+            backoff_base_seconds=1,
+            backoff_cap_seconds=5,
+            publish_timeout_seconds=5,
+        )
         result = Worker(0, flaky, Ok(), cfg, metrics).run_once()
     finally:
         flaky.close()
@@ -203,8 +230,9 @@ def _finalize_plan(pg_dsn, table, on_done, ordering):
         params = finalize_params([FinalizeItem(r.id, r.lease_version, "done") for r in claimed])
         with psycopg.connect(pg_dsn) as conn:  # planned as the store plans it (FINALIZE_SETTINGS)
             cur = conn.cursor()
-            execute_with_settings(cur, psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + query, params,
-                                  FINALIZE_SETTINGS)
+            execute_with_settings(
+                cur, psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + query, params, FINALIZE_SETTINGS
+            )
             plan = cur.fetchone()[0]
             conn.rollback()
     finally:
@@ -225,8 +253,11 @@ def test_delete_mode_finalize_looks_delivered_rows_up_once(pg_dsn, table, orderi
     all_nodes, nodes = _finalize_plan(pg_dsn, table, "delete", ordering)
     deletes = [n for n in all_nodes if n.get("Operation") == "Delete"]
     assert len(deletes) == 1 and deletes[0]["Actual Rows"] == 300
-    rescanned = [n["Node Type"] for n in nodes(deletes[0])
-                 if n["Node Type"] in ("Function Scan", "CTE Scan") and n["Actual Loops"] > 1]
+    rescanned = [
+        n["Node Type"]
+        for n in nodes(deletes[0])
+        if n["Node Type"] in ("Function Scan", "CTE Scan") and n["Actual Loops"] > 1
+    ]
     assert rescanned == []
 
 

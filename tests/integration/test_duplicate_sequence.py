@@ -29,20 +29,33 @@ boto3 = pytest.importorskip("boto3")  # moto[server] brings it (test extra)
 
 
 def _messages(topic: str, ids: range) -> list[Message]:
-    return [Message(id=i, topic=topic, key="k", value=json.dumps({"n": i}), headers=[("message_id", str(i))],
-                    aggregate_type="a", aggregate_id="k", event_type="E") for i in ids]
+    return [
+        Message(
+            id=i,
+            topic=topic,
+            key="k",
+            value=json.dumps({"n": i}),
+            headers=[("message_id", str(i))],
+            aggregate_type="a",
+            aggregate_id="k",
+            event_type="E",
+        )
+        for i in ids
+    ]
 
 
 def test_a_duplicate_sequence_answer_for_a_batch_the_broker_never_stored_is_not_a_delivery(
-        make_settings, tansu_durable_broker):
+    make_settings, tansu_durable_broker
+):
     durable_broker = tansu_durable_broker  # tansu's S3 storage: its producer sequences are an object
     storage = durable_broker.storage
     assert storage is not None
     topic = "dupseq-" + uuid.uuid4().hex[:8]
     admin = AdminClient({"bootstrap.servers": durable_broker.bootstrap_servers})
     admin.create_topics([NewTopic(topic, num_partitions=1, replication_factor=1)])[topic].result(timeout=30)
-    publisher = from_settings(make_settings(kafka={"bootstrap_servers": durable_broker.bootstrap_servers,
-                                                   "linger_ms": 50}))
+    publisher = from_settings(
+        make_settings(kafka={"bootstrap_servers": durable_broker.bootstrap_servers, "linger_ms": 50})
+    )
     publisher.start()
     try:
         first = publisher.publish_batch(_messages(topic, range(1, 6)), timeout_seconds=20)
@@ -50,8 +63,13 @@ def test_a_duplicate_sequence_answer_for_a_batch_the_broker_never_stored_is_not_
 
         # The crash window, without the race: the broker has recorded the producer's
         # next sequence numbers (for 3 messages) but stored no batch for them.
-        s3 = boto3.client("s3", endpoint_url=storage.endpoint, region_name="eu-west-2",
-                          aws_access_key_id="outbox-relay-test", aws_secret_access_key="outbox-relay-test")
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=storage.endpoint,
+            region_name="eu-west-2",
+            aws_access_key_id="outbox-relay-test",
+            aws_secret_access_key="outbox-relay-test",
+        )
         key = "clusters/tansu_cluster/meta.json"
         meta = json.loads(s3.get_object(Bucket=storage.bucket, Key=key)["Body"].read())
         bumped = 0

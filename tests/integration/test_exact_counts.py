@@ -23,8 +23,16 @@ def test_depth_gauge_above_the_cap_is_an_exact_count(store, pg_dsn, table):
     seed_dead(pg_dsn, table, 1_000)
     seed_dead(pg_dsn, table, 30, status="pending")
     metrics = RelayMetrics()
-    refresher = StatsRefresher(store, metrics, interval_seconds=60, timeout_ms=2000, ordered_types=[],
-                               count_cap=100, exact_count_interval_seconds=0.05, exact_count_timeout_ms=5000)
+    refresher = StatsRefresher(
+        store,
+        metrics,
+        interval_seconds=60,
+        timeout_ms=2000,
+        ordered_types=[],
+        count_cap=100,
+        exact_count_interval_seconds=0.05,
+        exact_count_timeout_ms=5000,
+    )
     assert refresher.refresh_once()
     # Below the cap: exact at every refresh. Above it: the cap or the planner's
     # estimate (no ANALYZE yet: at most a stale guess) until the slow exact count lands.
@@ -50,7 +58,11 @@ def test_counts_are_exact_or_proven_lower_bounds(store, pg_dsn, table):
     seed_dead(pg_dsn, table, 700, event_type="OrderCreated", last_error="permanent: too large")
     depth = store.exact_depth(budget_ms=10_000, first_upto=10)  # several 4x steps, all in time
     assert {s: (c.n, c.exact) for s, c in depth.items()} == {
-        "pending": (0, True), "processing": (0, True), "done": (0, True), "dead": (3_700, True)}
+        "pending": (0, True),
+        "processing": (0, True),
+        "done": (0, True),
+        "dead": (3_700, True),
+    }
     assert store.dead_count(DeadFilter(error_contains="TOO LARGE"), budget_ms=10_000, first_upto=10).n == 700
     limited = store.dead_count(DeadFilter(event_type="OrderCreated", limit=50), budget_ms=10_000)
     assert (limited.n, limited.exact) == (50, True)

@@ -30,9 +30,20 @@ PAYLOADS = [{"order_id": 1, "amount": 12.5, "note": "ü"}, {"order_id": 2, "line
 
 def write_rows(dsn: str, table: str, aggregate_type: str, headers: dict[str, str]) -> list[int]:
     with psycopg.connect(dsn) as conn, conn.transaction():
-        return [int(enqueue(conn, aggregate_type=aggregate_type, aggregate_id=f"order {i}/ü", event_type="OrderPaid",
-                            payload=payload, headers=headers, table=table))
-                for i, payload in enumerate(PAYLOADS)]
+        return [
+            int(
+                enqueue(
+                    conn,
+                    aggregate_type=aggregate_type,
+                    aggregate_id=f"order {i}/ü",
+                    event_type="OrderPaid",
+                    payload=payload,
+                    headers=headers,
+                    table=table,
+                )
+            )
+            for i, payload in enumerate(PAYLOADS)
+        ]
 
 
 def created_at(dsn: str, table: str) -> dict[int, Any]:
@@ -51,8 +62,11 @@ def relay_once(settings: Any, store: Any) -> None:
 
 
 def kafka_message(m: dict[str, Any]) -> ce_kafka.KafkaMessage:
-    return ce_kafka.KafkaMessage(headers={n: (v or "").encode() for n, v in m["headers"].items()},
-                                 key=m["key"].encode(), value=m["value"].encode())
+    return ce_kafka.KafkaMessage(
+        headers={n: (v or "").encode() for n, v in m["headers"].items()},
+        key=m["key"].encode(),
+        value=m["value"].encode(),
+    )
 
 
 @pytest.mark.parametrize("fmt", ["cloudevents-binary", "cloudevents-structured"])
@@ -66,8 +80,11 @@ def test_cloudevents_on_kafka_read_by_the_sdk(fmt, make_settings, store, pg_dsn,
     assert len(messages) == len(ids)
     for m in messages:
         kafka = kafka_message(m)
-        event = ce_kafka.from_binary(kafka, JSONFormat()) if fmt == "cloudevents-binary" \
+        event = (
+            ce_kafka.from_binary(kafka, JSONFormat())
+            if fmt == "cloudevents-binary"
             else ce_kafka.from_structured(kafka, JSONFormat())
+        )
         assert ce_kafka.from_kafka(kafka, JSONFormat()).get_attributes() == event.get_attributes()  # mode detected
         row_id = int(event.get_id())
         index = ids.index(row_id)
@@ -88,7 +105,14 @@ def test_cloudevents_on_kafka_read_by_the_sdk(fmt, make_settings, store, pg_dsn,
             assert m["value"] == stored[row_id]  # the payload exactly as stored (jsonb::text)
             assert m["headers"]["content-type"] == "application/json"
             assert sorted(n for n in m["headers"] if n.startswith("ce_")) == [
-                "ce_id", "ce_source", "ce_specversion", "ce_subject", "ce_tenant", "ce_time", "ce_type"]
+                "ce_id",
+                "ce_source",
+                "ce_specversion",
+                "ce_subject",
+                "ce_tenant",
+                "ce_time",
+                "ce_type",
+            ]
         else:
             assert m["headers"]["content-type"] == "application/cloudevents+json"
             assert not [n for n in m["headers"] if n.startswith("ce_")]  # else receivers would see binary mode
@@ -100,12 +124,14 @@ def test_debezium_format_is_what_the_router_emits(make_settings, store, pg_dsn, 
     # (the aggregate type is unique to this test, so is the topic on the shared broker).
     settings = make_settings(kafka={"message_format": "debezium"})
     settings.kafka = settings.kafka.model_validate(
-        {k: v for k, v in settings.kafka.model_dump().items() if k != "topic_template"})
+        {k: v for k, v in settings.kafka.model_dump().items() if k != "topic_template"}
+    )
     aggregate_type = topic_prefix
     ids = write_rows(pg_dsn, table, aggregate_type, {"eventType": "OrderPaid"})
     relay_once(settings, store)
-    messages = read_messages(broker.bootstrap_servers, [f"outbox.event.{aggregate_type}"], expected=len(ids),
-                             timeout=30)
+    messages = read_messages(
+        broker.bootstrap_servers, [f"outbox.event.{aggregate_type}"], expected=len(ids), timeout=30
+    )
     assert sorted(int(m["headers"]["id"]) for m in messages) == ids
     for m in messages:
         index = ids.index(int(m["headers"]["id"]))
@@ -120,7 +146,8 @@ def test_cloudevents_over_http_read_by_the_sdk(fmt, make_settings, store, pg_dsn
         settings = make_settings(
             kafka={"message_format": fmt, "cloudevents_source": "urn:shop:orders"},
             relay={"publisher": "http"},
-            http={"url_template": f"{target.base_url}/events", "headers": {"Content-Type": "text/plain"}})
+            http={"url_template": f"{target.base_url}/events", "headers": {"Content-Type": "text/plain"}},
+        )
         ids = write_rows(pg_dsn, table, "order", {"ce_tenant": "acme", "tenant_hint": "eu"})
         publisher = HttpPublisher.from_settings(settings)
         try:
@@ -144,8 +171,11 @@ def test_cloudevents_over_http_read_by_the_sdk(fmt, make_settings, store, pg_dsn
         assert ce_http.from_http(message, JSONFormat()).get_attributes() == event.get_attributes()
         row_id = int(event.get_id())
         index = ids.index(row_id)
-        assert (event.get_specversion(), event.get_source(), event.get_type()) == ("1.0", "urn:shop:orders",
-                                                                                   "OrderPaid")
+        assert (event.get_specversion(), event.get_source(), event.get_type()) == (
+            "1.0",
+            "urn:shop:orders",
+            "OrderPaid",
+        )
         assert event.get_subject() == f"order {index}/ü"
         assert event.get_time() == times[row_id]
         assert event.get_datacontenttype() == "application/json"

@@ -45,10 +45,19 @@ def as_role(dsn: str, role: str) -> str:
     return psycopg.conninfo.make_conninfo(dsn, user=role)
 
 
-def test_printed_grants_are_exactly_enough(pg_dsn: str, table: str, store: Any, roles: dict[str, str],
-                                           make_settings: Any) -> None:
-    printed = cli("grants", "--relay", roles["relay"], "--operator", roles["operator"], "--writer", roles["writer"],
-                  env=cli_env(pg_dsn, table))
+def test_printed_grants_are_exactly_enough(
+    pg_dsn: str, table: str, store: Any, roles: dict[str, str], make_settings: Any
+) -> None:
+    printed = cli(
+        "grants",
+        "--relay",
+        roles["relay"],
+        "--operator",
+        roles["operator"],
+        "--writer",
+        roles["writer"],
+        env=cli_env(pg_dsn, table),
+    )
     assert printed.returncode == 0, printed.stderr
     statements = [line for line in printed.stdout.splitlines() if line and not line.startswith("--")]
     assert statements and all(s.startswith("GRANT ") and s.endswith(";") for s in statements)
@@ -59,14 +68,43 @@ def test_printed_grants_are_exactly_enough(pg_dsn: str, table: str, store: Any, 
     # --- writer: enqueue in all its forms ---------------------------------------------
     with psycopg.connect(as_role(pg_dsn, roles["writer"])) as writer:
         with writer.transaction():
-            plain = enqueue(writer, aggregate_type="order", aggregate_id="a1", event_type="OrderCreated",
-                            payload={"n": 1}, table=table, headers={"tenant": "x"}, delay=0)
-            ordered = enqueue(writer, aggregate_type="order", aggregate_id="a1", event_type="OrderPaid",
-                              payload={"n": 2}, table=table, ordered=True)
-            first = enqueue(writer, aggregate_type="order", aggregate_id="a2", event_type="OrderCreated",
-                            payload={"n": 3}, table=table, dedup_key="k-1")
-            again = enqueue(writer, aggregate_type="order", aggregate_id="a2", event_type="OrderCreated",
-                            payload={"n": 3}, table=table, dedup_key="k-1")
+            plain = enqueue(
+                writer,
+                aggregate_type="order",
+                aggregate_id="a1",
+                event_type="OrderCreated",
+                payload={"n": 1},
+                table=table,
+                headers={"tenant": "x"},
+                delay=0,
+            )
+            ordered = enqueue(
+                writer,
+                aggregate_type="order",
+                aggregate_id="a1",
+                event_type="OrderPaid",
+                payload={"n": 2},
+                table=table,
+                ordered=True,
+            )
+            first = enqueue(
+                writer,
+                aggregate_type="order",
+                aggregate_id="a2",
+                event_type="OrderCreated",
+                payload={"n": 3},
+                table=table,
+                dedup_key="k-1",
+            )
+            again = enqueue(
+                writer,
+                aggregate_type="order",
+                aggregate_id="a2",
+                event_type="OrderCreated",
+                payload={"n": 3},
+                table=table,
+                dedup_key="k-1",
+            )
         assert again == first and again.duplicate and not first.duplicate
         schema, name = table.split(".")
         ident = sql.Identifier(schema, name)
@@ -75,52 +113,75 @@ def test_printed_grants_are_exactly_enough(pg_dsn: str, table: str, store: Any, 
             "update lease": sql.SQL("UPDATE {} SET lease_version = lease_version + 1").format(ident),
             "read payloads": sql.SQL("SELECT payload FROM {}").format(ident),
             "read statuses": sql.SQL("SELECT status FROM {}").format(ident),
-            "insert as done": sql.SQL("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status) "
-                                      "VALUES ('o', 'a', 'E', '{{}}', 'done')").format(ident),
+            "insert as done": sql.SQL(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status) "
+                "VALUES ('o', 'a', 'E', '{{}}', 'done')"
+            ).format(ident),
             "delete": sql.SQL("DELETE FROM {}").format(ident),
         }
         for what, statement in refused.items():
-            with pytest.raises(pg_errors.InsufficientPrivilege), writer.transaction():
+            with pytest.raises(pg_errors.InsufficientPrivilege), writer.transaction():  # noqa: PT012 - the fail names the statement and rolls back a write that went through
                 writer.execute(statement)
                 pytest.fail(f"the writer could {what}")
     written = [plain, ordered, first]
 
     # --- relay: drains as its role (claims, heartbeat, finalize, wake-ups, gauges) ------
     backlog = insert_rows(pg_dsn, table, 200)
-    settings = make_settings(database={"dsn": as_role(pg_dsn, roles["relay"])},
-                             metrics={"enabled": True, "port": 0, "host": "127.0.0.1",
-                                      "refresh_interval_seconds": 0.2})
+    settings = make_settings(
+        database={"dsn": as_role(pg_dsn, roles["relay"])},
+        metrics={"enabled": True, "port": 0, "host": "127.0.0.1", "refresh_interval_seconds": 0.2},
+    )
     relay = Relay(settings)
     relay.start()
     try:
         wait_for(lambda: statuses(pg_dsn, table).get("done") == len(backlog) + len(written), message="drained")
         more = insert_rows(pg_dsn, table, 20)  # a wake-up through LISTEN/NOTIFY and the idle flag
-        wait_for(lambda: statuses(pg_dsn, table).get("done") == len(backlog) + len(written) + len(more),
-                 message="drained after a wake-up")
-        wait_for(lambda: relay.metrics.registry.get_sample_value(
-            "outbox_relay_queue_depth", {"status": "done"}) == len(backlog) + len(written) + len(more),
-                 timeout=30, message="gauges refreshed by the relay role")
+        wait_for(
+            lambda: statuses(pg_dsn, table).get("done") == len(backlog) + len(written) + len(more),
+            message="drained after a wake-up",
+        )
+        wait_for(
+            lambda: (
+                relay.metrics.registry.get_sample_value("outbox_relay_queue_depth", {"status": "done"})
+                == len(backlog) + len(written) + len(more)
+            ),
+            timeout=30,
+            message="gauges refreshed by the relay role",
+        )
     finally:
         relay.stop()
     assert relay.metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 0
     with psycopg.connect(as_role(pg_dsn, roles["relay"])) as relay_conn:
         for what, statement in {
             "rewrite a payload": sql.SQL("UPDATE {} SET payload = '{{}}'").format(ident),
-            "insert rows": sql.SQL("INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-                                   "VALUES ('o', 'a', 'E', '{{}}')").format(ident),
+            "insert rows": sql.SQL(
+                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('o', 'a', 'E', '{{}}')"
+            ).format(ident),
         }.items():
-            with pytest.raises(pg_errors.InsufficientPrivilege), relay_conn.transaction():
+            with pytest.raises(pg_errors.InsufficientPrivilege), relay_conn.transaction():  # noqa: PT012 - the fail names the statement and rolls back a write that went through
                 relay_conn.execute(statement)
                 pytest.fail(f"the relay could {what}")
 
     # --- operator: status, dead list/retry/skip, purge ----------------------------------
     with psycopg.connect(pg_dsn, autocommit=True) as owner:
-        dead = [r[0] for r in owner.execute(
-            sql.SQL("UPDATE {} SET status = 'dead', last_error = 'boom' WHERE id = ANY(%s) RETURNING id")
-            .format(ident), (backlog[:3],)).fetchall()]
+        dead = [
+            r[0]
+            for r in owner.execute(
+                sql.SQL("UPDATE {} SET status = 'dead', last_error = 'boom' WHERE id = ANY(%s) RETURNING id").format(
+                    ident
+                ),
+                (backlog[:3],),
+            ).fetchall()
+        ]
     operator_env = cli_env(as_role(pg_dsn, roles["operator"]), table)
-    for args in (["status", "--json"], ["dead", "list", "--json"], ["dead", "retry", str(dead[0])],
-                 ["dead", "skip", str(dead[1]), "--reason", "test"], ["dead", "retry", "--all"], ["purge", "--older-than", "0s"]):
+    for args in (
+        ["status", "--json"],
+        ["dead", "list", "--json"],
+        ["dead", "retry", str(dead[0])],
+        ["dead", "skip", str(dead[1]), "--reason", "test"],
+        ["dead", "retry", "--all"],
+        ["purge", "--older-than", "0s"],
+    ):
         result = cli(*args, env=operator_env)
         assert result.returncode == 0, f"{args}: {result.stderr}"
     with psycopg.connect(pg_dsn, autocommit=True) as owner:

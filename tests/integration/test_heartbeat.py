@@ -24,9 +24,10 @@ def test_slow_delivery_extends_the_lease(make_settings, store, pg_dsn, table, ow
     # how fast a broker creates a topic or wakes up.
     if hasattr(own_broker, "create_topic"):
         own_broker.create_topic(f"{topic_prefix}.order", partitions=4)
-    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers,
-                                    "delivery_timeout_seconds": 16},
-                             relay={"lease_seconds": 20, "workers": 1})
+    settings = make_settings(
+        kafka={"bootstrap_servers": own_broker.bootstrap_servers, "delivery_timeout_seconds": 16},
+        relay={"lease_seconds": 20, "workers": 1},
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -34,8 +35,9 @@ def test_slow_delivery_extends_the_lease(make_settings, store, pg_dsn, table, ow
         ids = insert_rows(pg_dsn, table, 5)
         wait_for(lambda: statuses(pg_dsn, table).get("processing") == 5, message="claimed")
         first = _lease_until(pg_dsn, table)
-        wait_for(lambda: all(_lease_until(pg_dsn, table)[i] > first[i] for i in ids), timeout=30,
-                 message="lease extended")
+        wait_for(
+            lambda: all(_lease_until(pg_dsn, table)[i] > first[i] for i in ids), timeout=30, message="lease extended"
+        )
         own_broker.resume()
         wait_for(lambda: statuses(pg_dsn, table).get("done") == 5, timeout=60, message="done")
     finally:
@@ -46,9 +48,10 @@ def test_slow_delivery_extends_the_lease(make_settings, store, pg_dsn, table, ow
 
 
 def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn, table, own_broker):
-    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers,
-                                    "delivery_timeout_seconds": 50},
-                             relay={"lease_seconds": 60, "workers": 1, "heartbeat_after_fraction": 0.05})
+    settings = make_settings(
+        kafka={"bootstrap_servers": own_broker.bootstrap_servers, "delivery_timeout_seconds": 50},
+        relay={"lease_seconds": 60, "workers": 1, "heartbeat_after_fraction": 0.05},
+    )
     relay = Relay(settings)
     relay.start()
     schema, name = table.split(".")
@@ -57,10 +60,14 @@ def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn,
         insert_rows(pg_dsn, table, 4)
         wait_for(lambda: statuses(pg_dsn, table).get("processing") == 4, message="claimed")
         with psycopg.connect(pg_dsn, autocommit=True) as conn:  # another claim takes the rows over
-            conn.execute(f'UPDATE "{schema}"."{name}" SET lease_version = lease_version + 1, lease_owner = %s',
-                         ("successor",))
-        wait_for(lambda: relay.metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 4,
-                 timeout=45, message="lost leases counted")
+            conn.execute(
+                f'UPDATE "{schema}"."{name}" SET lease_version = lease_version + 1, lease_owner = %s', ("successor",)
+            )
+        wait_for(
+            lambda: relay.metrics.registry.get_sample_value("outbox_relay_lost_leases_total") == 4,
+            timeout=45,
+            message="lost leases counted",
+        )
     finally:
         own_broker.resume_quietly()
         relay.stop(timeout_seconds=1)
@@ -76,8 +83,7 @@ def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn,
     claimed = store.claim(owner="A", batch=10, lease_seconds=0.2, max_attempts=5).rows
     strict = LeaseKeeper(store, lease_seconds=30, extend_after_fraction=0.01, strict=True)
     lenient = LeaseKeeper(store, lease_seconds=30, extend_after_fraction=0.01, strict=False)
-    wait_for(lambda: all(r[1] < r[2] for r in rows(pg_dsn, table, "id, lease_until, now()")),
-             message="leases expired")
+    wait_for(lambda: all(r[1] < r[2] for r in rows(pg_dsn, table, "id, lease_until, now()")), message="leases expired")
     batch = strict.track(claimed, "A")
     batch.extended_at -= 60  # due for an extension now
     strict.step()

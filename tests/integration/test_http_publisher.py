@@ -7,6 +7,7 @@ finalize path (``Worker.process`` or a whole ``Relay``).
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import threading
@@ -38,24 +39,34 @@ def target():
         yield t
 
 
-
-
 def state(dsn: str, table: str, row_id: int) -> dict[str, Any]:
     """One row as the database sees it now; ``due_in`` = available_at - now() in seconds."""
     schema, name = table.split(".")
     with psycopg.connect(dsn, autocommit=True) as conn:
         r = conn.execute(
-            f'SELECT status, attempts, last_error, extract(epoch FROM available_at - now())::float8, lease_version '
-            f'FROM "{schema}"."{name}" WHERE id = %s', (row_id,)).fetchone()
+            f"SELECT status, attempts, last_error, extract(epoch FROM available_at - now())::float8, lease_version "
+            f'FROM "{schema}"."{name}" WHERE id = %s',
+            (row_id,),
+        ).fetchone()
     assert r is not None
     return {"status": r[0], "attempts": r[1], "last_error": r[2], "due_in": r[3], "lease_version": r[4]}
 
 
-def add_row(dsn: str, table: str, event_type: str, *, aggregate_id: str = "agg-1", payload: Any = None,
-            **extra: Any) -> int:
+def add_row(
+    dsn: str, table: str, event_type: str, *, aggregate_id: str = "agg-1", payload: Any = None, **extra: Any
+) -> int:
     with psycopg.connect(dsn) as conn, conn.transaction():
-        return int(enqueue(conn, aggregate_type="order", aggregate_id=aggregate_id, event_type=event_type,
-                           payload=payload if payload is not None else {"e": event_type}, table=table, **extra))
+        return int(
+            enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id=aggregate_id,
+                event_type=event_type,
+                payload=payload if payload is not None else {"e": event_type},
+                table=table,
+                **extra,
+            )
+        )
 
 
 def http_settings(make_settings, target: HttpTarget, *, relay: dict | None = None, http: dict | None = None):
@@ -65,8 +76,15 @@ def http_settings(make_settings, target: HttpTarget, *, relay: dict | None = Non
     )
 
 
-def worker_for(settings, store, publisher, *, owner: str = "test", lease_seconds: float | None = None,
-               publish_timeout_seconds: float | None = None) -> Worker:
+def worker_for(
+    settings,
+    store,
+    publisher,
+    *,
+    owner: str = "test",
+    lease_seconds: float | None = None,
+    publish_timeout_seconds: float | None = None,
+) -> Worker:
     """A Worker configured the way Relay.start() configures it (WorkerConfig.from_settings)."""
     overrides: dict[str, Any] = {"owner": owner}
     if lease_seconds is not None:
@@ -78,20 +96,40 @@ def worker_for(settings, store, publisher, *, owner: str = "test", lease_seconds
 
 
 def message(i: int, event_type: str = "E") -> Message:
-    return Message(id=i, topic="t", key="k", value="{}", headers=[("message_id", str(i))], aggregate_type="order",
-                   aggregate_id=f"a{i}", event_type=event_type)
+    return Message(
+        id=i,
+        topic="t",
+        key="k",
+        value="{}",
+        headers=[("message_id", str(i))],
+        aggregate_type="order",
+        aggregate_id=f"a{i}",
+        event_type=event_type,
+    )
 
 
 # --- request format --------------------------------------------------------------------------
-def test_request_carries_payload_contract_headers_and_stable_idempotency_key(make_settings, store, pg_dsn, table,
-                                                                           target):
+def test_request_carries_payload_contract_headers_and_stable_idempotency_key(
+    make_settings, store, pg_dsn, table, target
+):
     settings = http_settings(
-        make_settings, target,
-        http={"url_template": f"{target.base_url}/in/{{aggregate_type}}/{{aggregate_id}}/{{event_type}}/"
-                              f"{{topic}}/{{id}}?src=outbox",
-              "headers": {"Authorization": "Bearer s3cret", "Content-Type": "application/cloudevents+json"}})
-    special = add_row(pg_dsn, table, "Order Paid", aggregate_id="a/b c?&#%", payload={"n": 1, "s": "ü"},
-                      topic="billing.v1", headers={"trace_id": "t-1", "tenant": "acme"})
+        make_settings,
+        target,
+        http={
+            "url_template": f"{target.base_url}/in/{{aggregate_type}}/{{aggregate_id}}/{{event_type}}/"
+            f"{{topic}}/{{id}}?src=outbox",
+            "headers": {"Authorization": "Bearer s3cret", "Content-Type": "application/cloudevents+json"},
+        },
+    )
+    special = add_row(
+        pg_dsn,
+        table,
+        "Order Paid",
+        aggregate_id="a/b c?&#%",
+        payload={"n": 1, "s": "ü"},
+        topic="billing.v1",
+        headers={"trace_id": "t-1", "tenant": "acme"},
+    )
     plain = insert_rows(pg_dsn, table, 10, event_type="OrderCreated")
     publisher = HttpPublisher.from_settings(settings)
     try:
@@ -146,18 +184,25 @@ def test_each_status_class_lands_in_its_outcome_through_the_relay(make_settings,
     target.script("/e/Busy", Step(429, headers={"Retry-After": "30"}, body="slow down"))
     target.script("/e/Later", Step(425, body="customer not created yet"))
     target.script("/e/Invalid", Step(422, body=long_body))
-    ids = {name: add_row(pg_dsn, table, name, aggregate_id=f"agg-{name}")
-           for name in ("Ok", "Created", "Dup", "Flaky", "Busy", "Later", "Invalid")}
-    settings = http_settings(make_settings, target, relay={"workers": 2},
-                             http={"defer_statuses": [425], "defer_seconds": 600})
+    ids = {
+        name: add_row(pg_dsn, table, name, aggregate_id=f"agg-{name}")
+        for name in ("Ok", "Created", "Dup", "Flaky", "Busy", "Later", "Invalid")
+    }
+    settings = http_settings(
+        make_settings, target, relay={"workers": 2}, http={"defer_statuses": [425], "defer_seconds": 600}
+    )
     relay = Relay(settings)
     relay.start()
     try:
-        wait_for(lambda: all(state(pg_dsn, table, ids[n])["status"] == "done" for n in ("Ok", "Created", "Dup", "Flaky"))
-                 and state(pg_dsn, table, ids["Invalid"])["status"] == "dead"
-                 and state(pg_dsn, table, ids["Busy"])["status"] == "pending"
-                 and state(pg_dsn, table, ids["Later"])["status"] == "pending",
-                 message="every row reached its outcome")
+        wait_for(
+            lambda: (
+                all(state(pg_dsn, table, ids[n])["status"] == "done" for n in ("Ok", "Created", "Dup", "Flaky"))
+                and state(pg_dsn, table, ids["Invalid"])["status"] == "dead"
+                and state(pg_dsn, table, ids["Busy"])["status"] == "pending"
+                and state(pg_dsn, table, ids["Later"])["status"] == "pending"
+            ),
+            message="every row reached its outcome",
+        )
         time.sleep(0.5)  # nothing due again soon: the states must be stable
     finally:
         relay.stop()
@@ -292,8 +337,12 @@ def test_same_idempotency_key_across_a_lease_takeover(make_settings, store, pg_d
         thread = threading.Thread(target=lambda: result_a.update(r=a.process([claimed_a])))
         thread.start()
         wait_for(lambda: target.requests_for(row), message="A's request")
-        wait_for(lambda: run_sql(pg_dsn, table, "SELECT lease_until < now() FROM {t} WHERE id = %s", (row,))[0][0],
-                 timeout=10, interval=0.05, message="A's lease to expire")  # its request is still in flight
+        wait_for(
+            lambda: run_sql(pg_dsn, table, "SELECT lease_until < now() FROM {t} WHERE id = %s", (row,))[0][0],
+            timeout=10,
+            interval=0.05,
+            message="A's lease to expire",
+        )  # its request is still in flight
         [claimed_b] = b.claim()
         assert claimed_b.id == row and claimed_b.lease_version == claimed_a.lease_version + 1
         result_b = b.process([claimed_b])
@@ -324,7 +373,7 @@ def test_ordered_aggregate_is_sent_in_sequence_and_stops_at_a_failure(make_setti
     assert result.claimed == 5 and result.done == 2 and result.retried == 1 and result.released == 2
     reqs = target.snapshot()
     assert [r.message_id for r in reqs] == ids[:3]  # in id order, nothing after the failure
-    assert all(later.at - earlier.at >= 0.04 for earlier, later in zip(reqs, reqs[1:]))  # one at a time
+    assert all(later.at - earlier.at >= 0.04 for earlier, later in itertools.pairwise(reqs))  # one at a time
     assert [state(pg_dsn, table, i)["status"] for i in ids] == ["done", "done", "pending", "pending", "pending"]
     assert [state(pg_dsn, table, i)["attempts"] for i in ids[2:]] == [1, 0, 0]
 
@@ -358,14 +407,22 @@ def test_connection_refused_is_a_transport_retry():
 
 
 def test_bad_url_template_is_a_startup_error_exit_2(pg_dsn, table, store):
-    env = cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__PUBLISHER="http", OUTBOX_RELAY_METRICS__ENABLED="false",
-                  OUTBOX_RELAY_HTTP__URL_TEMPLATE="http://user:pw@127.0.0.1:1/e/{nope}", PYTHONPATH=str(ROOT))
+    env = cli_env(
+        pg_dsn,
+        table,
+        OUTBOX_RELAY_RELAY__PUBLISHER="http",
+        OUTBOX_RELAY_METRICS__ENABLED="false",
+        OUTBOX_RELAY_HTTP__URL_TEMPLATE="http://user:pw@127.0.0.1:1/e/{nope}",
+        PYTHONPATH=str(ROOT),
+    )
     proc = cli("run", env=env, timeout=60)
     assert proc.returncode == 2, proc
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert lines == ["outbox-relay: error: http.url_template: unknown placeholder {nope}; use {aggregate_type}, "
-                     "{aggregate_id}, {event_type}, {topic}, {id}"], proc.stderr
+    assert lines == [
+        "outbox-relay: error: http.url_template: unknown placeholder {nope}; use {aggregate_type}, "
+        "{aggregate_id}, {event_type}, {topic}, {id}"
+    ], proc.stderr
     assert "pw" not in proc.stderr
 
 
@@ -386,9 +443,16 @@ def test_unreachable_target_opens_the_breaker_instead_of_burning_attempts(make_s
 
     port = free_port()
     down = HttpTarget(port=port)  # not started yet: connections are refused
-    settings = make_settings(relay={"publisher": "http", "backoff_base_seconds": 0.05, "backoff_cap_seconds": 0.2,
-                                    "max_attempts": 3, "workers": 2},
-                             http={"url_template": f"http://127.0.0.1:{port}/e/{{event_type}}"})
+    settings = make_settings(
+        relay={
+            "publisher": "http",
+            "backoff_base_seconds": 0.05,
+            "backoff_cap_seconds": 0.2,
+            "max_attempts": 3,
+            "workers": 2,
+        },
+        http={"url_template": f"http://127.0.0.1:{port}/e/{{event_type}}"},
+    )
     relay = Relay(settings)
     relay.start()  # an HTTP target may be down at start-up: the relay starts anyway
     try:

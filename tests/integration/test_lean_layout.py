@@ -30,8 +30,12 @@ def test_backlog_gauges_read_the_pending_and_processing_indexes(store, pg_dsn, t
     assert stats.attempts == {0: 1, 1: 1, 2: 1}
     assert stats.queue_depth == {"pending": 2, "processing": 1, "done": 1, "dead": 0}
     assert stats.estimated_statuses == []
-    indexes = {r[0] for r in run_sql(pg_dsn, table, "SELECT indexname FROM pg_indexes WHERE schemaname = %s",
-                                     (table.split(".")[0],))}
+    indexes = {
+        r[0]
+        for r in run_sql(
+            pg_dsn, table, "SELECT indexname FROM pg_indexes WHERE schemaname = %s", (table.split(".")[0],)
+        )
+    }
     assert not {i for i in indexes if i.endswith(("_done_idx", "_unfinished_created_idx", "_aggregate_idx"))}
 
 
@@ -42,8 +46,12 @@ def test_migrate_converges_an_old_layout_while_a_relay_drains_it(make_settings, 
     from tests.helpers.db import insert_rows, statuses, wait_for
 
     name = table.split(".")[1]
-    run_sql(pg_dsn, table, f'CREATE INDEX "{name}_unfinished_created_idx" ON {{t}} (created_at) '
-                           "WHERE status IN ('pending', 'processing')")
+    run_sql(
+        pg_dsn,
+        table,
+        f'CREATE INDEX "{name}_unfinished_created_idx" ON {{t}} (created_at) '
+        "WHERE status IN ('pending', 'processing')",
+    )
     run_sql(pg_dsn, table, f"CREATE INDEX \"{name}_done_idx\" ON {{t}} (done_at) WHERE status = 'done'")
     run_sql(pg_dsn, table, "ALTER TABLE {t} RESET (fillfactor)")
     insert_rows(pg_dsn, table, 3000)
@@ -59,7 +67,6 @@ def test_migrate_converges_an_old_layout_while_a_relay_drains_it(make_settings, 
     assert store.missing_ordering_indexes() == []
 
 
-
 def _claim_plan(store, pg_dsn, *, settings, batch):
     """EXPLAIN ANALYZE (rolled back) of the plain claim, run the way the store runs it:
     execute_with_settings(...) with the given planner settings in front of it."""
@@ -67,8 +74,16 @@ def _claim_plan(store, pg_dsn, *, settings, batch):
 
     from outbox_relay.db.pooler import execute_with_settings
 
-    params = {"owner": "plan", "batch": batch, "lease_seconds": 30.0, "max_attempts": 5,
-              "max_batch_bytes": 8 << 20, "candidates": batch, "max_message_bytes": None, "excluded_types": []}
+    params = {
+        "owner": "plan",
+        "batch": batch,
+        "lease_seconds": 30.0,
+        "max_attempts": 5,
+        "max_batch_bytes": 8 << 20,
+        "candidates": batch,
+        "max_message_bytes": None,
+        "excluded_types": [],
+    }
     query = psycopg.sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ") + store.sql.query("claim")
     with psycopg.connect(pg_dsn) as conn:
         cur = conn.cursor()
@@ -93,9 +108,13 @@ def test_claim_reads_the_front_of_the_backlog_even_without_statistics(store, pg_
     below), which made every claim O(backlog) and a drain quadratic."""
     from outbox_relay.db.store import CLAIM_SETTINGS
 
-    run_sql(pg_dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
-                           "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', jsonb_build_object('seq', g) "
-                           "FROM generate_series(1, 20000) AS g")
+    run_sql(
+        pg_dsn,
+        table,
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', jsonb_build_object('seq', g) "
+        "FROM generate_series(1, 20000) AS g",
+    )
     batch = 1000  # relay.batch_size's default
 
     plan = _claim_plan(store, pg_dsn, settings=CLAIM_SETTINGS, batch=batch)

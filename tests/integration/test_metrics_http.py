@@ -97,8 +97,7 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), math.nan)
 
 
-def poll(fetch: Callable[[], Any], ok: Callable[[Any], bool], *, timeout: float = 60.0,
-         interval: float = 0.1) -> Any:
+def poll(fetch: Callable[[], Any], ok: Callable[[Any], bool], *, timeout: float = 60.0, interval: float = 0.1) -> Any:
     """Fetch until ok(result) or the deadline; return the last result (the caller asserts)."""
     deadline = time.monotonic() + timeout
     result = fetch()
@@ -119,8 +118,11 @@ def check_contract_exposition(text: str) -> Samples:
     assert families["outbox_relay_lost_leases"].type == "counter"
     assert families["outbox_relay_published"].type == "counter"
     assert {s.labels["status"] for s in families["outbox_relay_queue_depth"].samples} == set(STATUSES)
-    outcomes = {s.labels["outcome"] for s in families["outbox_relay_published"].samples
-                if s.name == "outbox_relay_published_total"}
+    outcomes = {
+        s.labels["outcome"]
+        for s in families["outbox_relay_published"].samples
+        if s.name == "outbox_relay_published_total"
+    }
     assert outcomes == {"done", "retry", "defer", "dead"}
     promtool_check(text)
     return samples
@@ -156,18 +158,30 @@ def test_running_relay_metrics_match_the_table(make_settings, store, pg_dsn, tab
     #   later used for the fenced-out finalize;
     # - 2 ordinary rows the relay publishes to the broker.
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        dead_ids = [r[0] for r in conn.execute(
-            f"INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts, last_error,"
-            f" created_at) SELECT 'order', 'dead-' || g, 'OrderCreated', '{{}}'::jsonb, 'dead', 5, 'boom',"
-            f" now() - interval '5000 seconds' FROM generate_series(1, 3) AS g RETURNING id").fetchall()]
+        dead_ids = [
+            r[0]
+            for r in conn.execute(
+                f"INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts, last_error,"
+                f" created_at) SELECT 'order', 'dead-' || g, 'OrderCreated', '{{}}'::jsonb, 'dead', 5, 'boom',"
+                f" now() - interval '5000 seconds' FROM generate_series(1, 3) AS g RETURNING id"
+            ).fetchall()
+        ]
         with conn.transaction():
-            not_due = enqueue(conn, aggregate_type="order", aggregate_id="later", event_type="OrderCreated",
-                              payload={"later": True}, table=table, delay=3600)
+            not_due = enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id="later",
+                event_type="OrderCreated",
+                payload={"later": True},
+                table=table,
+                delay=3600,
+            )
         conn.execute(f"UPDATE {t} SET created_at = now() - interval '1000 seconds' WHERE id = %s", (not_due,))
         held = conn.execute(
             f"INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts,"
             f" lease_owner, lease_until, lease_version) VALUES ('order', 'held', 'OrderCreated', '{{}}'::jsonb,"
-            f" 'processing', 1, 'someone-else', now() + interval '1 hour', 1) RETURNING id").fetchone()[0]
+            f" 'processing', 1, 'someone-else', now() + interval '1 hour', 1) RETURNING id"
+        ).fetchone()[0]
     published = insert_rows(pg_dsn, table, 2, aggregate_type="order")
 
     relay = Relay(make_settings(metrics=METRICS, relay={"workers": 2}))
@@ -211,15 +225,24 @@ def test_running_relay_metrics_match_the_table(make_settings, store, pg_dsn, tab
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(f"UPDATE {t} SET lease_version = 2, lease_owner = 'newer' WHERE id = %s", (held,))
             created_at = conn.execute(f"SELECT created_at FROM {t} WHERE id = %s", (held,)).fetchone()[0]
-        stale = Claimed(id=held, lease_version=1, attempts=1, aggregate_type="order", aggregate_id="held",
-                        event_type="OrderCreated", payload="{}", topic=None, headers=None, created_at=created_at)
+        stale = Claimed(
+            id=held,
+            lease_version=1,
+            attempts=1,
+            aggregate_type="order",
+            aggregate_id="held",
+            event_type="OrderCreated",
+            payload="{}",
+            topic=None,
+            headers=None,
+            created_at=created_at,
+        )
         result = relay.workers[0].finalize([stale], [None])
         assert result.lost == [held]
         assert result.done == 0
         assert [r for r in rows(pg_dsn, table) if r[0] == held] == [(held, "processing", 1, 2, None)]
 
-        text, samples = poll(lambda: scrape(port),
-                             lambda r: value(r[1], "outbox_relay_lost_leases_total") == 1)
+        text, samples = poll(lambda: scrape(port), lambda r: value(r[1], "outbox_relay_lost_leases_total") == 1)
         assert value(samples, "outbox_relay_lost_leases_total") == 1, text
         # The refused finalize is not a publish outcome.
         assert value(samples, "outbox_relay_published_total", outcome="done") == 2
@@ -266,26 +289,31 @@ def test_expired_leases_gauge_after_a_claim_never_finalized(store, pg_dsn, table
 
     metrics = RelayMetrics()
     refresher = StatsRefresher(store, metrics, interval_seconds=0.2, timeout_ms=2000, ordered_types=[])
-    server = MetricsServer(metrics, host="127.0.0.1", port=0,
-                           healthy=lambda: (True, "ok"), ready=lambda: (store.ping(), "ready"))
+    server = MetricsServer(
+        metrics, host="127.0.0.1", port=0, healthy=lambda: (True, "ok"), ready=lambda: (store.ping(), "ready")
+    )
     refresher.start()
     server.start()
     try:
+
         def settled(result: tuple[str, Samples]) -> bool:
             return value(result[1], "outbox_relay_expired_leases") == 3
 
         text, samples = poll(lambda: scrape(server.port), settled)
         assert value(samples, "outbox_relay_expired_leases") == 3, text
-        assert sql_scalar(pg_dsn, f"SELECT count(*) FROM {qualified(table)} "
-                                  "WHERE status = 'processing' AND lease_until < now()") == 3
+        assert (
+            sql_scalar(
+                pg_dsn, f"SELECT count(*) FROM {qualified(table)} WHERE status = 'processing' AND lease_until < now()"
+            )
+            == 3
+        )
         assert depth(samples) == {"pending": 2, "processing": 3, "done": 0, "dead": 0}
         assert value(samples, "outbox_relay_stats_refresh_errors_total") == 0
         check_contract_exposition(text)
 
         # Finalizing the claim (fenced, still at its version) clears the gauge.
         assert store.mark_done([(c.id, c.lease_version) for c in claimed]) == {c.id for c in claimed}
-        text, samples = poll(lambda: scrape(server.port),
-                             lambda r: value(r[1], "outbox_relay_expired_leases") == 0)
+        text, samples = poll(lambda: scrape(server.port), lambda r: value(r[1], "outbox_relay_expired_leases") == 0)
         assert value(samples, "outbox_relay_expired_leases") == 0, text
         assert depth(samples) == {"pending": 2, "processing": 0, "done": 3, "dead": 0}
     finally:
@@ -304,8 +332,7 @@ def test_readyz_follows_the_database(make_settings, tmp_path):
         with own:
             own.migrate()
         insert_rows(pg.dsn, "outbox", 1, aggregate_type="ready")
-        relay = Relay(make_settings(database={"dsn": pg.dsn, "table": "outbox"}, metrics=METRICS,
-                                    relay={"workers": 1}))
+        relay = Relay(make_settings(database={"dsn": pg.dsn, "table": "outbox"}, metrics=METRICS, relay={"workers": 1}))
         relay.start()
         port = relay.metrics_port
         assert port
@@ -324,8 +351,9 @@ def test_readyz_follows_the_database(make_settings, tmp_path):
         status, body = http_get(port, "/healthz")
         assert status == 200, body
         # Gauges are not left frozen at their last value while the table cannot be read.
-        text, samples = poll(lambda: scrape(port),
-                             lambda r: all(math.isnan(v) for v in depth(r[1]).values()), timeout=60)
+        text, samples = poll(
+            lambda: scrape(port), lambda r: all(math.isnan(v) for v in depth(r[1]).values()), timeout=60
+        )
         assert all(math.isnan(v) for v in depth(samples).values()), text
         assert value(samples, "outbox_relay_stats_refresh_errors_total") >= 1
         check_contract_exposition(text)

@@ -33,25 +33,45 @@ def _install_old_layout(dsn: str, table: str) -> None:
     schema = table.split(".")[0]
     assert table.split(".")[1] == "outbox"
     quoted = sql.Identifier(schema).as_string(None)
-    ddl = (FIXTURE.read_text(encoding="utf-8").replace('"__SCHEMA__"', quoted)
-           .replace("outbox_relay___SCHEMA___outbox_wake", TableSql(table).channel).replace("__SCHEMA__", quoted))
+    ddl = (
+        FIXTURE.read_text(encoding="utf-8")
+        .replace('"__SCHEMA__"', quoted)
+        .replace("outbox_relay___SCHEMA___outbox_wake", TableSql(table).channel)
+        .replace("__SCHEMA__", quoted)
+    )
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(ddl.encode())
 
 
 def _layout(dsn: str, table: str) -> dict[str, object]:
     """What a rewrite would change: the table's file, its columns, indexes, trigger, options."""
-    (relfilenode, options), = run_sql(dsn, table, "SELECT relfilenode, reloptions FROM pg_class "
-                                                  "WHERE oid = %s::regclass", (table,))
-    columns = run_sql(dsn, table, "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
-                                  "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
-                      (table,))
-    indexes = run_sql(dsn, table, "SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index "
-                                  "WHERE indrelid = %s::regclass ORDER BY 1", (table,))
-    triggers = run_sql(dsn, table, "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass AND NOT tgisinternal",
-                       (table,))
-    return {"relfilenode": relfilenode, "options": options, "columns": columns, "indexes": indexes,
-            "triggers": triggers}
+    ((relfilenode, options),) = run_sql(
+        dsn, table, "SELECT relfilenode, reloptions FROM pg_class WHERE oid = %s::regclass", (table,)
+    )
+    columns = run_sql(
+        dsn,
+        table,
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+        "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+        (table,),
+    )
+    indexes = run_sql(
+        dsn,
+        table,
+        "SELECT indexrelid::regclass::text, pg_get_indexdef(indexrelid) FROM pg_index "
+        "WHERE indrelid = %s::regclass ORDER BY 1",
+        (table,),
+    )
+    triggers = run_sql(
+        dsn, table, "SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass AND NOT tgisinternal", (table,)
+    )
+    return {
+        "relfilenode": relfilenode,
+        "options": options,
+        "columns": columns,
+        "indexes": indexes,
+        "triggers": triggers,
+    }
 
 
 def test_a_new_table_records_every_step_once_and_a_second_migrate_applies_none(pg_dsn, table):
@@ -77,8 +97,7 @@ def test_an_installation_of_the_layout_before_recorded_steps_is_recognised_witho
         assert [n for n in notes if not n.startswith("autovacuum:")] == []
         assert _recorded(pg_dsn, table) == [(s.number, s.name) for s in migrations.STEPS]
         after = _layout(pg_dsn, table)
-        assert {k: v for k, v in after.items() if k != "options"} == {
-            k: v for k, v in before.items() if k != "options"}
+        assert {k: v for k, v in after.items() if k != "options"} == {k: v for k, v in before.items() if k != "options"}
         assert "autovacuum_vacuum_scale_factor=0" in after["options"]
         assert set(before["options"] or ()) <= set(after["options"])
         assert run_sql(pg_dsn, table, "SELECT * FROM {t} ORDER BY id") == rows_before
@@ -98,8 +117,12 @@ def test_an_older_installation_gets_what_it_lacks_and_keeps_its_rows(pg_dsn, tab
     run_sql(pg_dsn, table, f"ALTER TABLE {schema}.outbox_relay_state DROP COLUMN on_done")
     run_sql(pg_dsn, table, f"DROP INDEX {schema}.outbox_dedup_key_idx")
     run_sql(pg_dsn, table, "ALTER TABLE {t} DROP COLUMN dedup_key")
-    run_sql(pg_dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
-                           "SELECT 'order', 'agg-' || i, 'OrderCreated', '{{}}' FROM generate_series(1, 5) AS i")
+    run_sql(
+        pg_dsn,
+        table,
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT 'order', 'agg-' || i, 'OrderCreated', '{{}}' FROM generate_series(1, 5) AS i",
+    )
     with OutboxStore(pg_dsn, table, pool_size=1) as store:
         assert store.run_problem(ordering=False, on_done="keep") is not None  # an older layout: migrate first
         store.migrate(on_done=ON_DONE)
@@ -112,8 +135,12 @@ def test_an_older_installation_gets_what_it_lacks_and_keeps_its_rows(pg_dsn, tab
     [again] = insert_rows(pg_dsn, table, 1, dedup_key="k-1")
     assert (again, again.duplicate) == (first, True)
     with pytest.raises(psycopg.errors.UniqueViolation):  # and the column's unique index
-        run_sql(pg_dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, dedup_key) "
-                               "VALUES ('order', 'agg-1', 'OrderCreated', '{{}}', 'k-1')")
+        run_sql(
+            pg_dsn,
+            table,
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, dedup_key) "
+            "VALUES ('order', 'agg-1', 'OrderCreated', '{{}}', 'k-1')",
+        )
 
 
 def test_a_step_added_later_runs_once_on_a_recorded_table(pg_dsn, table, monkeypatch):
@@ -140,6 +167,7 @@ def test_two_concurrent_migrates_apply_each_step_once(pg_dsn, table, monkeypatch
             with lock:
                 applied.append(step.number)
             step.apply(run)
+
         return migrations.Step(step.number, step.name, apply)
 
     monkeypatch.setattr(migrations, "STEPS", tuple(counted(s) for s in migrations.STEPS))

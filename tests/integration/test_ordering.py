@@ -38,13 +38,16 @@ def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
 def _insert(dsn, table, spec):
     """spec: list of (aggregate_id, event_type) -> ids, one transaction."""
     with psycopg.connect(dsn) as conn, conn.transaction():
-        return [int(enqueue(conn, aggregate_type="order", aggregate_id=a, event_type=e, payload={"n": i},
-                            table=table)) for i, (a, e) in enumerate(spec)]
+        return [
+            int(enqueue(conn, aggregate_type="order", aggregate_id=a, event_type=e, payload={"n": i}, table=table))
+            for i, (a, e) in enumerate(spec)
+        ]
 
 
 def _claim(store, owner="A", batch=10, run_length=1, types=ALL, lease=30.0):
-    return store.claim(owner=owner, batch=batch, lease_seconds=lease, max_attempts=5, ordered_types=types,
-                       run_length=run_length).rows
+    return store.claim(
+        owner=owner, batch=batch, lease_seconds=lease, max_attempts=5, ordered_types=types, run_length=run_length
+    ).rows
 
 
 def _install_audit(dsn, table):
@@ -52,7 +55,9 @@ def _install_audit(dsn, table):
     delivered row's finalize is its deletion (recorded as 'deleted')."""
     schema, name = table.split(".")
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(f'CREATE TABLE "{schema}".audit (seq bigserial PRIMARY KEY, id bigint, status text, version bigint)')
+        conn.execute(
+            f'CREATE TABLE "{schema}".audit (seq bigserial PRIMARY KEY, id bigint, status text, version bigint)'
+        )
         conn.execute(f'''CREATE FUNCTION "{schema}".audit_fn() RETURNS trigger LANGUAGE plpgsql AS $$
             BEGIN
               IF TG_OP = 'DELETE' THEN
@@ -62,8 +67,10 @@ def _install_audit(dsn, table):
               END IF;
               RETURN NULL;
             END $$''')
-        conn.execute(f'CREATE TRIGGER audit_trg AFTER UPDATE OR DELETE ON "{schema}"."{name}" '
-                     f'FOR EACH ROW EXECUTE FUNCTION "{schema}".audit_fn()')
+        conn.execute(
+            f'CREATE TRIGGER audit_trg AFTER UPDATE OR DELETE ON "{schema}"."{name}" '
+            f'FOR EACH ROW EXECUTE FUNCTION "{schema}".audit_fn()'
+        )
 
 
 def _audit(dsn, table):
@@ -80,8 +87,7 @@ def test_first_claim_returns_only_heads_then_next_after_done(store, pg_dsn, tabl
     assert store.mark_done([(first[0].id, first[0].lease_version)]) == {x1}
     second = _claim(store, owner="B")
     assert [c.id for c in second] == [x2]  # Y's head is still processing
-    assert store.mark_done([(first[1].id, first[1].lease_version),
-                            (second[0].id, second[0].lease_version)]) == {y1, x2}
+    assert store.mark_done([(first[1].id, first[1].lease_version), (second[0].id, second[0].lease_version)]) == {y1, x2}
     assert_delivered(pg_dsn, table, [x1, y1, x2])
     assert [c.id for c in _claim(store, owner="C")] == [x3, y2]
 
@@ -96,8 +102,9 @@ def test_unordered_types_keep_the_plain_claim(store, pg_dsn, table):
 def test_thirty_rows_of_one_aggregate_finalize_in_id_order(make_settings, store, pg_dsn, table):
     _install_audit(pg_dsn, table)
     ids = _insert(pg_dsn, table, [("solo", "E")] * 30)
-    settings = make_settings(relay={"ordered_event_types": ALL, "workers": 4, "max_run_length": 1,
-                                    "poll_interval_seconds": 0.05})
+    settings = make_settings(
+        relay={"ordered_event_types": ALL, "workers": 4, "max_run_length": 1, "poll_interval_seconds": 0.05}
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -114,8 +121,9 @@ def test_runs_take_a_contiguous_run_behind_the_head(store, pg_dsn, table):
     ids = _insert(pg_dsn, table, [("X", "E")] * 5 + [("Y", "E")] * 2)
     schema, name = table.split(".")
     with psycopg.connect(pg_dsn, autocommit=True) as conn:  # X's 4th row is not due yet
-        conn.execute(f'UPDATE "{schema}"."{name}" SET available_at = now() + interval \'1 hour\' WHERE id = %s',
-                     (ids[3],))
+        conn.execute(
+            f'UPDATE "{schema}"."{name}" SET available_at = now() + interval \'1 hour\' WHERE id = %s', (ids[3],)
+        )
     claimed = [c.id for c in _claim(store, run_length=10)]
     assert claimed == [ids[0], ids[1], ids[2], ids[5], ids[6]]  # X's run stops at the not-due row
 
@@ -123,8 +131,7 @@ def test_runs_take_a_contiguous_run_behind_the_head(store, pg_dsn, table):
 def test_kafka_order_per_key_equals_id_order(make_settings, store, pg_dsn, table, broker, topic_prefix):
     spec = [(f"agg-{i % 5}", "E") for i in range(500)]
     ids = _insert(pg_dsn, table, spec)
-    settings = make_settings(relay={"ordered_event_types": ALL, "workers": 4, "batch_size": 50,
-                                    "max_run_length": 20})
+    settings = make_settings(relay={"ordered_event_types": ALL, "workers": 4, "batch_size": 50, "max_run_length": 20})
     relay = Relay(settings)
     relay.start()
     try:
@@ -136,7 +143,7 @@ def test_kafka_order_per_key_equals_id_order(make_settings, store, pg_dsn, table
     for m in sorted(messages, key=lambda m: (m["partition"], m["offset"])):
         per_key.setdefault(m["key"], []).append(int(m["headers"]["message_id"]))
     expected: dict[str, list[int]] = {}
-    for row_id, (agg, _) in zip(ids, spec):
+    for row_id, (agg, _) in zip(ids, spec, strict=True):
         expected.setdefault(agg, []).append(row_id)
     for key, sent in per_key.items():
         first_seen = list(dict.fromkeys(sent))  # a redelivery may repeat an id; first occurrences must be ordered
@@ -177,16 +184,34 @@ def _concurrent_writers(dsn, table, ordered, between=None):
     def t2() -> None:
         t1_inserted.wait(10)
         with psycopg.connect(dsn) as conn, conn.transaction():
-            result["t2"] = int(enqueue(conn, aggregate_type="order", aggregate_id="A", event_type="E",
-                                       payload={"w": 2}, table=table, ordered=ordered))
+            result["t2"] = int(
+                enqueue(
+                    conn,
+                    aggregate_type="order",
+                    aggregate_id="A",
+                    event_type="E",
+                    payload={"w": 2},
+                    table=table,
+                    ordered=ordered,
+                )
+            )
         commits.append("t2")
         t2_done.set()
 
     thread = threading.Thread(target=t2)
     thread.start()
     with psycopg.connect(dsn) as conn, conn.transaction():
-        result["t1"] = int(enqueue(conn, aggregate_type="order", aggregate_id="A", event_type="E",
-                                   payload={"w": 1}, table=table, ordered=ordered))
+        result["t1"] = int(
+            enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id="A",
+                event_type="E",
+                payload={"w": 1},
+                table=table,
+                ordered=ordered,
+            )
+        )
         t1_inserted.set()
         t2_done.wait(1.0)  # without the lock T2 commits here, before T1
         if between is not None:
@@ -208,8 +233,9 @@ def test_without_the_write_side_lock_ids_and_commits_can_disagree(pg_dsn, table,
     """Documents why ordered=True exists: the later id commits first, and a relay
     claiming in between would take it as the aggregate's head."""
     claimed = []
-    t1, t2, commits = _concurrent_writers(pg_dsn, table, ordered=False,
-                                          between=lambda: claimed.extend(c.id for c in _claim(store)))
+    t1, t2, commits = _concurrent_writers(
+        pg_dsn, table, ordered=False, between=lambda: claimed.extend(c.id for c in _claim(store))
+    )
     assert commits == ["t2", "t1"] and t1 < t2
     assert claimed == [t2]  # delivered before t1, though t1 has the lower id
 
@@ -240,10 +266,20 @@ def test_run_stops_before_producing_after_a_row_that_cannot_be_built(store, pg_d
         def publish(self, message):
             published.append(message.id)
 
-    cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=ALL,
-                       run_length=10, strict_lease=False, topic_template="t.{aggregate_type}",
-                       poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
-                       publish_timeout_seconds=5)
+    cfg = WorkerConfig(
+        owner="w",
+        batch_size=10,
+        lease_seconds=30,
+        max_attempts=3,
+        ordered_types=ALL,
+        run_length=10,
+        strict_lease=False,
+        topic_template="t.{aggregate_type}",
+        poll_interval_seconds=1,
+        backoff_base_seconds=1,
+        backoff_cap_seconds=5,
+        publish_timeout_seconds=5,
+    )
     result = Worker(0, store, Recorder(), cfg, RelayMetrics()).run_once()
     assert published == [y1]
     assert result.dead == 1 and result.released == 2 and result.done == 1

@@ -42,27 +42,44 @@ def _insert(dsn: str, table: str, spec: list[tuple[str, str]]) -> list[int]:
     """spec: (aggregate_id, status) in id order; dead rows look like the finalize leaves them."""
     ids = []
     for aggregate, status in spec:
-        ids.append(_sql(dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, "
-                                    "attempts, last_error) VALUES ('order', %s, 'E', '{}', %s, %s, %s) RETURNING id",
-                        (aggregate, status, 1 if status == "dead" else 0,
-                         "broken" if status == "dead" else None))[0][0])
+        ids.append(
+            _sql(
+                dsn,
+                table,
+                "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, "
+                "attempts, last_error) VALUES ('order', %s, 'E', '{}', %s, %s, %s) RETURNING id",
+                (aggregate, status, 1 if status == "dead" else 0, "broken" if status == "dead" else None),
+            )[0][0]
+        )
     return ids
 
 
 def _indexes(dsn: str, table: str) -> dict[str, bool]:
-    return dict(_sql(dsn, table, "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c "
-                                 "ON c.oid = i.indexrelid WHERE i.indrelid = %s::regclass", (table,)))
+    return dict(
+        _sql(
+            dsn,
+            table,
+            "SELECT c.relname, i.indisvalid FROM pg_index i JOIN pg_class c "
+            "ON c.oid = i.indexrelid WHERE i.indrelid = %s::regclass",
+            (table,),
+        )
+    )
 
 
 def _claim(store, owner="A", batch=10, run_length=1):
-    return [c.id for c in store.claim(owner=owner, batch=batch, lease_seconds=30, max_attempts=5,
-                                      ordered_types=ALL, run_length=run_length).rows]
+    return [
+        c.id
+        for c in store.claim(
+            owner=owner, batch=batch, lease_seconds=30, max_attempts=5, ordered_types=ALL, run_length=run_length
+        ).rows
+    ]
 
 
 def test_dead_head_blocks_until_retry_or_skip_with_the_ordering_indexes(ordered_store, pg_dsn, table):
     s = ordered_store
-    x1, x2, y1, y2, _z1 = _insert(pg_dsn, table, [("X", "pending"), ("X", "pending"), ("Y", "pending"),
-                                                  ("Y", "pending"), ("Z", "dead")])
+    x1, x2, y1, y2, _z1 = _insert(
+        pg_dsn, table, [("X", "pending"), ("X", "pending"), ("Y", "pending"), ("Y", "pending"), ("Z", "dead")]
+    )
     first = s.claim(owner="A", batch=10, lease_seconds=30, max_attempts=5, ordered_types=ALL).rows
     assert [c.id for c in first] == [x1, y1]  # Z holds only a dead row: nothing to claim, not blocked
     assert s.mark_dead([(x1, first[0].lease_version, "permanent: broken")]) == {x1}
@@ -90,11 +107,22 @@ def test_a_dead_row_behind_the_head_ends_the_run(ordered_store, pg_dsn, table):
 
 def test_blocked_aggregates_are_the_same_from_either_walk(ordered_store, pg_dsn, table, monkeypatch):
     spec = [(f"dead-only-{i}", "dead") for i in range(5)]  # nothing behind them: not blocked
-    spec += [("B1", "dead"), ("B1", "pending"), ("B2", "dead"), ("B2", "dead"), ("B2", "pending"),
-             ("OK", "pending"), ("B3", "pending")]
+    spec += [
+        ("B1", "dead"),
+        ("B1", "pending"),
+        ("B2", "dead"),
+        ("B2", "dead"),
+        ("B2", "pending"),
+        ("OK", "pending"),
+        ("B3", "pending"),
+    ]
     ids = _insert(pg_dsn, table, spec)
-    _sql(pg_dsn, table, "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts, "
-                        "last_error) VALUES ('order', 'B3', 'E', '{}', 'dead', 1, 'late')")  # after B3's pending
+    _sql(
+        pg_dsn,
+        table,
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts, "
+        "last_error) VALUES ('order', 'B3', 'E', '{}', 'dead', 1, 'late')",
+    )  # after B3's pending
     expected = [("B1", ids[5]), ("B2", ids[7])]
     from_dead = ordered_store.stats(ordered_types=ALL).blocked_aggregates
     monkeypatch.setattr(store_module, "BLOCKED_FROM_DEAD_ROWS", 0)  # force the walk over aggregates with work
@@ -111,10 +139,18 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
         name = table.split(".")[1]
         # An earlier version's layout: one per-aggregate index over pending, processing
         # and dead rows, indexes on created_at and done_at, no fillfactor.
-        _sql(pg_dsn, table, f'CREATE INDEX "{name}_aggregate_idx" ON {{t}} (aggregate_id, id) '
-                            "WHERE status IN ('pending', 'processing', 'dead')")
-        _sql(pg_dsn, table, f'CREATE INDEX "{name}_unfinished_created_idx" ON {{t}} (created_at) '
-                            "WHERE status IN ('pending', 'processing')")
+        _sql(
+            pg_dsn,
+            table,
+            f'CREATE INDEX "{name}_aggregate_idx" ON {{t}} (aggregate_id, id) '
+            "WHERE status IN ('pending', 'processing', 'dead')",
+        )
+        _sql(
+            pg_dsn,
+            table,
+            f'CREATE INDEX "{name}_unfinished_created_idx" ON {{t}} (created_at) '
+            "WHERE status IN ('pending', 'processing')",
+        )
         _sql(pg_dsn, table, f"CREATE INDEX \"{name}_done_idx\" ON {{t}} (done_at) WHERE status = 'done'")
         _sql(pg_dsn, table, "ALTER TABLE {t} RESET (fillfactor)")
         _insert(pg_dsn, table, [("X", "pending"), ("X", "dead"), ("Y", "pending")])
@@ -125,20 +161,32 @@ def test_migrate_brings_an_old_table_to_the_layout_concurrently_and_idempotently
         assert indexes[f"{name}_aggregate_active_idx"] and indexes[f"{name}_aggregate_dead_idx"]
         assert any("dropped index" in n for n in notes) and any("created index" in n for n in notes)
         assert any("fillfactor" in n for n in notes)
-        assert _sql(pg_dsn, table, "SELECT array(SELECT o FROM pg_class, unnest(reloptions) AS o "
-                                   "WHERE oid = %s::regclass AND o LIKE 'fillfactor=%%')", (table,)) == [
-            (["fillfactor=50"],)]
+        assert _sql(
+            pg_dsn,
+            table,
+            "SELECT array(SELECT o FROM pg_class, unnest(reloptions) AS o "
+            "WHERE oid = %s::regclass AND o LIKE 'fillfactor=%%')",
+            (table,),
+        ) == [(["fillfactor=50"],)]
         assert s.migrate(ordering=True, on_done=ON_DONE) == []  # nothing left to do
         _sql(pg_dsn, table, "ALTER TABLE {t} SET (fillfactor = 80)")  # an operator's choice is kept
         assert s.migrate(ordering=True, on_done=ON_DONE) == []
-        assert _sql(pg_dsn, table, "SELECT array(SELECT o FROM pg_class, unnest(reloptions) AS o "
-                                   "WHERE oid = %s::regclass AND o LIKE 'fillfactor=%%')", (table,)) == [
-            (["fillfactor=80"],)]
+        assert _sql(
+            pg_dsn,
+            table,
+            "SELECT array(SELECT o FROM pg_class, unnest(reloptions) AS o "
+            "WHERE oid = %s::regclass AND o LIKE 'fillfactor=%%')",
+            (table,),
+        ) == [(["fillfactor=80"],)]
         assert s.missing_ordering_indexes() == []
 
         # An interrupted CREATE INDEX CONCURRENTLY leaves an invalid index: rebuilt.
-        _sql(pg_dsn, table, "UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass",
-             (f"{table.split('.')[0]}.{name}_aggregate_dead_idx",))
+        _sql(
+            pg_dsn,
+            table,
+            "UPDATE pg_index SET indisvalid = false WHERE indexrelid = %s::regclass",
+            (f"{table.split('.')[0]}.{name}_aggregate_dead_idx",),
+        )
         assert s.missing_ordering_indexes() == [f"{name}_aggregate_dead_idx"]
         assert s.migrate(ordering=True, on_done=ON_DONE) == [f"created index {name}_aggregate_dead_idx"]
         assert _indexes(pg_dsn, table)[f"{name}_aggregate_dead_idx"] is True

@@ -17,11 +17,14 @@ from tests.helpers.db import insert_rows, rows, statuses, wait_for
 pytestmark = pytest.mark.first_pass_only
 
 
-def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings, store, pg_dsn, table,
-                                                                   durable_broker, topic_prefix):
+def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(
+    make_settings, store, pg_dsn, table, durable_broker, topic_prefix
+):
     own_broker = durable_broker  # killed and started again on the same storage
-    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
-                             relay={"lease_seconds": 5, "max_attempts": 3, "backoff_base_seconds": 0.1})
+    settings = make_settings(
+        kafka={"bootstrap_servers": own_broker.bootstrap_servers},
+        relay={"lease_seconds": 5, "max_attempts": 3, "backoff_base_seconds": 0.1},
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -46,9 +49,13 @@ def test_broker_outage_opens_breaker_refunds_attempts_and_recovers(make_settings
     assert max(r[2] for r in rows(pg_dsn, table)) < settings.relay.max_attempts
     # What the broker acknowledged before it died is still there, and so is the rest.
     every_id = set(before) | set(during)
-    messages = read_messages(own_broker.bootstrap_servers, [f"{topic_prefix}.order"], expected=len(every_id),
-                             timeout=60, stop_when=lambda out: every_id <= {int(m["headers"]["message_id"])
-                                                                            for m in out})
+    messages = read_messages(
+        own_broker.bootstrap_servers,
+        [f"{topic_prefix}.order"],
+        expected=len(every_id),
+        timeout=60,
+        stop_when=lambda out: every_id <= {int(m["headers"]["message_id"]) for m in out},
+    )
     assert every_id - {int(m["headers"]["message_id"]) for m in messages} == set()
 
 
@@ -64,7 +71,8 @@ def test_terminated_backends_make_workers_reconnect(make_settings, store, pg_dsn
             while not stop.is_set():
                 killed[0] += conn.execute(
                     "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                    "WHERE application_name = 'outbox-relay' AND pid <> pg_backend_pid()) t").fetchone()[0]
+                    "WHERE application_name = 'outbox-relay' AND pid <> pg_backend_pid()) t"
+                ).fetchone()[0]
                 time.sleep(0.3)
 
     thread = threading.Thread(target=killer)
@@ -115,10 +123,20 @@ def test_finalize_whose_reply_was_lost_is_not_counted_as_lost_lease(pg_dsn, tabl
     try:
         insert_rows(pg_dsn, table, 5)
         metrics = RelayMetrics()
-        cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=[],
-                           run_length=1, strict_lease=False, topic_template="t.{aggregate_type}",
-                           poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
-                           publish_timeout_seconds=5)
+        cfg = WorkerConfig(
+            owner="w",
+            batch_size=10,
+            lease_seconds=30,
+            max_attempts=3,
+            ordered_types=[],
+            run_length=1,
+            strict_lease=False,
+            topic_template="t.{aggregate_type}",
+            poll_interval_seconds=1,
+            backoff_base_seconds=1,
+            backoff_cap_seconds=5,
+            publish_timeout_seconds=5,
+        )
         result = Worker(0, flaky, Ok(), cfg, metrics).run_once()
     finally:
         flaky.close()
@@ -144,10 +162,20 @@ def test_outage_batch_on_its_last_attempt_is_released_not_dead(pg_dsn, table, st
             raise RetryableError("kafka: _ALL_BROKERS_DOWN", transport=True)
 
     breaker = CircuitBreaker(lambda: True, initial_backoff=0.01)
-    cfg = WorkerConfig(owner="w", batch_size=10, lease_seconds=30, max_attempts=3, ordered_types=[],
-                       run_length=1, strict_lease=False, topic_template="t.{aggregate_type}",
-                       poll_interval_seconds=1, backoff_base_seconds=1, backoff_cap_seconds=5,
-                       publish_timeout_seconds=5)
+    cfg = WorkerConfig(
+        owner="w",
+        batch_size=10,
+        lease_seconds=30,
+        max_attempts=3,
+        ordered_types=[],
+        run_length=1,
+        strict_lease=False,
+        topic_template="t.{aggregate_type}",
+        poll_interval_seconds=1,
+        backoff_base_seconds=1,
+        backoff_cap_seconds=5,
+        publish_timeout_seconds=5,
+    )
     result = Worker(0, store, Unreachable(), cfg, RelayMetrics(), breaker=breaker).run_once()
     assert result.released == 3 and result.dead == 0
     assert breaker.opened_count == 1
@@ -166,11 +194,14 @@ def test_database_restart_workers_reconnect_and_drain(tmp_path, broker, topic_pr
     try:
         with OutboxStore(pg.dsn, "outbox", pool_size=1) as setup:
             setup.migrate()
-        settings = load_settings(None, database={"dsn": pg.dsn, "table": "public.outbox"},
-                                 kafka={"bootstrap_servers": broker.bootstrap_servers,
-                                        "topic_template": topic_prefix + ".{aggregate_type}"},
-                                 relay={"workers": 4, "lease_seconds": 10, "poll_interval_seconds": 0.2},
-                                 metrics={"enabled": False}, log={"level": "WARNING", "format": "json"})
+        settings = load_settings(
+            None,
+            database={"dsn": pg.dsn, "table": "public.outbox"},
+            kafka={"bootstrap_servers": broker.bootstrap_servers, "topic_template": topic_prefix + ".{aggregate_type}"},
+            relay={"workers": 4, "lease_seconds": 10, "poll_interval_seconds": 0.2},
+            metrics={"enabled": False},
+            log={"level": "WARNING", "format": "json"},
+        )
         relay = Relay(settings)
         relay.start()
         try:
@@ -180,8 +211,11 @@ def test_database_restart_workers_reconnect_and_drain(tmp_path, broker, topic_pr
             time.sleep(2)  # workers hit the dead server and back off
             pg.start_server()
             insert_rows(pg.dsn, "public.outbox", 100)
-            wait_for(lambda: statuses(pg.dsn, "public.outbox").get("done") == 200, timeout=120,
-                     message="rows written after the restart")
+            wait_for(
+                lambda: statuses(pg.dsn, "public.outbox").get("done") == 200,
+                timeout=120,
+                message="rows written after the restart",
+            )
             healthy, why = relay.health()
             assert healthy, why
         finally:

@@ -67,7 +67,8 @@ class _TableLock:
 
     def waiting_backends(self) -> list[int]:
         rows = self._conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()").fetchall()
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+        ).fetchall()
         return [r[0] for r in rows]
 
     def release(self) -> None:
@@ -96,11 +97,17 @@ def test_statement_over_the_timeout_is_cancelled_and_nothing_leaks(pgbouncer, pg
         try:
             # An autocommit statement, a multi-statement transaction (the ordered
             # claim) and the first statement of a transaction (stats) are all bounded.
-            for what, call in (("claim", lambda: store.claim(owner="t", batch=5, lease_seconds=30, max_attempts=5)),
-                               ("claim", lambda: store.claim(owner="t", batch=5, lease_seconds=30, max_attempts=5,
-                                                             ordered_types=["OrderCreated"])),
-                               ("finalize", lambda: store.mark_done([(1, 1)])),
-                               ("stats", lambda: store.stats())):
+            for what, call in (
+                ("claim", lambda: store.claim(owner="t", batch=5, lease_seconds=30, max_attempts=5)),
+                (
+                    "claim",
+                    lambda: store.claim(
+                        owner="t", batch=5, lease_seconds=30, max_attempts=5, ordered_types=["OrderCreated"]
+                    ),
+                ),
+                ("finalize", lambda: store.mark_done([(1, 1)])),
+                ("stats", lambda: store.stats()),
+            ):
                 started = time.monotonic()
                 with pytest.raises(DatabaseUnavailable, match=f"{what}: canceling statement due to statement timeout"):
                     call()
@@ -128,8 +135,9 @@ def test_claim_whose_connection_breaks_reports_unknown_outcome(pgbouncer, pg_dsn
 
         def claim() -> None:
             try:
-                store.claim(owner="t", batch=5, lease_seconds=30, max_attempts=5,
-                            ordered_types=["*"] if ordered else [])
+                store.claim(
+                    owner="t", batch=5, lease_seconds=30, max_attempts=5, ordered_types=["*"] if ordered else []
+                )
             except BaseException as exc:
                 outcome["error"] = exc
 
@@ -148,16 +156,22 @@ def test_claim_whose_connection_breaks_reports_unknown_outcome(pgbouncer, pg_dsn
 
 
 def _relay_env(proxy_dsn: str, table: str, bootstrap: str, topic_prefix: str, **more: str) -> dict[str, str]:
-    return cli_env(proxy_dsn, table, bootstrap,
-                   OUTBOX_RELAY_DATABASE__TRANSACTION_POOLER="true",
-                   OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-                   OUTBOX_RELAY_METRICS__PORT="0", OUTBOX_RELAY_METRICS__REFRESH_INTERVAL_SECONDS="0.5",
-                   OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2", OUTBOX_RELAY_RELAY__LEASE_SECONDS="15",
-                   OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES='["Ordered"]', **more)
+    return cli_env(
+        proxy_dsn,
+        table,
+        bootstrap,
+        OUTBOX_RELAY_DATABASE__TRANSACTION_POOLER="true",
+        OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_METRICS__REFRESH_INTERVAL_SECONDS="0.5",
+        OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
+        OUTBOX_RELAY_RELAY__LEASE_SECONDS="15",
+        OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES='["Ordered"]',
+        **more,
+    )
 
 
-def test_relay_through_pgbouncer_delivers_every_row_without_a_warning(pgbouncer, pg_dsn, table, broker,
-                                                                      topic_prefix):
+def test_relay_through_pgbouncer_delivers_every_row_without_a_warning(pgbouncer, pg_dsn, table, broker, topic_prefix):
     env = _relay_env(pgbouncer.dsn, table, broker.bootstrap_servers, topic_prefix)
     migrated = cli("migrate", env=_direct(env, pg_dsn))
     assert migrated.returncode == 0, migrated.stderr
@@ -170,17 +184,37 @@ def test_relay_through_pgbouncer_delivers_every_row_without_a_warning(pgbouncer,
             with app.transaction():
                 for i in range(10):
                     n = txn * 10 + i
-                    ids.add(enqueue(app, aggregate_type="order", aggregate_id=f"a-{n % 7}",
-                                    event_type="Ordered" if n % 2 else "Plain", payload={"n": n}, table=table,
-                                    ordered=bool(n % 2), dedup_key=f"k-{n}"))
+                    ids.add(
+                        enqueue(
+                            app,
+                            aggregate_type="order",
+                            aggregate_id=f"a-{n % 7}",
+                            event_type="Ordered" if n % 2 else "Plain",
+                            payload={"n": n},
+                            table=table,
+                            ordered=bool(n % 2),
+                            dedup_key=f"k-{n}",
+                        )
+                    )
         with app.transaction():
-            duplicate = enqueue(app, aggregate_type="order", aggregate_id="a-0", event_type="Plain",
-                                payload={"n": 0}, table=table, dedup_key="k-0")
+            duplicate = enqueue(
+                app,
+                aggregate_type="order",
+                aggregate_id="a-0",
+                event_type="Plain",
+                payload={"n": 0},
+                table=table,
+                dedup_key="k-0",
+            )
     assert duplicate.duplicate and duplicate in ids and len(ids) == 200
 
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "3"],
-                            env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "3"],
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wait_for(lambda: statuses(pg_dsn, table) == {"done": 200}, timeout=90, message="all rows done")
         time.sleep(1.5)  # idle polling and a few gauge refreshes through the proxy
@@ -240,8 +274,10 @@ def test_listen_dsn_wakes_workers_past_the_proxy(pgbouncer, pg_dsn, table, make_
     """With listen_dsn the insert -> ack latency is a wake-up's, not the poll interval's
     (a correctness bound, not a benchmark: polling every 5 s could not meet it)."""
     _migrate_direct(pg_dsn, table)
-    settings = make_settings(database={"dsn": pgbouncer.dsn, "transaction_pooler": True, "listen_dsn": pg_dsn},
-                             relay={"poll_interval_seconds": 5.0, "workers": 2})
+    settings = make_settings(
+        database={"dsn": pgbouncer.dsn, "transaction_pooler": True, "listen_dsn": pg_dsn},
+        relay={"poll_interval_seconds": 5.0, "workers": 2},
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -251,10 +287,19 @@ def test_listen_dsn_wakes_workers_past_the_proxy(pgbouncer, pg_dsn, table, make_
         wait_for(lambda: run_sql(pg_dsn, table, idle) == [(True,)], timeout=20, message="relays marked idle")
         for _ in range(3):
             [row_id] = insert_rows(pg_dsn, table, 1)
-            wait_for(lambda rid=row_id: run_sql(pg_dsn, table, "SELECT 1 FROM {t} WHERE id = %s AND status = 'done'",
-                                                (rid,)), timeout=15, message=f"row {row_id} done")
-            [(seconds,)] = run_sql(pg_dsn, table, "SELECT extract(epoch FROM done_at - created_at)::float8 "
-                                                  "FROM {t} WHERE id = %s", (row_id,))
+            wait_for(
+                lambda rid=row_id: run_sql(
+                    pg_dsn, table, "SELECT 1 FROM {t} WHERE id = %s AND status = 'done'", (rid,)
+                ),
+                timeout=15,
+                message=f"row {row_id} done",
+            )
+            [(seconds,)] = run_sql(
+                pg_dsn,
+                table,
+                "SELECT extract(epoch FROM done_at - created_at)::float8 FROM {t} WHERE id = %s",
+                (row_id,),
+            )
             assert seconds < 2.0, f"row {row_id} took {seconds:.2f}s: woken by polling, not by NOTIFY"
             wait_for(lambda: run_sql(pg_dsn, table, idle) == [(True,)], timeout=20, message="idle again")
     finally:
@@ -282,13 +327,22 @@ def test_pooler_without_listen_dsn_never_listens(pgbouncer, pg_dsn, table, make_
 def test_listen_dsn_password_is_never_printed(pg_dsn, table, broker, topic_prefix):
     """An unreachable listen_dsn: the relay runs (polling) and says why, without its password."""
     secret = "l1sten-s3cret"
-    env = cli_env(pg_dsn, table, broker.bootstrap_servers, OUTBOX_RELAY_METRICS__PORT="0",
-                  OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-                  OUTBOX_RELAY_DATABASE__LISTEN_DSN=f"postgresql://relay:{secret}@127.0.0.1:1/db?connect_timeout=1")
+    env = cli_env(
+        pg_dsn,
+        table,
+        broker.bootstrap_servers,
+        OUTBOX_RELAY_METRICS__PORT="0",
+        OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+        OUTBOX_RELAY_DATABASE__LISTEN_DSN=f"postgresql://relay:{secret}@127.0.0.1:1/db?connect_timeout=1",
+    )
     assert cli("migrate", env=env).returncode == 0
-    proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "1"],
-                            env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "outbox_relay.operator.cli", "run", "--workers", "1"],
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         insert_rows(pg_dsn, table, 3)
         wait_for(lambda: statuses(pg_dsn, table) == {"done": 3}, timeout=60, message="rows done by polling")
@@ -320,11 +374,16 @@ def test_console_works_through_pgbouncer(pgbouncer, pg_dsn, table):
 
     _migrate_direct(pg_dsn, table)
     dead = [make_row(pg_dsn, table, status="dead", attempts=12, last_error="boom") for _ in range(3)]
-    settings = load_settings(None, database={"dsn": pgbouncer.dsn, "table": table, "transaction_pooler": True},
-                             console={"host": "127.0.0.1", "port": 0, "token": "t0ken-for-the-test"},
-                             log={"level": "WARNING", "format": "json"})
-    with running_console(settings) as url, httpx.Client(
-            base_url=url, headers={"Authorization": "Bearer t0ken-for-the-test"}) as http:
+    settings = load_settings(
+        None,
+        database={"dsn": pgbouncer.dsn, "table": table, "transaction_pooler": True},
+        console={"host": "127.0.0.1", "port": 0, "token": "t0ken-for-the-test"},
+        log={"level": "WARNING", "format": "json"},
+    )
+    with (
+        running_console(settings) as url,
+        httpx.Client(base_url=url, headers={"Authorization": "Bearer t0ken-for-the-test"}) as http,
+    ):
         for _ in range(8):  # past psycopg's prepare threshold: nothing may be prepared
             assert http.get("/api/status").status_code == 200
         assert [r["id"] for r in http.get("/api/dead").json()["rows"]] == dead

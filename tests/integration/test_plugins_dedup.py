@@ -32,16 +32,17 @@ def _reset_plugin():
 
 # --- plug-in publishers ------------------------------------------------------------------------
 def test_custom_publisher_by_reference_drains_rows_through_the_relay(make_settings, store, pg_dsn, table):
-    settings = make_settings(relay={"publisher": "tests.helpers.custom_publisher:make", "workers": 3,
-                                    "batch_size": 20})
+    settings = make_settings(relay={"publisher": "tests.helpers.custom_publisher:make", "workers": 3, "batch_size": 20})
     ids = insert_rows(pg_dsn, table, 100)
     poison = insert_rows(pg_dsn, table, 1, event_type="Poison")
     later = insert_rows(pg_dsn, table, 1, event_type="NotYet")
     relay = Relay(settings)
     relay.start()
     try:
-        wait_for(lambda: by_status(pg_dsn, table).get("done") == 100 and by_status(pg_dsn, table).get("dead") == 1,
-                 message="rows drained by the plug-in")
+        wait_for(
+            lambda: by_status(pg_dsn, table).get("done") == 100 and by_status(pg_dsn, table).get("dead") == 1,
+            message="rows drained by the plug-in",
+        )
         wait_for(lambda: by_status(pg_dsn, table).get("pending") == 1, message="deferred row back to pending")
         publisher = relay.publisher
     finally:
@@ -71,15 +72,23 @@ def test_plain_publish_only_object_is_wrapped(make_settings, store, pg_dsn, tabl
     assert sorted(m.id for m in custom_publisher.RECEIVED) == ids
 
 
-@pytest.mark.parametrize("reference, expected", [
-    ("nope.module:x", "cannot import 'nope.module'"),
-    ("tests.helpers.custom_publisher:missing", "has no attribute 'missing'"),
-    ("tests.helpers.custom_publisher:not_a_publisher", "has neither publish_batch() nor publish()"),
-    ("no_colon_here", "is not 'kafka', 'http' or 'package.module:factory'"),
-])
+@pytest.mark.parametrize(
+    ("reference", "expected"),
+    [
+        ("nope.module:x", "cannot import 'nope.module'"),
+        ("tests.helpers.custom_publisher:missing", "has no attribute 'missing'"),
+        ("tests.helpers.custom_publisher:not_a_publisher", "has neither publish_batch() nor publish()"),
+        ("no_colon_here", "is not 'kafka', 'http' or 'package.module:factory'"),
+    ],
+)
 def test_bad_publisher_reference_exits_2_with_one_line(pg_dsn, table, store, reference, expected):
-    env = cli_env(pg_dsn, table, OUTBOX_RELAY_RELAY__PUBLISHER=reference, OUTBOX_RELAY_METRICS__ENABLED="false",
-                  PYTHONPATH=str(ROOT))
+    env = cli_env(
+        pg_dsn,
+        table,
+        OUTBOX_RELAY_RELAY__PUBLISHER=reference,
+        OUTBOX_RELAY_METRICS__ENABLED="false",
+        PYTHONPATH=str(ROOT),
+    )
     proc = cli("run", env=env, timeout=60)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
@@ -97,8 +106,16 @@ def test_load_publisher_errors_are_config_errors(make_settings):
 
 # --- deduplicated enqueue ----------------------------------------------------------------------
 def _enqueue(conn, table, key, seq=0, **extra):
-    return enqueue(conn, aggregate_type="receipt", aggregate_id=f"order-{key}", event_type="ReceiptRequested",
-                   payload={"seq": seq}, table=table, dedup_key=key, **extra)
+    return enqueue(
+        conn,
+        aggregate_type="receipt",
+        aggregate_id=f"order-{key}",
+        event_type="ReceiptRequested",
+        payload={"seq": seq},
+        table=table,
+        dedup_key=key,
+        **extra,
+    )
 
 
 def _dedup_rows(dsn, table):
@@ -129,7 +146,7 @@ def test_concurrent_enqueue_of_one_dedup_key_yields_one_row(store, pg_dsn, table
                     results["first"] = _enqueue(conn, table, "order-42", seq=1)
                     first_inserted.set()
                     release_first.wait(20)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:  # reported by the test
             errors.append(exc)
             first_inserted.set()
 
@@ -144,7 +161,7 @@ def test_concurrent_enqueue_of_one_dedup_key_yields_one_row(store, pg_dsn, table
                 # the transaction was not aborted by the conflict: it goes on and commits
                 results["second_select"] = conn2.execute("SELECT 41 + 1").fetchone()[0]
                 results["second_other"] = _enqueue(conn2, table, "order-43", seq=3)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
 
     t1 = threading.Thread(target=first)

@@ -34,8 +34,19 @@ def _librdkafka_instances() -> int:
 
 def test_replaced_producers_are_released_with_their_threads(make_settings, broker):
     topic = "replace-" + uuid.uuid4().hex[:8]
-    messages = [Message(id=i, topic=topic, key=f"k{i}", value=json.dumps({"n": i}), headers=[],
-                        aggregate_type="a", aggregate_id=f"k{i}", event_type="E") for i in range(50)]
+    messages = [
+        Message(
+            id=i,
+            topic=topic,
+            key=f"k{i}",
+            value=json.dumps({"n": i}),
+            headers=[],
+            aggregate_type="a",
+            aggregate_id=f"k{i}",
+            event_type="E",
+        )
+        for i in range(50)
+    ]
     publisher = from_settings(make_settings())
     before = _librdkafka_instances()
     publisher.start()
@@ -46,8 +57,12 @@ def test_replaced_producers_are_released_with_their_threads(make_settings, broke
             replaced_ids.append(id(publisher._producer))
             generation = publisher.generation
             publisher.request_replacement("test")
-            wait_for(lambda generation=generation: publisher.generation > generation, timeout=10, interval=0.05,
-                     message="the producer to be replaced")
+            wait_for(
+                lambda generation=generation: publisher.generation > generation,
+                timeout=10,
+                interval=0.05,
+                message="the producer to be replaced",
+            )
             assert publisher.publish_batch(messages, timeout_seconds=20) == [None] * 50
         gc.collect()
         current = publisher._producer
@@ -57,9 +72,17 @@ def test_replaced_producers_are_released_with_their_threads(make_settings, broke
         del current, live
         # One librdkafka instance for the current producer (none made for isolation here).
         assert publisher.isolation._producer is None
-        wait_for(lambda: _librdkafka_instances() == before + 1, timeout=10, interval=0.05,
-                 message=f"one librdkafka instance more than {before}")
+        wait_for(
+            lambda: _librdkafka_instances() == before + 1,
+            timeout=10,
+            interval=0.05,
+            message=f"one librdkafka instance more than {before}",
+        )
     finally:
         publisher.close()
-    wait_for(lambda: _librdkafka_instances() == before, timeout=10, interval=0.05,
-             message=f"the librdkafka instances back to {before}")
+    wait_for(
+        lambda: _librdkafka_instances() == before,
+        timeout=10,
+        interval=0.05,
+        message=f"the librdkafka instances back to {before}",
+    )

@@ -16,12 +16,9 @@ from tests.helpers.db import insert_rows, rows, statuses, wait_for
 pytestmark = pytest.mark.first_pass_only
 
 
-
-
-
-
-def test_oversized_and_malformed_rows_go_dead_and_block_nothing(make_settings, store, pg_dsn, table, broker,
-                                                                 topic_prefix):
+def test_oversized_and_malformed_rows_go_dead_and_block_nothing(
+    make_settings, store, pg_dsn, table, broker, topic_prefix
+):
     settings = make_settings(kafka={"message_max_bytes": 10_000})
     good = insert_rows(pg_dsn, table, 50, aggregate_type="order")
     big = insert_rows(pg_dsn, table, 1, aggregate_type="order", payload_size=50_000)[0]
@@ -29,10 +26,12 @@ def test_oversized_and_malformed_rows_go_dead_and_block_nothing(make_settings, s
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         bad_headers = conn.execute(
             f'INSERT INTO "{schema}"."{name}" (aggregate_type, aggregate_id, event_type, payload, headers) '
-            "VALUES ('order', 'x', 'E', '{}', '{\"n\": 1}') RETURNING id").fetchone()[0]
+            "VALUES ('order', 'x', 'E', '{}', '{\"n\": 1}') RETURNING id"
+        ).fetchone()[0]
         not_object = conn.execute(
             f'INSERT INTO "{schema}"."{name}" (aggregate_type, aggregate_id, event_type, payload, headers) '
-            "VALUES ('order', 'x', 'E', '{}', '[\"a\"]') RETURNING id").fetchone()[0]
+            "VALUES ('order', 'x', 'E', '{}', '[\"a\"]') RETURNING id"
+        ).fetchone()[0]
     more = insert_rows(pg_dsn, table, 50, aggregate_type="order")
     relay = Relay(settings)
     relay.start()
@@ -49,14 +48,16 @@ def test_oversized_and_malformed_rows_go_dead_and_block_nothing(make_settings, s
     assert by_id[big][2] == 1  # permanent: dead on the first attempt
 
 
-def test_broker_restart_mid_run_replaces_producer_and_delivers(make_settings, store, pg_dsn, table, durable_broker,
-                                                                topic_prefix):
+def test_broker_restart_mid_run_replaces_producer_and_delivers(
+    make_settings, store, pg_dsn, table, durable_broker, topic_prefix
+):
     """The broker hangs, then is killed and restarted on the same (durable) storage: the
     producer is replaced, and every row, acknowledged before or after, is readable."""
     own_broker = durable_broker
-    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
-                             relay={"lease_seconds": 6, "backoff_base_seconds": 0.1, "backoff_cap_seconds": 1,
-                                    "max_attempts": 50})
+    settings = make_settings(
+        kafka={"bootstrap_servers": own_broker.bootstrap_servers},
+        relay={"lease_seconds": 6, "backoff_base_seconds": 0.1, "backoff_cap_seconds": 1, "max_attempts": 50},
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -74,9 +75,13 @@ def test_broker_restart_mid_run_replaces_producer_and_delivers(make_settings, st
     assert relay.publisher.replacements >= 1
     assert relay.metrics.registry.get_sample_value("outbox_relay_producer_replacements_total") >= 1
     every_id = set(first) | set(second)
-    messages = read_messages(own_broker.bootstrap_servers, [f"{topic_prefix}.order"], expected=len(every_id),
-                             timeout=60, stop_when=lambda out: every_id <= {int(m["headers"]["message_id"])
-                                                                            for m in out})
+    messages = read_messages(
+        own_broker.bootstrap_servers,
+        [f"{topic_prefix}.order"],
+        expected=len(every_id),
+        timeout=60,
+        stop_when=lambda out: every_id <= {int(m["headers"]["message_id"]) for m in out},
+    )
     delivered = {int(m["headers"]["message_id"]) for m in messages}
     # Nothing acknowledged before the restart was lost with the old broker process.
     assert every_id - delivered == set()
@@ -86,8 +91,10 @@ def test_broker_restart_mid_run_replaces_producer_and_delivers(make_settings, st
 def test_graceful_stop_releases_unacknowledged_rows(make_settings, store, pg_dsn, table, own_broker):
     """SIGTERM hand-off: rows without a delivery report go back to pending, due now,
     attempt refunded, so another replica takes them at once."""
-    settings = make_settings(kafka={"bootstrap_servers": own_broker.bootstrap_servers},
-                             relay={"lease_seconds": 60, "workers": 2, "shutdown_timeout_seconds": 1})
+    settings = make_settings(
+        kafka={"bootstrap_servers": own_broker.bootstrap_servers},
+        relay={"lease_seconds": 60, "workers": 2, "shutdown_timeout_seconds": 1},
+    )
     relay = Relay(settings)
     relay.start()
     own_broker.pause()  # deliveries hang
@@ -135,10 +142,15 @@ def test_topic_the_broker_rejects_goes_dead_alone(make_settings, store, pg_dsn, 
 
 
 def test_reserved_header_names_are_refused(store, pg_dsn, table):
-    import pytest as _pytest
-
     from outbox_relay import enqueue
 
-    with psycopg.connect(pg_dsn) as conn, _pytest.raises(ValueError, match="reserved"):
-        enqueue(conn, aggregate_type="a", aggregate_id="1", event_type="E", payload={},
-                headers={"message_id": "forged"}, table=table)
+    with psycopg.connect(pg_dsn) as conn, pytest.raises(ValueError, match="reserved"):
+        enqueue(
+            conn,
+            aggregate_type="a",
+            aggregate_id="1",
+            event_type="E",
+            payload={},
+            headers={"message_id": "forged"},
+            table=table,
+        )

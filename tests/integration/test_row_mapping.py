@@ -23,10 +23,24 @@ from tests.helpers.db import make_row
 SQL_NAME_OF = {"size_bytes": "row_bytes"}
 CLAIMED_COLUMNS = [SQL_NAME_OF.get(f.name, f.name) for f in dataclasses.fields(Claimed)]
 
-PARAMS = {"owner": "mapping", "batch": 10, "lease_seconds": 30.0, "max_attempts": 5, "max_batch_bytes": 8 << 20,
-          "candidates": 10, "max_message_bytes": None, "excluded_types": [], "after": None, "all_ordered": True,
-          "ordered_types": [], "first_always": True, "run_length": 10, "room": 10, "aggregate_ids": ["agg-1"],
-          "head_ids": [0]}
+PARAMS = {
+    "owner": "mapping",
+    "batch": 10,
+    "lease_seconds": 30.0,
+    "max_attempts": 5,
+    "max_batch_bytes": 8 << 20,
+    "candidates": 10,
+    "max_message_bytes": None,
+    "excluded_types": [],
+    "after": None,
+    "all_ordered": True,
+    "ordered_types": [],
+    "first_always": True,
+    "run_length": 10,
+    "room": 10,
+    "aggregate_ids": ["agg-1"],
+    "head_ids": [0],
+}
 
 
 def _columns(store, pg_dsn, name: str) -> list[str]:
@@ -40,11 +54,14 @@ def _columns(store, pg_dsn, name: str) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize(("statement", "taken"), [
-    ("claim", slice(1, 12)),  # reaped flag first, reaped owner last
-    ("claim_ordered_heads", slice(None, -1)),  # the round-robin cursor last
-    ("claim_ordered_runs", slice(None)),
-])
+@pytest.mark.parametrize(
+    ("statement", "taken"),
+    [
+        ("claim", slice(1, 12)),  # reaped flag first, reaped owner last
+        ("claim_ordered_heads", slice(None, -1)),  # the round-robin cursor last
+        ("claim_ordered_runs", slice(None)),
+    ],
+)
 def test_every_statement_that_builds_a_claimed_returns_its_fields_in_order(store, pg_dsn, table, statement, taken):
     make_row(pg_dsn, table)  # something to claim, so every branch of the plan has a row
     columns = _columns(store, pg_dsn, statement)
@@ -60,11 +77,25 @@ def test_the_plain_claim_keeps_the_reaped_columns_where_the_store_reads_them(sto
 
 def test_a_claimed_row_carries_each_column_in_its_own_field(store, pg_dsn, table):
     """Values distinct per field: a swap of two fields of the same type fails too."""
-    row_id = make_row(pg_dsn, table, aggregate_type="type-a", aggregate_id="id-b", event_type="event-c",
-                      topic="topic-d", headers={"h": "e"}, payload={"p": "f"}, attempts=2, lease_version=7)
+    row_id = make_row(
+        pg_dsn,
+        table,
+        aggregate_type="type-a",
+        aggregate_id="id-b",
+        event_type="event-c",
+        topic="topic-d",
+        headers={"h": "e"},
+        payload={"p": "f"},
+        attempts=2,
+        lease_version=7,
+    )
     [claimed] = store.claim(owner="mapping", batch=10, lease_seconds=30, max_attempts=5).rows
     assert (claimed.id, claimed.lease_version, claimed.attempts) == (row_id, 8, 3)
     assert (claimed.aggregate_type, claimed.aggregate_id, claimed.event_type, claimed.topic) == (
-        "type-a", "id-b", "event-c", "topic-d")
+        "type-a",
+        "id-b",
+        "event-c",
+        "topic-d",
+    )
     assert (claimed.payload, claimed.headers) == ('{"p": "f"}', '{"h": "e"}')
     assert claimed.size_bytes == len('{"p": "f"}') + len('{"h": "e"}')

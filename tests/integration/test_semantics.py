@@ -1,8 +1,9 @@
 """Claim / lease / fencing semantics against a real PostgreSQL.
 
 Concurrent claims, crashed workers, expired leases, the four outcomes, poison rows,
-the broken COMMIT-then-publish dispatcher, and the six recovery tests (a SIGKILLed child process, an uncommitted claim, stale success
-and stale retry, no retry after done, the strict policy), plus lost-lease counting.
+the broken COMMIT-then-publish dispatcher, and the six recovery tests (a SIGKILLed child
+process, an uncommitted claim, stale success and stale retry, no retry after done, the
+strict policy), plus lost-lease counting.
 
 Runs in the suite's relay.on_done mode (tests/helpers/db.py: ON_DONE): a done
 finalize leaves the row ``done`` (keep) or deletes it (delete); ``assert_delivered``
@@ -84,8 +85,14 @@ def worker_config(**overrides: object) -> WorkerConfig:
 
 def wait_leases_expired(dsn: str, table: str, ids: Sequence[int], timeout: float = 10.0) -> None:
     """Until the database's own clock says every lease of ``ids`` has expired."""
-    wait_for(lambda: run_sql(dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)",
-                             (list(ids),))[0][0], timeout=timeout, interval=0.05, message=f"leases of {ids} to expire")
+    wait_for(
+        lambda: run_sql(dsn, table, "SELECT bool_and(lease_until < now()) FROM {t} WHERE id = ANY(%s)", (list(ids),))[
+            0
+        ][0],
+        timeout=timeout,
+        interval=0.05,
+        message=f"leases of {ids} to expire",
+    )
 
 
 def make_due(dsn: str, table: str) -> None:
@@ -245,8 +252,9 @@ def test_defer_returns_to_pending_with_attempt_refunded(pg_dsn, table, store):
     state = row_state(pg_dsn, table, row_id)
     assert (state["status"], state["attempts"], state["lease_until"]) == ("pending", 0, None)
     assert "customer account not created yet" in str(state["last_error"])
-    [(delay,)] = run_sql(pg_dsn, table, "SELECT extract(epoch FROM available_at - now())::float8 FROM {t} "
-                                        "WHERE id = %s", (row_id,))
+    [(delay,)] = run_sql(
+        pg_dsn, table, "SELECT extract(epoch FROM available_at - now())::float8 FROM {t} WHERE id = %s", (row_id,)
+    )
     assert 100 < delay <= 120  # moved forward by ~the delay (minus the seconds this test took)
     assert worker.claim() == []  # not due yet
     assert metrics.registry.get_sample_value("outbox_relay_published_total", {"outcome": "defer"}) == 1
@@ -296,9 +304,12 @@ def test_reaped_rows_report_the_last_owner(pg_dsn, table, store):
     assert result.reaped == [(row_id, 2, "crashy2")]
 
 
-def _two_worker_interleaving(claim: Callable[[str], list[tuple[int, int | None]]],
-                             finalize: Callable[[str, list[tuple[int, int | None]]], None],
-                             publisher: RecordingPublisher, message_for: Callable[[int], Message]) -> None:
+def _two_worker_interleaving(
+    claim: Callable[[str], list[tuple[int, int | None]]],
+    finalize: Callable[[str, list[tuple[int, int | None]]], None],
+    publisher: RecordingPublisher,
+    message_for: Callable[[int], Message],
+) -> None:
     """Worker A claims (and commits), then pauses before publishing; worker B runs a
     whole claim -> publish -> finalize cycle meanwhile; then A resumes."""
     a_committed = threading.Event()
@@ -343,22 +354,34 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
     """
     ident = sql.Identifier(*table.split("."))
     broken_ids = insert_rows(pg_dsn, table, 3, aggregate_type="broken")
-    bodies = {r[0]: r for r in run_sql(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, event_type, "
-                                                      "payload::text FROM {t}")}
+    bodies = {
+        r[0]: r
+        for r in run_sql(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, event_type, payload::text FROM {t}")
+    }
 
     def message_for(row_id: int) -> Message:
         _, agg_type, agg_id, event_type, payload = bodies[row_id]
-        return Message(id=row_id, topic=f"outbox.{agg_type}", key=agg_id, value=payload,
-                       headers=[("message_id", str(row_id))], aggregate_type=agg_type,
-                       aggregate_id=agg_id, event_type=event_type)
+        return Message(
+            id=row_id,
+            topic=f"outbox.{agg_type}",
+            key=agg_id,
+            value=payload,
+            headers=[("message_id", str(row_id))],
+            aggregate_type=agg_type,
+            aggregate_id=agg_id,
+            event_type=event_type,
+        )
 
     def broken_claim(owner: str) -> list[tuple[int, int | None]]:
         with psycopg.connect(pg_dsn) as conn:
             with conn.transaction():
-                picked = conn.execute(sql.SQL(
-                    "SELECT id, aggregate_id, event_type, payload FROM {} "
-                    "WHERE status = 'pending' ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED").format(ident),
-                    (50,)).fetchall()
+                picked = conn.execute(
+                    sql.SQL(
+                        "SELECT id, aggregate_id, event_type, payload FROM {} "
+                        "WHERE status = 'pending' ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED"
+                    ).format(ident),
+                    (50,),
+                ).fetchall()
             # COMMITted: the row locks are gone, the rows are still 'pending'.
         return [(r[0], None) for r in picked]
 
@@ -366,35 +389,44 @@ def test_broken_dispatcher_publishes_twice_and_leased_claim_does_not(pg_dsn, tab
         with psycopg.connect(pg_dsn) as conn:
             for row_id, _ in claims:
                 with conn.transaction():
-                    conn.execute(sql.SQL("UPDATE {} SET status = 'done', done_at = now() WHERE id = %s")
-                                 .format(ident), (row_id,))
+                    conn.execute(
+                        sql.SQL("UPDATE {} SET status = 'done', done_at = now() WHERE id = %s").format(ident), (row_id,)
+                    )
 
     broken = RecordingPublisher()
     _two_worker_interleaving(broken_claim, broken_finalize, broken, message_for)
-    assert broken.counts == {i: 2 for i in broken_ids}  # every message published twice
+    assert broken.counts == dict.fromkeys(broken_ids, 2)  # every message published twice
     assert {r[1] for r in rows(pg_dsn, table)} == {"done"}  # and the table looks perfectly fine
 
     # The same interleaving with the real lease-writing claim and fenced finalize.
     leased_ids = insert_rows(pg_dsn, table, 3, aggregate_type="leased")
-    bodies.update({r[0]: r for r in run_sql(pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, "
-                                                           "event_type, payload::text FROM {t}")})
+    bodies.update(
+        {
+            r[0]: r
+            for r in run_sql(
+                pg_dsn, table, "SELECT id, aggregate_type, aggregate_id, event_type, payload::text FROM {t}"
+            )
+        }
+    )
     finalized: dict[str, set[int]] = {}
 
     def leased_claim(owner: str) -> list[tuple[int, int | None]]:
-        return [(c.id, c.lease_version)
-                for c in store.claim(owner=owner, batch=50, lease_seconds=30, max_attempts=3).rows]
+        return [
+            (c.id, c.lease_version) for c in store.claim(owner=owner, batch=50, lease_seconds=30, max_attempts=3).rows
+        ]
 
     def leased_finalize(owner: str, claims: list[tuple[int, int | None]]) -> None:
         finalized[owner] = store.mark_done([(i, v) for i, v in claims if v is not None])
 
     leased = RecordingPublisher()
     _two_worker_interleaving(leased_claim, leased_finalize, leased, message_for)
-    assert leased.counts == {i: 1 for i in leased_ids}  # each message published exactly once
+    assert leased.counts == dict.fromkeys(leased_ids, 1)  # each message published exactly once
     assert finalized == {"B": set(), "A": set(leased_ids)}  # B found nothing; A finished its rows
     assert_delivered(pg_dsn, table, leased_ids)
     # The broken dispatcher's own UPDATE marked its rows done in either mode.
-    assert run_sql(pg_dsn, table, "SELECT id, status FROM {t} WHERE id = ANY(%s) ORDER BY id",
-                   (broken_ids,)) == [(i, "done") for i in broken_ids]
+    assert run_sql(pg_dsn, table, "SELECT id, status FROM {t} WHERE id = ANY(%s) ORDER BY id", (broken_ids,)) == [
+        (i, "done") for i in broken_ids
+    ]
 
 
 # --- the six recovery tests: every failure of an owner ends with the row delivered once --
@@ -403,8 +435,9 @@ def test_sigkilled_child_leaves_committed_claim_recovered_after_lease(pg_dsn, ta
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     stderr_path = tmp_path / "child.stderr"
     with open(stderr_path, "wb") as stderr:
-        child = subprocess.Popen([sys.executable, str(CHILD), pg_dsn, table], stdout=subprocess.PIPE,
-                                 stderr=stderr, env=env, cwd=str(ROOT))
+        child = subprocess.Popen(
+            [sys.executable, str(CHILD), pg_dsn, table], stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=str(ROOT)
+        )
     try:
         ready, _, _ = select.select([child.stdout], [], [], 60)
         assert ready, f"child printed nothing: {stderr_path.read_text()}"
@@ -439,9 +472,18 @@ def test_sigkilled_child_leaves_committed_claim_recovered_after_lease(pg_dsn, ta
 
 def test_uncommitted_claim_holds_row_and_rollback_frees_it(pg_dsn, table, store):
     first, second, _third = insert_rows(pg_dsn, table, 3)
-    params = {"owner": "open-tx", "batch": 1, "lease_seconds": 30.0, "max_attempts": 3,
-              "ordered_types": [], "all_ordered": False, "excluded_types": [],
-              "candidates": 1, "max_batch_bytes": 2**62, "max_message_bytes": None}
+    params = {
+        "owner": "open-tx",
+        "batch": 1,
+        "lease_seconds": 30.0,
+        "max_attempts": 3,
+        "ordered_types": [],
+        "all_ordered": False,
+        "excluded_types": [],
+        "candidates": 1,
+        "max_batch_bytes": 2**62,
+        "max_message_bytes": None,
+    }
     with psycopg.connect(pg_dsn) as conn:  # not autocommit: the claim stays uncommitted
         held = conn.execute(store.sql.query("claim"), params).fetchall()
         assert [r[1] for r in held if not r[0]] == [first]  # column 0: reaped flag, 1: id
@@ -467,9 +509,13 @@ def test_stale_success_and_stale_retry_are_rejected(pg_dsn, table, store):
     assert old.lease_version == 1
     # A newer live generation, built directly so the fencing is tested independently
     # of the reclaim query.
-    run_sql(pg_dsn, table, "UPDATE {t} SET lease_version = lease_version + 1, attempts = attempts + 1, "
-                           "lease_owner = 'B', lease_until = now() + interval '30 seconds' WHERE id = %s",
-            (row_id,))
+    run_sql(
+        pg_dsn,
+        table,
+        "UPDATE {t} SET lease_version = lease_version + 1, attempts = attempts + 1, "
+        "lease_owner = 'B', lease_until = now() + interval '30 seconds' WHERE id = %s",
+        (row_id,),
+    )
     before = row_state(pg_dsn, table, row_id)
 
     assert store.mark_done([(row_id, old.lease_version)]) == set()  # stale success

@@ -41,8 +41,13 @@ pytestmark = pytest.mark.timeout(240)
 def sources_settings(broker: Any, topic_prefix: str, sources: dict[str, dict[str, Any]], **sections: Any) -> Settings:
     merged: dict[str, Any] = {
         "kafka": {"bootstrap_servers": broker.bootstrap_servers, "topic_template": topic_prefix + ".{aggregate_type}"},
-        "relay": {"workers": 2, "lease_seconds": 10, "poll_interval_seconds": 0.2, "on_done": ON_DONE,
-                  "shutdown_timeout_seconds": 5},
+        "relay": {
+            "workers": 2,
+            "lease_seconds": 10,
+            "poll_interval_seconds": 0.2,
+            "on_done": ON_DONE,
+            "shutdown_timeout_seconds": 5,
+        },
         "metrics": {"enabled": True, "host": "127.0.0.1", "port": 0, "refresh_interval_seconds": 0.3},
         "log": {"level": "WARNING", "format": "json"},
         "sources": sources,
@@ -67,8 +72,15 @@ def fetch(port: int, path: str) -> tuple[int, str]:
 
 
 def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list[Any]:
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"sources-{uuid.uuid4().hex[:6]}",
-                         "enable.auto.commit": False, "auto.offset.reset": "earliest", "log_level": 3})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"sources-{uuid.uuid4().hex[:6]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log_level": 3,
+        }
+    )
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
         consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
@@ -112,10 +124,14 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
 def test_two_static_sources_deliver_to_their_own_topics(databases, broker, topic_prefix, running):
     dsn_a, dsn_b = databases("a"), databases("b")
-    settings = sources_settings(broker, topic_prefix, {
-        "a": {"dsn": dsn_a, "topic_template": topic_prefix + ".a.{aggregate_type}"},
-        "b": {"dsn": dsn_b, "topic_template": topic_prefix + ".b.{aggregate_type}"},
-    })
+    settings = sources_settings(
+        broker,
+        topic_prefix,
+        {
+            "a": {"dsn": dsn_a, "topic_template": topic_prefix + ".a.{aggregate_type}"},
+            "b": {"dsn": dsn_b, "topic_template": topic_prefix + ".b.{aggregate_type}"},
+        },
+    )
     ids_a = insert_rows(dsn_a, "outbox", 7, aggregate_type="order")
     ids_b = insert_rows(dsn_b, "outbox", 5, aggregate_type="order")
     relay = running(settings)
@@ -143,12 +159,15 @@ def test_two_static_sources_deliver_to_their_own_topics(databases, broker, topic
     assert code == 200 and "2/2 sources ready" in body
 
 
-def test_discovery_serves_a_new_database_and_lets_a_dropped_one_go(databases, pg_dsn, broker, topic_prefix,
-                                                                  running):
+def test_discovery_serves_a_new_database_and_lets_a_dropped_one_go(databases, pg_dsn, broker, topic_prefix, running):
     first = databases("one")
     prefix = databases.prefix
-    settings = sources_settings(broker, topic_prefix, {}, discovery={
-        "dsn": pg_dsn, "database_pattern": prefix + r"\_%", "refresh_interval_seconds": 0.3})
+    settings = sources_settings(
+        broker,
+        topic_prefix,
+        {},
+        discovery={"dsn": pg_dsn, "database_pattern": prefix + r"\_%", "refresh_interval_seconds": 0.3},
+    )
     relay = running(settings)
     first_name = f"{prefix}_one"
     wait_for(lambda: first_name in relay.runtimes and relay.runtimes[first_name].opened, timeout=30)
@@ -181,16 +200,19 @@ def test_discovery_serves_a_new_database_and_lets_a_dropped_one_go(databases, pg
     assert fetch(port, "/readyz")[0] == 200
 
 
-def test_a_source_whose_database_is_down_does_not_hold_up_the_others(databases, pg_dsn, broker, topic_prefix,
-                                                                    running):
+def test_a_source_whose_database_is_down_does_not_hold_up_the_others(databases, pg_dsn, broker, topic_prefix, running):
     dsn_ok, dsn_flaky = databases("ok"), databases("flaky")
     flaky_name = f"{databases.prefix}_flaky"
-    settings = sources_settings(broker, topic_prefix, {
-        "ok": {"dsn": dsn_ok},
-        "flaky": {"dsn": dsn_flaky},
-        # A server that is not there at all (nothing listens on port 1).
-        "gone": {"dsn": "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=2"},
-    })
+    settings = sources_settings(
+        broker,
+        topic_prefix,
+        {
+            "ok": {"dsn": dsn_ok},
+            "flaky": {"dsn": dsn_flaky},
+            # A server that is not there at all (nothing listens on port 1).
+            "gone": {"dsn": "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=2"},
+        },
+    )
     relay = running(settings)
     insert_rows(dsn_ok, "outbox", 20)
     insert_rows(dsn_flaky, "outbox", 5)
@@ -227,12 +249,18 @@ def test_a_quiet_source_is_not_held_up_by_another_sources_backlog(databases, bro
     dsn_busy, dsn_quiet = databases("busy"), databases("quiet")
     backlog = 20_000
     with psycopg.connect(dsn_busy, autocommit=True) as conn:
-        conn.execute("INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
-                     "SELECT 'busy', 'agg-' || (g %% 50), 'E', '{}'::jsonb FROM generate_series(1, %s) g",
-                     (backlog,))
+        conn.execute(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'busy', 'agg-' || (g %% 50), 'E', '{}'::jsonb FROM generate_series(1, %s) g",
+            (backlog,),
+        )
     workers = 2
-    settings = sources_settings(broker, topic_prefix, {"busy": {"dsn": dsn_busy}, "quiet": {"dsn": dsn_quiet}},
-                                relay={"workers": workers, "batch_size": 100})
+    settings = sources_settings(
+        broker,
+        topic_prefix,
+        {"busy": {"dsn": dsn_busy}, "quiet": {"dsn": dsn_quiet}},
+        relay={"workers": workers, "batch_size": 100},
+    )
     relay = MultiRelay(settings)
     # Record the scheduler's decisions (the real scheduler, observed): every claim it
     # hands out, and when the quiet source became due.
@@ -271,5 +299,5 @@ def test_a_quiet_source_is_not_held_up_by_another_sources_backlog(databases, bro
     claimed_at = next(i for i, e in enumerate(seen) if e == ("claim", "quiet") and i > due_at)
     busy_claims_between = sum(1 for e in seen[due_at:claimed_at] if e == ("claim", "busy"))
     # The stated bound: at most one claim per worker of the other due source(s).
-    assert busy_claims_between <= workers, seen[due_at:claimed_at + 1]
+    assert busy_claims_between <= workers, seen[due_at : claimed_at + 1]
     assert quiet_id > 0

@@ -60,8 +60,17 @@ def context_header(context: Any) -> str:
 
 def write(dsn: str, table: str, aggregate_id: str, **extra: Any) -> int:
     with psycopg.connect(dsn) as conn, conn.transaction():
-        return int(enqueue(conn, aggregate_type="order", aggregate_id=aggregate_id, event_type="OrderPaid",
-                           payload={"a": aggregate_id}, table=table, **extra))
+        return int(
+            enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id=aggregate_id,
+                event_type="OrderPaid",
+                payload={"a": aggregate_id},
+                table=table,
+                **extra,
+            )
+        )
 
 
 def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_dsn, table, broker, topic_prefix):
@@ -111,7 +120,8 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     for s in sends.values():
         assert [link.context.span_id for link in s.links] == [claim.context.span_id]
     assert {link.context.span_id for link in finalize.links} == {claim.context.span_id} | {
-        s.context.span_id for s in sends.values()}
+        s.context.span_id for s in sends.values()
+    }
     assert finalize.attributes["outbox_relay.done"] == 4
 
     # Messaging semantic conventions (names checked against the semconv package).
@@ -138,8 +148,9 @@ def test_one_trace_from_writer_through_relay_to_kafka(make_settings, store, pg_d
     [message] = [m for m in messages if m["headers"]["message_id"] == str(traced)]
     consumer_provider, consumer_spans = sdk("consumer")
     parent = TraceContextTextMapPropagator().extract(message["headers"])
-    with consumer_provider.get_tracer("billing").start_as_current_span("process OrderPaid", context=parent,
-                                                                        kind=SpanKind.CONSUMER):
+    with consumer_provider.get_tracer("billing").start_as_current_span(
+        "process OrderPaid", context=parent, kind=SpanKind.CONSUMER
+    ):
         pass
     [consumed] = consumer_spans.get_finished_spans()
     assert consumed.context.trace_id == request.trace_id and consumed.parent.span_id == send.context.span_id
@@ -157,8 +168,9 @@ def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_sett
     with HttpTarget() as target:
         target.script_id(flaky, Step(503, body="down for a moment"))
         target.script_id(bad, Step(400, body="no such order"))
-        settings = make_settings(relay={"publisher": "http", "max_attempts": 5},
-                                 http={"url_template": f"{target.base_url}/events"})
+        settings = make_settings(
+            relay={"publisher": "http", "max_attempts": 5}, http={"url_template": f"{target.base_url}/events"}
+        )
         publisher = HttpPublisher.from_settings(settings)
         tracing = OtelTracing(relay_provider, table=table, publisher=publisher)
         try:
@@ -168,10 +180,16 @@ def test_http_request_carries_the_relay_span_and_spans_record_outcomes(make_sett
             publisher.close()
         requests = {r.message_id: r for r in target.snapshot()}
     assert (result.done, result.retried, result.dead) == (1, 1, 1)
-    sends = {int(s.attributes["messaging.message.id"]): s
-             for s in exported.get_finished_spans() if s.kind is SpanKind.PRODUCER}
-    for row_id, outcome, error_type in ((ok, "done", None), (flaky, "retry", "RetryableError"),
-                                        (bad, "dead", "PermanentError")):
+    sends = {
+        int(s.attributes["messaging.message.id"]): s
+        for s in exported.get_finished_spans()
+        if s.kind is SpanKind.PRODUCER
+    }
+    for row_id, outcome, error_type in (
+        (ok, "done", None),
+        (flaky, "retry", "RetryableError"),
+        (bad, "dead", "PermanentError"),
+    ):
         s = sends[row_id]
         assert s.attributes["messaging.system"] == "http"
         assert semconv.MESSAGING_KAFKA_MESSAGE_KEY not in s.attributes  # Kafka's own attribute only
@@ -212,12 +230,21 @@ def test_span_attributes_come_from_the_publisher_contract():
             pass
 
     def message(row_id: int) -> Message:
-        return Message(id=row_id, topic="outbox.order", key=f"order-{row_id}", value="{}", headers=[],
-                       aggregate_type="order", aggregate_id=f"order-{row_id}", event_type="OrderPaid")
+        return Message(
+            id=row_id,
+            topic="outbox.order",
+            key=f"order-{row_id}",
+            value="{}",
+            headers=[],
+            aggregate_type="order",
+            aggregate_id=f"order-{row_id}",
+            event_type="OrderPaid",
+        )
 
-    for publisher, expected in ((KafkaBridge(), {semconv.MESSAGING_KAFKA_MESSAGE_KEY: "order-7",
-                                                 "bridge.partition_hint": 3}),
-                                (Plain(), {})):
+    for publisher, expected in (
+        (KafkaBridge(), {semconv.MESSAGING_KAFKA_MESSAGE_KEY: "order-7", "bridge.partition_hint": 3}),
+        (Plain(), {}),
+    ):
         provider, exported = sdk("relay")
         batch = OtelTracing(provider, table="outbox", publisher=publisher).batch("w")
         batch.publishing([message(7)])
@@ -226,10 +253,12 @@ def test_span_attributes_come_from_the_publisher_contract():
         batch.finalized(BatchResult())
         [send] = [s for s in exported.get_finished_spans() if s.kind is SpanKind.PRODUCER]
         assert send.attributes[semconv.MESSAGING_SYSTEM] == publisher.name
-        own = {k: v for k, v in send.attributes.items()
-               if not k.startswith(("messaging.operation", "outbox_relay."))
-               and k not in (semconv.MESSAGING_SYSTEM, semconv.MESSAGING_DESTINATION_NAME,
-                             semconv.MESSAGING_MESSAGE_ID)}
+        own = {
+            k: v
+            for k, v in send.attributes.items()
+            if not k.startswith(("messaging.operation", "outbox_relay."))
+            and k not in (semconv.MESSAGING_SYSTEM, semconv.MESSAGING_DESTINATION_NAME, semconv.MESSAGING_MESSAGE_ID)
+        }
         assert own == expected
 
 
@@ -240,15 +269,26 @@ def test_otlp_http_export_from_the_cli(store, pg_dsn, table, broker, topic_prefi
     untraced = write(pg_dsn, table, "order-2")
     writer = checkout.get_span_context()
     with OtlpReceiver() as receiver:
-        env = cli_env(pg_dsn, table, broker.bootstrap_servers,
-                      OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-                      OUTBOX_RELAY_METRICS__ENABLED="false", OUTBOX_RELAY_RELAY__WORKERS="1",
-                      OUTBOX_RELAY_OTEL__ENABLED="true",
-                      OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint, OTEL_SERVICE_NAME="relay-under-test",
-                      OTEL_BSP_SCHEDULE_DELAY="100")
+        env = cli_env(
+            pg_dsn,
+            table,
+            broker.bootstrap_servers,
+            OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+            OUTBOX_RELAY_METRICS__ENABLED="false",
+            OUTBOX_RELAY_RELAY__WORKERS="1",
+            OUTBOX_RELAY_OTEL__ENABLED="true",
+            OTEL_EXPORTER_OTLP_ENDPOINT=receiver.endpoint,
+            OTEL_SERVICE_NAME="relay-under-test",
+            OTEL_BSP_SCHEDULE_DELAY="100",
+        )
         base = {k: v for k, v in os.environ.items() if not k.startswith(("OUTBOX_RELAY_", "OTEL_"))}
-        proc = subprocess.Popen([sys.executable, "-m", "outbox_relay.operator.cli", "run"], env={**base, **env},
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox_relay.operator.cli", "run"],
+            env={**base, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             wait_for(lambda: statuses(pg_dsn, table).get("done") == 2, timeout=60, message="rows done")
             spans = receiver.wait_for(lambda spans: sum(s.kind == "PRODUCER" for s in spans) == 2)
@@ -290,8 +330,14 @@ assert not loaded, loaded
 
 
 def test_unsupported_exporter_settings_exit_2(pg_dsn, table, broker, monkeypatch):
-    env = cli_env(pg_dsn, table, broker.bootstrap_servers, OUTBOX_RELAY_OTEL__ENABLED="true",
-                  OUTBOX_RELAY_METRICS__ENABLED="false", OTEL_EXPORTER_OTLP_PROTOCOL="grpc")
+    env = cli_env(
+        pg_dsn,
+        table,
+        broker.bootstrap_servers,
+        OUTBOX_RELAY_OTEL__ENABLED="true",
+        OUTBOX_RELAY_METRICS__ENABLED="false",
+        OTEL_EXPORTER_OTLP_PROTOCOL="grpc",
+    )
     result = cli("run", env=env, timeout=60)
     assert result.returncode == 2 and "http/protobuf only" in result.stderr and "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1

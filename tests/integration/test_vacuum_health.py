@@ -20,9 +20,9 @@ import pytest
 import structlog
 from psycopg import sql
 
-from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from outbox_relay.db.store import OutboxStore
 from outbox_relay.db.vacuum_health import NOT_VISIBLE_HINT, HorizonWarning
+from outbox_relay.observability.metrics import RelayMetrics, StatsRefresher
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import insert_rows
 from tests.helpers.pg_cluster import TempServers, pg_missing_reason
@@ -65,15 +65,20 @@ def test_gauge_status_and_log_name_a_held_snapshot(pg_dsn: str, table: str, stor
         named = [h for h in horizon.holders if h.pid == _pid(holder)]
         assert named, horizon.holders
         h = named[0]
-        assert (h.kind, h.application_name, h.state, h.visible) == ("backend", "t-snapshot-holder",
-                                                                   "idle in transaction", True)
+        assert (h.kind, h.application_name, h.state, h.visible) == (
+            "backend",
+            "t-snapshot-holder",
+            "idle in transaction",
+            True,
+        )
         assert h.age_seconds is not None and h.age_seconds >= 1.0 and h.xact_start is not None
         assert horizon.holder is not None and horizon.age_seconds >= 1.0
 
         # The gauge, refreshed on the refresher's schedule, and one warning line.
         metrics = RelayMetrics()
-        refresher = StatsRefresher(store, metrics, interval_seconds=60, timeout_ms=2000, ordered_types=[],
-                                   xmin_horizon_warn_seconds=1.0)
+        refresher = StatsRefresher(
+            store, metrics, interval_seconds=60, timeout_ms=2000, ordered_types=[], xmin_horizon_warn_seconds=1.0
+        )
         with structlog.testing.capture_logs() as logs:
             assert refresher.refresh_once()
             assert refresher.refresh_once()
@@ -87,8 +92,9 @@ def test_gauge_status_and_log_name_a_held_snapshot(pg_dsn: str, table: str, stor
         doc = json.loads(cli("status", "--json", env=env).stdout)
         pids = [doc["xmin_horizon"]["holder"].get("pid")] + [o.get("pid") for o in doc["xmin_horizon"]["others"]]
         assert _pid(holder) in pids, doc["xmin_horizon"]
-        mine = next(x for x in [doc["xmin_horizon"]["holder"], *doc["xmin_horizon"]["others"]]
-                    if x.get("pid") == _pid(holder))
+        mine = next(
+            x for x in [doc["xmin_horizon"]["holder"], *doc["xmin_horizon"]["others"]] if x.get("pid") == _pid(holder)
+        )
         assert mine["application_name"] == "t-snapshot-holder" and mine["age_seconds"] >= 1.0
         assert mine["xact_start"] and mine["user"] and mine["state"] == "idle in transaction"
         human = cli("status", env=env)
@@ -182,8 +188,9 @@ def relay_role(pg_dsn: str, table: str, store: OutboxStore) -> Iterator[str]:
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
-def test_least_privilege_role_says_what_it_cannot_see(pg_dsn: str, table: str, relay_role: str,
-                                                      snapshot_holder: psycopg.Connection[Any]) -> None:
+def test_least_privilege_role_says_what_it_cannot_see(
+    pg_dsn: str, table: str, relay_role: str, snapshot_holder: psycopg.Connection[Any]
+) -> None:
     dsn = psycopg.conninfo.make_conninfo(pg_dsn, user=relay_role)
     time.sleep(1.1)
     with OutboxStore(dsn, table, pool_size=1) as relay_store:
@@ -197,8 +204,7 @@ def test_least_privilege_role_says_what_it_cannot_see(pg_dsn: str, table: str, r
             assert math.isnan(horizon.age_seconds)  # unknown, never 0
             assert "pg_read_all_stats" in (horizon.note() or "")
             metrics = RelayMetrics()
-            StatsRefresher(relay_store, metrics, interval_seconds=60, timeout_ms=2000,
-                           ordered_types=[]).refresh_once()
+            StatsRefresher(relay_store, metrics, interval_seconds=60, timeout_ms=2000, ordered_types=[]).refresh_once()
             assert math.isnan(_gauge(metrics, "outbox_relay_xmin_horizon_age_seconds"))
         status = cli("status", "--json", env=cli_env(dsn, table))
         assert status.returncode == 0, status.stderr
@@ -230,12 +236,16 @@ def test_physical_slot_with_hot_standby_feedback_is_named() -> None:
         pytest.skip(missing)
     slot = "t_standby_slot"
     with TempServers() as servers:
-        primary = servers.server("primary").initdb(settings={
-            "wal_level": "replica", "max_wal_senders": "5", "max_replication_slots": "5"}).start()
+        primary = (
+            servers.server("primary")
+            .initdb(settings={"wal_level": "replica", "max_wal_senders": "5", "max_replication_slots": "5"})
+            .start()
+        )
         primary.execute("SELECT pg_create_physical_replication_slot(%s, true)", (slot,))
         standby = servers.server("standby").basebackup_of(primary, application_name="standby1")
-        standby.configure({"primary_slot_name": slot, "hot_standby_feedback": "on",
-                           "wal_receiver_status_interval": "1s"})
+        standby.configure(
+            {"primary_slot_name": slot, "hot_standby_feedback": "on", "wal_receiver_status_interval": "1s"}
+        )
         standby.start()
         table = "t_slot.outbox"
         primary.execute("CREATE SCHEMA t_slot")

@@ -75,8 +75,11 @@ def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
 
 def _create_topic(bootstrap: str, topic: str, *, partitions: int, config: dict[str, str] | None = None) -> None:
     admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
-    futures = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=1,
-                                            config=config or {})], operation_timeout=10, request_timeout=15)
+    futures = admin.create_topics(
+        [NewTopic(topic, num_partitions=partitions, replication_factor=1, config=config or {})],
+        operation_timeout=10,
+        request_timeout=15,
+    )
     for future in futures.values():
         future.result(timeout=15)
 
@@ -84,14 +87,27 @@ def _create_topic(bootstrap: str, topic: str, *, partitions: int, config: dict[s
 def _insert(dsn: str, table: str, spec: list[tuple[str, str, dict[str, Any]]]) -> list[int]:
     """spec: (aggregate_id, event_type, payload) per row, in id order, one transaction."""
     with psycopg.connect(dsn) as conn, conn.transaction():
-        return [int(enqueue(conn, aggregate_type="ledger", aggregate_id=aggregate, event_type=event_type,
-                            payload=payload, table=table)) for aggregate, event_type, payload in spec]
+        return [
+            int(
+                enqueue(
+                    conn,
+                    aggregate_type="ledger",
+                    aggregate_id=aggregate,
+                    event_type=event_type,
+                    payload=payload,
+                    table=table,
+                )
+            )
+            for aggregate, event_type, payload in spec
+        ]
 
 
 def _settled(dsn: str, table: str, blocked: set[int]) -> bool:
     """Every row done or dead, except the rows expected to wait behind a dead head."""
-    return all(status in ("done", "dead") or (row_id in blocked and status == "pending")
-               for row_id, status, *_ in rows(dsn, table))
+    return all(
+        status in ("done", "dead") or (row_id in blocked and status == "pending")
+        for row_id, status, *_ in rows(dsn, table)
+    )
 
 
 def test_only_the_schema_violating_rows_go_dead(make_settings, store, pg_dsn, table, validating_broker):
@@ -113,12 +129,13 @@ def test_only_the_schema_violating_rows_go_dead(make_settings, store, pg_dsn, ta
     ids = _insert(pg_dsn, table, spec)
     bad_ids = {ids[i] for i in bad_free | bad_ordered}
     # In an ordered aggregate, the rows after its dead row wait behind it.
-    blocked = {ids[i] for i in range(len(spec)) for b in bad_ordered
-               if spec[i][0] == spec[b][0] and i > b}
+    blocked = {ids[i] for i in range(len(spec)) for b in bad_ordered if spec[i][0] == spec[b][0] and i > b}
     assert len({spec[b][0] for b in bad_ordered}) == len(bad_ordered), "one bad row per ordered aggregate"
 
-    settings = make_settings(kafka={"bootstrap_servers": broker.bootstrap_servers, "topic_template": topic},
-                             relay={"workers": 3, "batch_size": 40, "ordered_event_types": [ORDERED_TYPE]})
+    settings = make_settings(
+        kafka={"bootstrap_servers": broker.bootstrap_servers, "topic_template": topic},
+        relay={"workers": 3, "batch_size": 40, "ordered_event_types": [ORDERED_TYPE]},
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -143,8 +160,13 @@ def test_only_the_schema_violating_rows_go_dead(make_settings, store, pg_dsn, ta
     assert isolated is not None and isolated >= len(bad_ids)
 
     done = {row_id for row_id, r in by_id.items() if r[1] == "done"}
-    messages = read_messages(broker.bootstrap_servers, [topic], expected=len(done), timeout=60,
-                             stop_when=lambda got: {int(m["headers"]["message_id"]) for m in got} >= done)
+    messages = read_messages(
+        broker.bootstrap_servers,
+        [topic],
+        expected=len(done),
+        timeout=60,
+        stop_when=lambda got: {int(m["headers"]["message_id"]) for m in got} >= done,
+    )
     seen = [int(m["headers"]["message_id"]) for m in messages]
     assert set(seen) == done  # every delivered row is readable; no bad or blocked row is
     # Ordered aggregates: first appearances in each partition follow the row order.
@@ -162,6 +184,7 @@ def test_only_the_schema_violating_rows_go_dead(make_settings, store, pg_dsn, ta
 # batch refused, and the client's own check (message.max.bytes, per message, raised by
 # produce()) does not see it when the topic's limit is lower than the client's.
 
+
 def _broker_enforces_topic_size_limit(bootstrap: str, topic: str, oversized_bytes: int) -> bool:
     """Produce one message above the topic's limit (below the client's): refused?"""
     reports: list[Any] = []
@@ -171,8 +194,7 @@ def _broker_enforces_topic_size_limit(bootstrap: str, topic: str, oversized_byte
     return bool(reports) and reports[0] is not None and reports[0].code() == KafkaError.MSG_SIZE_TOO_LARGE
 
 
-def test_a_row_above_the_topics_size_limit_goes_dead_alone(make_settings, store, pg_dsn, table, broker,
-                                                             topic_prefix):
+def test_a_row_above_the_topics_size_limit_goes_dead_alone(make_settings, store, pg_dsn, table, broker, topic_prefix):
     limit, oversized = 50_000, 80_000
     topic = f"{topic_prefix}.sized"
     try:
@@ -180,13 +202,17 @@ def test_a_row_above_the_topics_size_limit_goes_dead_alone(make_settings, store,
     except KafkaException as exc:
         pytest.skip(f"cannot create a topic with max.message.bytes: {exc}")
     if not _broker_enforces_topic_size_limit(broker.bootstrap_servers, f"{topic}", oversized):
-        pytest.skip("the broker does not enforce a topic's max.message.bytes (tansu 0.6 stores the setting and "
-                    "ignores it); run without OUTBOX_RELAY_TEST_BROKER=tansu")
-    spec = [(f"order-{i % 10}", FREE_TYPE, {"amount": i, "pad": "x" * (oversized if i == 70 else 100)})
-            for i in range(150)]
+        pytest.skip(
+            "the broker does not enforce a topic's max.message.bytes (tansu 0.6 stores the setting and "
+            "ignores it); run without OUTBOX_RELAY_TEST_BROKER=tansu"
+        )
+    spec = [
+        (f"order-{i % 10}", FREE_TYPE, {"amount": i, "pad": "x" * (oversized if i == 70 else 100)}) for i in range(150)
+    ]
     ids = _insert(pg_dsn, table, spec)
-    settings = make_settings(kafka={"topic_template": topic, "message_max_bytes": 1_000_000},
-                             relay={"workers": 2, "batch_size": 50})
+    settings = make_settings(
+        kafka={"topic_template": topic, "message_max_bytes": 1_000_000}, relay={"workers": 2, "batch_size": 50}
+    )
     relay = Relay(settings)
     relay.start()
     try:
@@ -210,9 +236,10 @@ def test_a_batch_refused_as_too_large_is_judged_message_by_message(make_settings
     with MockCluster() as cluster:
         cluster.create_topic("sized", partitions=1)
         ids = _insert(pg_dsn, table, [(f"order-{i % 5}", FREE_TYPE, {"amount": i}) for i in range(40)])
-        settings = make_settings(kafka={"bootstrap_servers": cluster.bootstrap_servers, "topic_template": "sized",
-                                        "linger_ms": 200},
-                                 relay={"workers": 1, "batch_size": 40})
+        settings = make_settings(
+            kafka={"bootstrap_servers": cluster.bootstrap_servers, "topic_template": "sized", "linger_ms": 200},
+            relay={"workers": 1, "batch_size": 40},
+        )
         # Nothing else sends a Produce request: the relay's start-up probe asks for metadata.
         cluster.fail_next_produce_requests(KafkaError.MSG_SIZE_TOO_LARGE, KafkaError.MSG_SIZE_TOO_LARGE)
         relay = Relay(settings)
@@ -225,6 +252,5 @@ def test_a_batch_refused_as_too_large_is_judged_message_by_message(make_settings
     by_id = {r[0]: r for r in rows(pg_dsn, table)}
     dead = [r for r in by_id.values() if r[1] == "dead"]
     assert len(dead) == 1 and "MSG_SIZE_TOO_LARGE" in dead[0][4] and "rejected when produced alone" in dead[0][4]
-    assert sorted(i for i, r in by_id.items() if r[1] == "done" and r[2] == 1) == sorted(
-        set(ids) - {dead[0][0]})
+    assert sorted(i for i, r in by_id.items() if r[1] == "done" and r[2] == 1) == sorted(set(ids) - {dead[0][0]})
     assert isolated == 40

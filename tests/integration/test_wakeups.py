@@ -26,8 +26,11 @@ def test_notifications_wake_idle_workers_again_and_again(make_settings, store, p
         for round_number in range(1, 4):
             insert_rows(pg_dsn, table, 5)
             # The poll interval is 10 minutes: only a notification can get these done.
-            wait_for(lambda n=round_number: statuses(pg_dsn, table).get("done") == 5 * n, timeout=60,
-                     message=f"round {round_number} done")
+            wait_for(
+                lambda n=round_number: statuses(pg_dsn, table).get("done") == 5 * n,
+                timeout=60,
+                message=f"round {round_number} done",
+            )
             wait_for(lambda: _flag(pg_dsn, table) is True, message="idle again")
             time.sleep(0.2)
         assert relay._listener is not None and relay._listener.is_alive()
@@ -36,7 +39,6 @@ def test_notifications_wake_idle_workers_again_and_again(make_settings, store, p
 
 
 def test_busy_flag_means_inserts_do_not_notify(store, pg_dsn, table):
-    schema, name = table.split(".")
     with psycopg.connect(pg_dsn, autocommit=True) as listener:
         listener.execute(f'LISTEN "{store.sql.channel}"')
         with psycopg.connect(pg_dsn, autocommit=True) as conn:

@@ -59,8 +59,11 @@ def wait_in_sync(cluster: KafkaCluster, topic: str, timeout: float = 120.0) -> N
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         meta = admin.list_topics(topic, timeout=5).topics.get(topic)
-        if meta is not None and meta.partitions and all(
-                len(p.isrs) == cluster.replication_factor for p in meta.partitions.values()):
+        if (
+            meta is not None
+            and meta.partitions
+            and all(len(p.isrs) == cluster.replication_factor for p in meta.partitions.values())
+        ):
             return
         time.sleep(0.5)
     raise AssertionError(f"{topic}: replicas not back in sync after {timeout:.0f}s")

@@ -39,8 +39,9 @@ def strict_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBro
         node.remove()
 
 
-def test_rows_above_the_topics_max_message_bytes_go_dead_alone(strict_broker, make_settings, store, pg_dsn, table,
-                                                                 topic_prefix):
+def test_rows_above_the_topics_max_message_bytes_go_dead_alone(
+    strict_broker, make_settings, store, pg_dsn, table, topic_prefix
+):
     limit, oversized = 20_000, 30_000
     topic = f"{topic_prefix}.sized"
     strict_broker.create_topic(topic, partitions=2, config={"max.message.bytes": limit})
@@ -49,18 +50,35 @@ def test_rows_above_the_topics_max_message_bytes_go_dead_alone(strict_broker, ma
     with psycopg.connect(pg_dsn) as conn, conn.transaction():
         for i in range(150):
             pad = "x" * (oversized if i in big_positions else 50)
-            ids.append(enqueue(conn, aggregate_type="order", aggregate_id=f"order-{i % 10}", event_type="E",
-                               payload={"n": i, "pad": pad}, table=table))
+            ids.append(
+                enqueue(
+                    conn,
+                    aggregate_type="order",
+                    aggregate_id=f"order-{i % 10}",
+                    event_type="E",
+                    payload={"n": i, "pad": pad},
+                    table=table,
+                )
+            )
     big = {ids[i] for i in big_positions}
     # The client's own limit is well above the topic's: only the broker can refuse these.
-    settings = make_settings(kafka={"bootstrap_servers": strict_broker.bootstrap_servers, "topic_template": topic,
-                                    "message_max_bytes": 1_000_000, "linger_ms": 50},
-                             relay={"workers": 2, "batch_size": 50})
+    settings = make_settings(
+        kafka={
+            "bootstrap_servers": strict_broker.bootstrap_servers,
+            "topic_template": topic,
+            "message_max_bytes": 1_000_000,
+            "linger_ms": 50,
+        },
+        relay={"workers": 2, "batch_size": 50},
+    )
     relay = Relay(settings)
     relay.start()
     try:
-        wait_for(lambda: sum(statuses(pg_dsn, table).get(s, 0) for s in ("done", "dead")) == 150, timeout=120,
-                 message="every row done or dead")
+        wait_for(
+            lambda: sum(statuses(pg_dsn, table).get(s, 0) for s in ("done", "dead")) == 150,
+            timeout=120,
+            message="every row done or dead",
+        )
     finally:
         relay.stop()
     by_id = {r[0]: r for r in rows(pg_dsn, table)}
@@ -75,23 +93,36 @@ def test_rows_above_the_topics_max_message_bytes_go_dead_alone(strict_broker, ma
     assert {int(m["headers"]["message_id"]) for m in delivered} == set(ids) - big
 
 
-def test_rows_of_a_missing_topic_wait_until_it_exists(strict_broker, make_settings, store, pg_dsn, table,
-                                                      topic_prefix, record_property):
+def test_rows_of_a_missing_topic_wait_until_it_exists(
+    strict_broker, make_settings, store, pg_dsn, table, topic_prefix, record_property
+):
     present, missing = f"{topic_prefix}.present", f"{topic_prefix}.missing"
     strict_broker.create_topic(present, partitions=1)
-    settings = make_settings(kafka={"bootstrap_servers": strict_broker.bootstrap_servers,
-                                    "topic_template": topic_prefix + ".{aggregate_type}",
-                                    "delivery_timeout_seconds": 4},
-                             relay={"workers": 2, "batch_size": 20, "max_attempts": 2,
-                                    "backoff_base_seconds": 0.1, "backoff_cap_seconds": 0.5})
+    settings = make_settings(
+        kafka={
+            "bootstrap_servers": strict_broker.bootstrap_servers,
+            "topic_template": topic_prefix + ".{aggregate_type}",
+            "delivery_timeout_seconds": 4,
+        },
+        relay={
+            "workers": 2,
+            "batch_size": 20,
+            "max_attempts": 2,
+            "backoff_base_seconds": 0.1,
+            "backoff_cap_seconds": 0.5,
+        },
+    )
     good = insert_rows(pg_dsn, table, 30, aggregate_type="present")
     waiting = insert_rows(pg_dsn, table, 10, aggregate_type="missing")
     relay = Relay(settings)
     relay.start()
     try:
         wait_for(lambda: statuses(pg_dsn, table).get("done") == 30, timeout=90, message="the present topic's rows")
-        wait_for(lambda: sample(relay, "outbox_relay_missing_topic_deferrals_total", {"topic": missing}) >= 1,
-                 timeout=60, message="the missing topic noticed")
+        wait_for(
+            lambda: sample(relay, "outbox_relay_missing_topic_deferrals_total", {"topic": missing}) >= 1,
+            timeout=60,
+            message="the missing topic noticed",
+        )
         ready, why = relay.readiness()
         assert not ready and missing in why and "UNKNOWN_TOPIC_OR_PART" in why, why
         # Twice the delivery timeout and more than max_attempts cycles: nothing burns.
@@ -110,6 +141,7 @@ def test_rows_of_a_missing_topic_wait_until_it_exists(strict_broker, make_settin
     assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
     read = read_messages(strict_broker.bootstrap_servers, [missing], expected=10, timeout=60, partitions=1)
     assert {int(m["headers"]["message_id"]) for m in read} == set(waiting)
-    assert {int(m['headers']['message_id']) for m in read_messages(
-        strict_broker.bootstrap_servers, [present], expected=30, timeout=60, partitions=1)} == set(good)
-
+    assert {
+        int(m["headers"]["message_id"])
+        for m in read_messages(strict_broker.bootstrap_servers, [present], expected=30, timeout=60, partitions=1)
+    } == set(good)

@@ -49,13 +49,19 @@ class SecureBroker:
 
     def acl(self, *args: str) -> None:
         """kafka-acls against the internal (super user) listener."""
-        run_tool("org.apache.kafka.tools.AclCommand",
-                 ["--bootstrap-server", self.node.internal_bootstrap_servers, *args])
+        run_tool(
+            "org.apache.kafka.tools.AclCommand", ["--bootstrap-server", self.node.internal_bootstrap_servers, *args]
+        )
 
     def kafka_settings(self, *, password: str = PASSWORD, ca: Path | None = None) -> dict[str, Any]:
-        return {"bootstrap_servers": self.node.bootstrap_servers, "security_protocol": "sasl_ssl",
-                "ssl_ca_location": str(ca or self.ca.cert_path), "sasl_mechanism": "SCRAM-SHA-512",
-                "sasl_username": USER, "sasl_password": password}
+        return {
+            "bootstrap_servers": self.node.bootstrap_servers,
+            "security_protocol": "sasl_ssl",
+            "ssl_ca_location": str(ca or self.ca.cert_path),
+            "sasl_mechanism": "SCRAM-SHA-512",
+            "sasl_username": USER,
+            "sasl_password": password,
+        }
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +76,9 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
     keystore.write_bytes(server.key_path.read_bytes() + server.cert_path.read_bytes())
     keystore.chmod(0o600)
     node = KafkaBroker(
-        log_file=certs / "broker.log", client_protocol="SASL_SSL", scram_users={USER: PASSWORD},
+        log_file=certs / "broker.log",
+        client_protocol="SASL_SSL",
+        scram_users={USER: PASSWORD},
         properties={
             "listener.name.client.ssl.keystore.type": "PEM",
             "listener.name.client.ssl.keystore.location": str(keystore),
@@ -78,12 +86,22 @@ def secure_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBr
             # The internal and controller listeners are plaintext: their principal.
             "super.users": "User:ANONYMOUS",
             "allow.everyone.if.no.acl.found": "false",
-        })
+        },
+    )
     node.start()
     secure = SecureBroker(node, ca, other_ca)
     try:
-        secure.acl("--add", "--allow-principal", f"User:{USER}", "--operation", "Write", "--operation", "Describe",
-                   "--topic", "*")
+        secure.acl(
+            "--add",
+            "--allow-principal",
+            f"User:{USER}",
+            "--operation",
+            "Write",
+            "--operation",
+            "Describe",
+            "--topic",
+            "*",
+        )
         yield secure
     finally:
         node.kill()
@@ -105,20 +123,25 @@ def test_relay_delivers_over_tls_and_scram(secure_broker, make_settings, store, 
         wait_for(lambda: statuses(pg_dsn, table) == {"done": 50}, timeout=90, message="rows over TLS + SCRAM")
     finally:
         relay.stop()
-    read = read_messages(secure_broker.node.internal_bootstrap_servers, [topic], expected=50, timeout=60,
-                         partitions=2)
+    read = read_messages(secure_broker.node.internal_bootstrap_servers, [topic], expected=50, timeout=60, partitions=2)
     assert {int(m["headers"]["message_id"]) for m in read} == set(ids)
 
 
 @pytest.mark.parametrize("mistake", ["wrong password", "another CA"])
-def test_login_or_certificate_mistake_fails_at_start_without_the_password(secure_broker, store, pg_dsn, table,
-                                                                          mistake):
+def test_login_or_certificate_mistake_fails_at_start_without_the_password(secure_broker, store, pg_dsn, table, mistake):
     wrong = "not-" + PASSWORD
-    kafka = secure_broker.kafka_settings(password=wrong) if mistake == "wrong password" else \
-        secure_broker.kafka_settings(ca=secure_broker.other_ca.cert_path)
-    env = cli_env(pg_dsn, table, kafka.pop("bootstrap_servers"),
-                  OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1",
-                  **{f"OUTBOX_RELAY_KAFKA__{key.upper()}": str(value) for key, value in kafka.items()})
+    kafka = (
+        secure_broker.kafka_settings(password=wrong)
+        if mistake == "wrong password"
+        else secure_broker.kafka_settings(ca=secure_broker.other_ca.cert_path)
+    )
+    env = cli_env(
+        pg_dsn,
+        table,
+        kafka.pop("bootstrap_servers"),
+        OUTBOX_RELAY_DATABASE__CONNECT_TIMEOUT_SECONDS="1",
+        **{f"OUTBOX_RELAY_KAFKA__{key.upper()}": str(value) for key, value in kafka.items()},
+    )
     result = cli("run", env=env, timeout=90)
     assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
     lines = _error_lines(result)
@@ -131,25 +154,29 @@ def test_login_or_certificate_mistake_fails_at_start_without_the_password(secure
     print(f"\n[kafka] {mistake}: {lines[0]}")
 
 
-def test_acl_denying_one_topic_holds_its_rows_back_without_killing_them(secure_broker, make_settings, store,
-                                                                        pg_dsn, table, topic_prefix,
-                                                                        record_property):
+def test_acl_denying_one_topic_holds_its_rows_back_without_killing_them(
+    secure_broker, make_settings, store, pg_dsn, table, topic_prefix, record_property
+):
     allowed, forbidden = f"{topic_prefix}.allowed", f"{topic_prefix}.forbidden"
     for topic in (allowed, forbidden):
         secure_broker.node.create_topic(topic, partitions=1)
     deny = ["--deny-principal", f"User:{USER}", "--operation", "Write", "--topic", forbidden]
     secure_broker.acl("--add", *deny)
-    settings = make_settings(kafka={**secure_broker.kafka_settings(),
-                                    "topic_template": topic_prefix + ".{aggregate_type}"},
-                             relay={"workers": 2, "max_attempts": 2})
+    settings = make_settings(
+        kafka={**secure_broker.kafka_settings(), "topic_template": topic_prefix + ".{aggregate_type}"},
+        relay={"workers": 2, "max_attempts": 2},
+    )
     good = insert_rows(pg_dsn, table, 30, aggregate_type="allowed")
     held = insert_rows(pg_dsn, table, 10, aggregate_type="forbidden")
     relay = Relay(settings)
     relay.start()
     try:
         wait_for(lambda: statuses(pg_dsn, table).get("done") == 30, timeout=90, message="the allowed topic's rows")
-        wait_for(lambda: sample(relay, "outbox_relay_topic_authorization_failures_total", {"topic": forbidden}) > 0,
-                 timeout=60, message="the refusal counted")
+        wait_for(
+            lambda: sample(relay, "outbox_relay_topic_authorization_failures_total", {"topic": forbidden}) > 0,
+            timeout=60,
+            message="the refusal counted",
+        )
         ready, why = relay.readiness()
         assert not ready and forbidden in why and "TOPIC_AUTHORIZATION_FAILED" in why, why
         # More deferrals than max_attempts would allow retries: still not dead.
@@ -167,6 +194,7 @@ def test_acl_denying_one_topic_holds_its_rows_back_without_killing_them(secure_b
         relay.stop()
     assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
     for topic, ids in ((allowed, good), (forbidden, held)):
-        read = read_messages(secure_broker.node.internal_bootstrap_servers, [topic], expected=len(ids), timeout=60,
-                             partitions=1)
+        read = read_messages(
+            secure_broker.node.internal_bootstrap_servers, [topic], expected=len(ids), timeout=60, partitions=1
+        )
         assert {int(m["headers"]["message_id"]) for m in read} == set(ids)

@@ -33,25 +33,43 @@ ROWS = 3000
 PARTITIONS = 3
 
 
-def _relay_on(cluster: KafkaCluster, make_settings: Callable[..., Any], topic: str,
-              kafka: dict[str, Any] | None = None, **relay: Any) -> Relay:
-    settings = make_settings(kafka={"bootstrap_servers": cluster.bootstrap_servers, "topic_template": topic,
-                                    **(kafka or {})},
-                             relay={"workers": 4, "batch_size": 100, "max_attempts": 5, **relay})
+def _relay_on(
+    cluster: KafkaCluster,
+    make_settings: Callable[..., Any],
+    topic: str,
+    kafka: dict[str, Any] | None = None,
+    **relay: Any,
+) -> Relay:
+    settings = make_settings(
+        kafka={"bootstrap_servers": cluster.bootstrap_servers, "topic_template": topic, **(kafka or {})},
+        relay={"workers": 4, "batch_size": 100, "max_attempts": 5, **relay},
+    )
     return Relay(settings)
 
 
 def _read_back(cluster: KafkaCluster, topic: str, ids: list[int]) -> collections.Counter[int]:
     wanted = set(ids)
     # ``expected`` counts messages, duplicates included: stop on the ids instead.
-    messages = read_messages(cluster.bootstrap_servers, [topic], expected=10 * len(ids), timeout=120,
-                             partitions=PARTITIONS,
-                             stop_when=lambda out: wanted <= {int(m["headers"]["message_id"]) for m in out})
+    messages = read_messages(
+        cluster.bootstrap_servers,
+        [topic],
+        expected=10 * len(ids),
+        timeout=120,
+        partitions=PARTITIONS,
+        stop_when=lambda out: wanted <= {int(m["headers"]["message_id"]) for m in out},
+    )
     return collections.Counter(int(m["headers"]["message_id"]) for m in messages)
 
 
-def _drain_through(cluster: KafkaCluster, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic: str,
-                   fault: Callable[[], None], record_property: Callable[[str, object], None]) -> None:
+def _drain_through(
+    cluster: KafkaCluster,
+    make_settings: Callable[..., Any],
+    pg_dsn: str,
+    table: str,
+    topic: str,
+    fault: Callable[[], None],
+    record_property: Callable[[str, object], None],
+) -> None:
     """Start a drain of ROWS rows, apply ``fault`` once a tenth is delivered, then check
     that everything arrived, nothing died, and count the duplicates."""
     cluster.create_topic(topic, partitions=PARTITIONS)
@@ -59,12 +77,15 @@ def _drain_through(cluster: KafkaCluster, make_settings: Callable[..., Any], pg_
     relay = _relay_on(cluster, make_settings, topic)
     relay.start()
     try:
-        wait_for(lambda: statuses(pg_dsn, table).get("done", 0) >= ROWS // 10, timeout=120,
-                 message="a tenth delivered")
+        wait_for(lambda: statuses(pg_dsn, table).get("done", 0) >= ROWS // 10, timeout=120, message="a tenth delivered")
         fault_at = time.monotonic()
         fault()
-        wait_for(lambda: statuses(pg_dsn, table).get("done", 0) == ROWS, timeout=240, interval=0.2,
-                 message="every row delivered after the fault")
+        wait_for(
+            lambda: statuses(pg_dsn, table).get("done", 0) == ROWS,
+            timeout=240,
+            interval=0.2,
+            message="every row delivered after the fault",
+        )
         recovery_seconds = time.monotonic() - fault_at
     finally:
         relay.stop()
@@ -77,13 +98,14 @@ def _drain_through(cluster: KafkaCluster, make_settings: Callable[..., Any], pg_
     duplicates = sum(count - 1 for count in seen.values())
     record_property("duplicates", duplicates)
     record_property("seconds_from_fault_to_all_delivered", round(recovery_seconds, 1))
-    print(f"\n[kafka] {ROWS} rows: {duplicates} duplicates; all delivered {recovery_seconds:.1f}s after the fault; "
-          f"retries {sample(relay, 'outbox_relay_published_total', {'outcome': 'retry'}):.0f}, "
-          f"released {sample(relay, 'outbox_relay_released_total'):.0f}")
+    print(
+        f"\n[kafka] {ROWS} rows: {duplicates} duplicates; all delivered {recovery_seconds:.1f}s after the fault; "
+        f"retries {sample(relay, 'outbox_relay_published_total', {'outcome': 'retry'}):.0f}, "
+        f"released {sample(relay, 'outbox_relay_released_total'):.0f}"
+    )
 
 
-def test_partition_leader_killed_mid_drain(cluster, make_settings, store, pg_dsn, table, topic_prefix,
-                                           record_property):
+def test_partition_leader_killed_mid_drain(cluster, make_settings, store, pg_dsn, table, topic_prefix, record_property):
     topic = f"{topic_prefix}.killed-leader"
 
     def kill_leader() -> None:
@@ -95,8 +117,9 @@ def test_partition_leader_killed_mid_drain(cluster, make_settings, store, pg_dsn
         heal(cluster, topic)
 
 
-def test_partition_leader_shut_down_mid_drain(cluster, make_settings, store, pg_dsn, table, topic_prefix,
-                                              record_property):
+def test_partition_leader_shut_down_mid_drain(
+    cluster, make_settings, store, pg_dsn, table, topic_prefix, record_property
+):
     topic = f"{topic_prefix}.stopped-leader"
 
     def stop_leader() -> None:
@@ -108,14 +131,21 @@ def test_partition_leader_shut_down_mid_drain(cluster, make_settings, store, pg_
         heal(cluster, topic)
 
 
-def test_two_of_three_nodes_down_rows_wait_then_all_delivered(cluster, make_settings, store, pg_dsn, table,
-                                                              topic_prefix, record_property):
+def test_two_of_three_nodes_down_rows_wait_then_all_delivered(
+    cluster, make_settings, store, pg_dsn, table, topic_prefix, record_property
+):
     topic = f"{topic_prefix}.no-quorum"
     cluster.create_topic(topic, partitions=PARTITIONS)
     # A short delivery timeout so the outage shows within seconds (until then the
     # producer retries NOT_ENOUGH_REPLICAS and unreachable leaders itself).
-    relay = _relay_on(cluster, make_settings, topic, kafka={"delivery_timeout_seconds": 8},
-                      backoff_base_seconds=0.2, backoff_cap_seconds=2)
+    relay = _relay_on(
+        cluster,
+        make_settings,
+        topic,
+        kafka={"delivery_timeout_seconds": 8},
+        backoff_base_seconds=0.2,
+        backoff_cap_seconds=2,
+    )
     relay.start()
     down = cluster.nodes[1:]
     try:
@@ -141,8 +171,12 @@ def test_two_of_three_nodes_down_rows_wait_then_all_delivered(cluster, make_sett
         assert breaker_seen, "the circuit breaker gauge never showed the outage"
         restarted_at = time.monotonic()
         heal(cluster)
-        wait_for(lambda: statuses(pg_dsn, table).get("done") == 500, timeout=240, interval=0.2,
-                 message="every row delivered after the nodes returned")
+        wait_for(
+            lambda: statuses(pg_dsn, table).get("done") == 500,
+            timeout=240,
+            interval=0.2,
+            message="every row delivered after the nodes returned",
+        )
         catch_up_seconds = time.monotonic() - restarted_at
     finally:
         relay.stop()
@@ -152,21 +186,30 @@ def test_two_of_three_nodes_down_rows_wait_then_all_delivered(cluster, make_sett
     assert set(first + second) - set(seen) == set()
     record_property("readiness_reasons", sorted(reasons))
     record_property("seconds_from_restart_to_all_delivered", round(catch_up_seconds, 1))
-    print(f"\n[kafka] two nodes down: /readyz said {sorted(reasons)}; released "
-          f"{sample(relay, 'outbox_relay_released_total'):.0f}; all delivered {catch_up_seconds:.1f}s after the "
-          f"nodes were started again")
+    print(
+        f"\n[kafka] two nodes down: /readyz said {sorted(reasons)}; released "
+        f"{sample(relay, 'outbox_relay_released_total'):.0f}; all delivered {catch_up_seconds:.1f}s after the "
+        f"nodes were started again"
+    )
     wait_in_sync(cluster, topic)
 
 
 def test_topic_requiring_more_in_sync_replicas_than_are_live_holds_rows_until_one_returns(
-        cluster, make_settings, store, pg_dsn, table, topic_prefix, record_property):
+    cluster, make_settings, store, pg_dsn, table, topic_prefix, record_property
+):
     """``min.insync.replicas=3`` on a topic of three replicas, one node down: every
     write is refused with NOT_ENOUGH_REPLICAS (the producer retries it until its
     delivery timeout). Rows wait, none dead; all delivered when the node returns."""
     topic = f"{topic_prefix}.strict-isr"
     cluster.create_topic(topic, partitions=1, config={"min.insync.replicas": 3})
-    relay = _relay_on(cluster, make_settings, topic, kafka={"delivery_timeout_seconds": 8},
-                      backoff_base_seconds=0.2, backoff_cap_seconds=2)
+    relay = _relay_on(
+        cluster,
+        make_settings,
+        topic,
+        kafka={"delivery_timeout_seconds": 8},
+        backoff_base_seconds=0.2,
+        backoff_cap_seconds=2,
+    )
     down = cluster.nodes[2]
     relay.start()
     try:
@@ -184,8 +227,12 @@ def test_topic_requiring_more_in_sync_replicas_than_are_live_holds_rows_until_on
         assert reasons, "readiness never reported the refused writes"
         healed_at = time.monotonic()
         heal(cluster)
-        wait_for(lambda: statuses(pg_dsn, table).get("done") == 100, timeout=240, interval=0.2,
-                 message="every row delivered once three replicas are in sync")
+        wait_for(
+            lambda: statuses(pg_dsn, table).get("done") == 100,
+            timeout=240,
+            interval=0.2,
+            message="every row delivered once three replicas are in sync",
+        )
         catch_up_seconds = time.monotonic() - healed_at
     finally:
         relay.stop()
@@ -194,5 +241,7 @@ def test_topic_requiring_more_in_sync_replicas_than_are_live_holds_rows_until_on
     assert set(ids) - set(_read_back(cluster, topic, ids)) == set()
     record_property("readiness_reasons", sorted(reasons))
     record_property("seconds_from_restart_to_all_delivered", round(catch_up_seconds, 1))
-    print(f"\n[kafka] min.insync.replicas=3 with a node down: /readyz said {sorted(reasons)}; all delivered "
-          f"{catch_up_seconds:.1f}s after the node was started again")
+    print(
+        f"\n[kafka] min.insync.replicas=3 with a node down: /readyz said {sorted(reasons)}; all delivered "
+        f"{catch_up_seconds:.1f}s after the node was started again"
+    )

@@ -69,17 +69,42 @@ def proxied_broker(tmp_path: Path) -> Iterator[tuple[EmbeddedBroker, TcpProxy]]:
 
 
 def test_relays_with_skewed_clocks_follow_the_database_clock(
-        pg_dsn: str, table: str, store: OutboxStore, topic_prefix: str, tmp_path: Path,
-        proxied_broker: tuple[EmbeddedBroker, TcpProxy]) -> None:
+    pg_dsn: str,
+    table: str,
+    store: OutboxStore,
+    topic_prefix: str,
+    tmp_path: Path,
+    proxied_broker: tuple[EmbeddedBroker, TcpProxy],
+) -> None:
     if shutil.which("faketime") is None:
         pytest.skip("no `faketime` (Debian package faketime; ./dev test installs it)")
     broker, proxy = proxied_broker
     # Rows another relay holds, live for a minute by the database's clock.
-    live = [make_row(pg_dsn, table, status="processing", lease_owner="holder", lease_seconds=60,
-                     attempts=1, aggregate_id=f"live-{i}") for i in range(5)]
+    live = [
+        make_row(
+            pg_dsn,
+            table,
+            status="processing",
+            lease_owner="holder",
+            lease_seconds=60,
+            attempts=1,
+            aggregate_id=f"live-{i}",
+        )
+        for i in range(5)
+    ]
     # Rows of a relay that died: the lease expires 2 s from now by the database's clock.
-    expiring = [make_row(pg_dsn, table, status="processing", lease_owner="crashed", lease_seconds=2,
-                         attempts=1, aggregate_id=f"exp-{i}") for i in range(5)]
+    expiring = [
+        make_row(
+            pg_dsn,
+            table,
+            status="processing",
+            lease_owner="crashed",
+            lease_seconds=2,
+            attempts=1,
+            aggregate_id=f"exp-{i}",
+        )
+        for i in range(5)
+    ]
     expiring_made_at = time.monotonic()
     pending = insert_rows(pg_dsn, table, 10)
 
@@ -88,25 +113,33 @@ def test_relays_with_skewed_clocks_follow_the_database_clock(
     relays = []
     for name in SKEWS:
         env = relay_env(
-            PYTHONPATH=SKEWED_CLOCK, SKEWED_CLOCK_OFFSET_SECONDS=str(SKEW_SECONDS[name]),
-            OUTBOX_RELAY_DATABASE__DSN=pg_dsn, OUTBOX_RELAY_DATABASE__TABLE=table,
+            PYTHONPATH=SKEWED_CLOCK,
+            SKEWED_CLOCK_OFFSET_SECONDS=str(SKEW_SECONDS[name]),
+            OUTBOX_RELAY_DATABASE__DSN=pg_dsn,
+            OUTBOX_RELAY_DATABASE__TABLE=table,
             OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS=broker.bootstrap_servers,
             OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-            OUTBOX_RELAY_RELAY__ON_DONE=ON_DONE, OUTBOX_RELAY_RELAY__WORKERS="2",
-            OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS), OUTBOX_RELAY_RELAY__OWNER=name,
-            OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2", OUTBOX_RELAY_LOG__LEVEL="INFO")
+            OUTBOX_RELAY_RELAY__ON_DONE=ON_DONE,
+            OUTBOX_RELAY_RELAY__WORKERS="2",
+            OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS),
+            OUTBOX_RELAY_RELAY__OWNER=name,
+            OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
+            OUTBOX_RELAY_LOG__LEVEL="INFO",
+        )
         relays.append(RelayProcess(name, env, log_dir))
     try:
         for relay in relays:
             relay.wait_started()
         wait_until(lambda: delivered(pg_dsn, table, pending) == set(pending), 60, "the pending rows")
-        wait_until(lambda: delivered(pg_dsn, table, expiring) == set(expiring), 60,
-                   "the rows whose lease expired by the database's clock")
+        wait_until(
+            lambda: delivered(pg_dsn, table, expiring) == set(expiring),
+            60,
+            "the rows whose lease expired by the database's clock",
+        )
         expired_reclaimed_after = time.monotonic() - expiring_made_at
 
         # The live leases are untouched: same owner, same lease version, still processing.
-        held = run_sql(pg_dsn, table, "SELECT status, lease_owner, lease_version FROM {t} WHERE id = ANY(%s)",
-                       (live,))
+        held = run_sql(pg_dsn, table, "SELECT status, lease_owner, lease_version FROM {t} WHERE id = ANY(%s)", (live,))
         assert held == [("processing", "holder", 1)] * len(live)
 
         # What the skewed relays claim is leased until the database's now + the lease.
@@ -115,8 +148,13 @@ def test_relays_with_skewed_clocks_follow_the_database_clock(
         claimed: list[tuple[str, float]] = []
 
         def held_claims() -> list[tuple[str, float]]:
-            claimed[:] = run_sql(pg_dsn, table, "SELECT lease_owner, extract(epoch FROM lease_until - now())::float8 "
-                                                "FROM {t} WHERE id = ANY(%s) AND status = 'processing'", (held_back,))
+            claimed[:] = run_sql(
+                pg_dsn,
+                table,
+                "SELECT lease_owner, extract(epoch FROM lease_until - now())::float8 "
+                "FROM {t} WHERE id = ANY(%s) AND status = 'processing'",
+                (held_back,),
+            )
             return claimed
 
         wait_until(held_claims, 30, "claims held")
@@ -126,8 +164,9 @@ def test_relays_with_skewed_clocks_follow_the_database_clock(
         assert all(0 < seconds <= LEASE_SECONDS for seconds in remaining), remaining
         proxy.hold_downstream.clear()
         wait_until(lambda: delivered(pg_dsn, table, held_back) == set(held_back), 60, "the held rows")
-        assert run_sql(pg_dsn, table, "SELECT status, lease_owner FROM {t} WHERE id = ANY(%s)",
-                       (live,)) == [("processing", "holder")] * len(live)
+        assert run_sql(pg_dsn, table, "SELECT status, lease_owner FROM {t} WHERE id = ANY(%s)", (live,)) == [
+            ("processing", "holder")
+        ] * len(live)
         for relay in relays:
             assert relay.alive()
             assert relay.terminate() == 0
@@ -146,16 +185,25 @@ def test_relays_with_skewed_clocks_follow_the_database_clock(
         status = json.loads(_cli_with_clock(offset, env, "status", "--json"))
         ages[name] = status["oldest_pending_age_seconds"]
         assert 120 <= ages[name] < 600, (name, status)
-    report("clock skew", lease_seconds=LEASE_SECONDS, expired_lease_reclaimed_after_seconds=round(
-        expired_reclaimed_after, 2), lease_remaining_seconds_at_claim=[round(min(remaining), 2),
-                                                                       round(max(remaining), 2)],
-        oldest_pending_age_seconds=ages)
+    report(
+        "clock skew",
+        lease_seconds=LEASE_SECONDS,
+        expired_lease_reclaimed_after_seconds=round(expired_reclaimed_after, 2),
+        lease_remaining_seconds_at_claim=[round(min(remaining), 2), round(max(remaining), 2)],
+        oldest_pending_age_seconds=ages,
+    )
 
 
 def _cli_with_clock(offset: str, env: dict[str, str], *args: str) -> str:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
     full_env.update(env)
-    result = subprocess.run([*faketime_prefix(offset), sys.executable, "-m", "outbox_relay.operator.cli", *args],
-                            env=full_env, capture_output=True, text=True, timeout=60, cwd=ROOT)
+    result = subprocess.run(
+        [*faketime_prefix(offset), sys.executable, "-m", "outbox_relay.operator.cli", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout

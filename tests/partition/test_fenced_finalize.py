@@ -55,13 +55,20 @@ def _arm_hold_on_produce(net: Partition) -> threading.Event:
 
 
 def _run_cut_before_finalize(net: Partition, *, heal_while_connected: bool) -> dict[str, object]:
-    a_settings = {"OUTBOX_RELAY_RELAY__WORKERS": "1", "OUTBOX_RELAY_RELAY__BATCH_SIZE": "100",
-                  "OUTBOX_RELAY_RELAY__LEASE_SECONDS": str(LEASE_SECONDS),
-                  "OUTBOX_RELAY_KAFKA__DELIVERY_TIMEOUT_SECONDS": str(A_DELIVERY_TIMEOUT_SECONDS)}
+    a_settings = {
+        "OUTBOX_RELAY_RELAY__WORKERS": "1",
+        "OUTBOX_RELAY_RELAY__BATCH_SIZE": "100",
+        "OUTBOX_RELAY_RELAY__LEASE_SECONDS": str(LEASE_SECONDS),
+        "OUTBOX_RELAY_KAFKA__DELIVERY_TIMEOUT_SECONDS": str(A_DELIVERY_TIMEOUT_SECONDS),
+    }
     if heal_while_connected:
         # Long enough that the connection outlives the partition: the finalize arrives late.
-        a_settings.update({"OUTBOX_RELAY_DATABASE__TCP_USER_TIMEOUT_MS": "60000",
-                           "OUTBOX_RELAY_DATABASE__TCP_KEEPALIVES_IDLE_SECONDS": "0"})
+        a_settings.update(
+            {
+                "OUTBOX_RELAY_DATABASE__TCP_USER_TIMEOUT_MS": "60000",
+                "OUTBOX_RELAY_DATABASE__TCP_KEEPALIVES_IDLE_SECONDS": "0",
+            }
+        )
     else:
         a_settings["OUTBOX_RELAY_DATABASE__TCP_USER_TIMEOUT_MS"] = "1500"
     relay_a = net.start_relay("relay-a", **a_settings)
@@ -78,20 +85,20 @@ def _run_cut_before_finalize(net: Partition, *, heal_while_connected: bool) -> d
     net.broker_proxy.hold_downstream.clear()
     net.broker_proxy.watch_upstream = None
 
-    relay_b = net.start_relay("relay-b", inside=False, OUTBOX_RELAY_RELAY__WORKERS="1",
-                              OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS))
+    relay_b = net.start_relay(
+        "relay-b", inside=False, OUTBOX_RELAY_RELAY__WORKERS="1", OUTBOX_RELAY_RELAY__LEASE_SECONDS=str(LEASE_SECONDS)
+    )
     figures: dict[str, object] = {"lease_seconds": LEASE_SECONDS}
     if not heal_while_connected:
-        figures["cut_to_a_gave_up_seconds"] = round(wait_until(
-            lambda: events(relay_a, GAVE_UP), 60,
-            "A giving its batch up"), 2)
+        figures["cut_to_a_gave_up_seconds"] = round(
+            wait_until(lambda: events(relay_a, GAVE_UP), 60, "A giving its batch up"), 2
+        )
         figures["a_gave_up_error"] = events(relay_a, GAVE_UP)[0].get("error")
 
     after = insert_rows(net.pg_dsn, net.table, 5)
     relay_b.wait_started()
     everything = before + in_flight + after
-    wait_until(lambda: delivered(net.pg_dsn, net.table, everything) == set(everything), 60,
-               "B delivering every row")
+    wait_until(lambda: delivered(net.pg_dsn, net.table, everything) == set(everything), 60, "B delivering every row")
     b_delivered_after = time.monotonic() - cut_at
 
     figures["cut_to_b_delivered_seconds"] = round(b_delivered_after, 2)
@@ -99,8 +106,9 @@ def _run_cut_before_finalize(net: Partition, *, heal_while_connected: bool) -> d
         assert events(relay_a, GAVE_UP) == []
         net.database.heal()
         healed_at = time.monotonic()
-        wait_until(lambda: len(events(relay_a, LOST_LEASE))
-                   >= len(in_flight), 60, "A's late finalize refused row by row")
+        wait_until(
+            lambda: len(events(relay_a, LOST_LEASE)) >= len(in_flight), 60, "A's late finalize refused row by row"
+        )
         figures["heal_to_a_refused_seconds"] = round(time.monotonic() - healed_at, 2)
         lost = {e["outbox_id"] for e in events(relay_a, LOST_LEASE)}
         assert lost == set(in_flight)
@@ -116,8 +124,9 @@ def _run_cut_before_finalize(net: Partition, *, heal_while_connected: bool) -> d
     assert relay_a.alive() and relay_b.alive()
 
     every_id = set(everything + extra)
-    messages = read_messages(net.broker.bootstrap_servers, [net.topic()], expected=len(every_id) + len(in_flight),
-                             timeout=30)
+    messages = read_messages(
+        net.broker.bootstrap_servers, [net.topic()], expected=len(every_id) + len(in_flight), timeout=30
+    )
     copies = Counter(int(m["headers"]["message_id"]) for m in messages)
     assert set(copies) == every_id
     assert {i for i, n in copies.items() if n > 1} == set(in_flight), relay_a.output()[-3000:]

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from outbox_relay.config import DatabaseSettings
 from outbox_relay._embedded.embedded import free_port
+from outbox_relay.config import DatabaseSettings
 from tests.helpers.db import delivered, insert_rows
 from tests.helpers.relay_process import RelayProcess
 from tests.partition.conftest import Partition, events, report, wait_until
@@ -32,9 +32,13 @@ def test_half_open_database_connections_are_dropped_within_the_relays_bound(part
     port = free_port()
     # The relay's own defaults for every TCP setting (the fixture only shortens the
     # connect timeout, so reconnection attempts into the partition stay short).
-    relay = net.start_relay("relay", OUTBOX_RELAY_RELAY__WORKERS="2",
-                            OUTBOX_RELAY_METRICS__ENABLED="true", OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
-                            OUTBOX_RELAY_METRICS__PORT=str(port))
+    relay = net.start_relay(
+        "relay",
+        OUTBOX_RELAY_RELAY__WORKERS="2",
+        OUTBOX_RELAY_METRICS__ENABLED="true",
+        OUTBOX_RELAY_METRICS__HOST="127.0.0.1",
+        OUTBOX_RELAY_METRICS__PORT=str(port),
+    )
     relay.wait_started()
     readyz = f"http://127.0.0.1:{port}/readyz"
     warm = insert_rows(net.pg_dsn, net.table, 5)
@@ -59,13 +63,20 @@ def test_half_open_database_connections_are_dropped_within_the_relays_bound(part
 
     assert relay.alive()
     assert relay.terminate() == 0
-    report("half-open database connection", tcp_user_timeout_ms=defaults.tcp_user_timeout_ms,
-           keepalives=(defaults.tcp_keepalives_idle_seconds, defaults.tcp_keepalives_interval_seconds,
-                       defaults.tcp_keepalives_count),
-           readyz_503_after_seconds=round(readyz_after, 2),
-           statement_timed_out_after_seconds=round(statement_failed_after, 2), first_timeout=first_error,
-           listen_connection_dropped_after_seconds=round(listen_lost_after, 2),
-           heal_to_delivery_seconds=round(resumed_after, 2))
+    report(
+        "half-open database connection",
+        tcp_user_timeout_ms=defaults.tcp_user_timeout_ms,
+        keepalives=(
+            defaults.tcp_keepalives_idle_seconds,
+            defaults.tcp_keepalives_interval_seconds,
+            defaults.tcp_keepalives_count,
+        ),
+        readyz_503_after_seconds=round(readyz_after, 2),
+        statement_timed_out_after_seconds=round(statement_failed_after, 2),
+        first_timeout=first_error,
+        listen_connection_dropped_after_seconds=round(listen_lost_after, 2),
+        heal_to_delivery_seconds=round(resumed_after, 2),
+    )
 
 
 def _timed_out(relay: RelayProcess) -> list[str]:

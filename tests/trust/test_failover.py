@@ -75,8 +75,14 @@ class Writer(threading.Thread):
                 if conn is None or conn.closed:
                     conn = psycopg.connect(self.dsn, connect_timeout=2)
                 with conn.transaction():
-                    row_id = enqueue(conn, aggregate_type=self.aggregate_type, aggregate_id=f"w-{seq % 10}",
-                                     event_type="OrderPaid", payload={"seq": seq}, table=TABLE)
+                    row_id = enqueue(
+                        conn,
+                        aggregate_type=self.aggregate_type,
+                        aggregate_id=f"w-{seq % 10}",
+                        event_type="OrderPaid",
+                        payload={"seq": seq},
+                        table=TABLE,
+                    )
                 self.acknowledged.append(int(row_id))
                 seq += 1
                 self.stop.wait(0.01)
@@ -100,27 +106,42 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
     topics = [f"{topic_prefix}.{backlog_type}", f"{topic_prefix}.{writer_type}"]
 
     with TempServers() as servers:
-        primary = servers.server("primary").initdb(settings={
-            "wal_level": "replica", "max_wal_senders": "5",
-            "synchronous_standby_names": "FIRST 1 (standby1)", "synchronous_commit": "on",
-        }).start()
+        primary = (
+            servers.server("primary")
+            .initdb(
+                settings={
+                    "wal_level": "replica",
+                    "max_wal_senders": "5",
+                    "synchronous_standby_names": "FIRST 1 (standby1)",
+                    "synchronous_commit": "on",
+                }
+            )
+            .start()
+        )
         standby = servers.server("standby").basebackup_of(primary, application_name="standby1")
         # The standby's own settings once promoted: it has no standby of its own, so it must
         # not wait for one (it would inherit the primary's synchronous_standby_names and every
         # commit would hang). A failover manager (e.g. Patroni) does the same at promotion.
         standby.configure({"synchronous_standby_names": "", "wal_retrieve_retry_interval": "500ms"})
         standby.start()
-        wait_for(lambda: primary.execute(
-            "SELECT 1 FROM pg_stat_replication WHERE application_name = 'standby1' AND sync_state = 'sync'"),
-            30, message="the standby to be synchronous", ignoring=(psycopg.Error,))
+        wait_for(
+            lambda: primary.execute(
+                "SELECT 1 FROM pg_stat_replication WHERE application_name = 'standby1' AND sync_state = 'sync'"
+            ),
+            30,
+            message="the standby to be synchronous",
+            ignoring=(psycopg.Error,),
+        )
 
         with OutboxStore(primary.dsn(), TABLE, pool_size=1) as setup:
             setup.migrate()
         audit = install_audit(primary.dsn(), TABLE)
         _copy_backlog(primary.dsn(), BACKLOG_ROWS, backlog_type)
 
-        multi_host = (f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres "
-                      "dbname=postgres target_session_attrs=read-write")
+        multi_host = (
+            f"host=127.0.0.1,127.0.0.1 port={primary.port},{standby.port} user=postgres "
+            "dbname=postgres target_session_attrs=read-write"
+        )
         env = relay_env(
             OUTBOX_RELAY_DATABASE__DSN=multi_host,
             OUTBOX_RELAY_DATABASE__TABLE=TABLE,
@@ -142,8 +163,13 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
             for relay in relays:
                 relay.wait_started()
             writer.start()
-            wait_for(lambda: _done_count(primary.dsn()) >= BACKLOG_ROWS * KILL_AFTER_DONE_FRACTION, 60,
-                     message="the relays to be mid-drain", interval=0.02, ignoring=(psycopg.Error,))
+            wait_for(
+                lambda: _done_count(primary.dsn()) >= BACKLOG_ROWS * KILL_AFTER_DONE_FRACTION,
+                60,
+                message="the relays to be mid-drain",
+                interval=0.02,
+                ignoring=(psycopg.Error,),
+            )
 
             done_at_kill = _done_count(primary.dsn())
             killed_at = time.monotonic()
@@ -153,8 +179,11 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
             done_at_promotion = _done_count(standby.dsn())
             resumed_seconds = wait_for(
                 lambda: _done_count(standby.dsn()) > done_at_promotion and time.monotonic() - killed_at,
-                DRAIN_TIMEOUT_SECONDS, message="deliveries to resume on the new primary", interval=0.05,
-                ignoring=(psycopg.Error,))
+                DRAIN_TIMEOUT_SECONDS,
+                message="deliveries to resume on the new primary",
+                interval=0.05,
+                ignoring=(psycopg.Error,),
+            )
             # Let the writer commit on the new primary for a moment, then stop it.
             time.sleep(1.0)
             writer.stop.set()
@@ -162,15 +191,22 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
 
             def drained() -> float | None:
                 with psycopg.connect(standby.dsn(), autocommit=True) as conn:
-                    busy = conn.execute("SELECT EXISTS (SELECT 1 FROM public.outbox "
-                                        "WHERE status IN ('pending', 'processing'))").fetchone()[0]
+                    busy = conn.execute(
+                        "SELECT EXISTS (SELECT 1 FROM public.outbox WHERE status IN ('pending', 'processing'))"
+                    ).fetchone()[0]
                 return None if busy else time.monotonic() - killed_at
 
-            drained_seconds = wait_for(drained, DRAIN_TIMEOUT_SECONDS, interval=0.1, ignoring=(psycopg.Error,),
-                                       message="the backlog to drain after the failover")
+            drained_seconds = wait_for(
+                drained,
+                DRAIN_TIMEOUT_SECONDS,
+                interval=0.1,
+                ignoring=(psycopg.Error,),
+                message="the backlog to drain after the failover",
+            )
             exited = {r.name: r.proc.returncode for r in relays if not r.alive()}
-            assert not exited, f"relays exited during the failover: {exited}\n" + \
-                "\n".join(r.output()[-2000:] for r in relays)
+            assert not exited, f"relays exited during the failover: {exited}\n" + "\n".join(
+                r.output()[-2000:] for r in relays
+            )
             exit_codes = [relay.terminate() for relay in relays]
         finally:
             writer.stop.set()
@@ -186,8 +222,13 @@ def test_primary_killed_mid_drain_relays_follow_the_promoted_standby(broker: Any
         assert acknowledged <= all_ids, "a commit acknowledged under synchronous replication was lost"
         assert len(all_ids) >= BACKLOG_ROWS + len(acknowledged)
 
-        messages = read_messages(broker.bootstrap_servers, topics, expected=len(all_ids), timeout=60,
-                                 stop_when=lambda out: all_ids <= {int(m["headers"]["message_id"]) for m in out})
+        messages = read_messages(
+            broker.bootstrap_servers,
+            topics,
+            expected=len(all_ids),
+            timeout=60,
+            stop_when=lambda out: all_ids <= {int(m["headers"]["message_id"]) for m in out},
+        )
         delivered = {int(m["headers"]["message_id"]) for m in messages}
         assert all_ids - delivered == set(), f"{len(all_ids - delivered)} rows never reached the broker"
 

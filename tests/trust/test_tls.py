@@ -68,8 +68,10 @@ class TlsDatabase:
     other_ca: TestCA
 
     def dsn(self, *, password: str = DB_PASSWORD, rootcert: Path | None = None) -> str:
-        return (f"host=127.0.0.1 port={self.server.port} dbname=postgres user=app password={password} "
-                f"sslmode=verify-full sslrootcert={rootcert or self.ca.cert_path}")
+        return (
+            f"host=127.0.0.1 port={self.server.port} dbname=postgres user=app password={password} "
+            f"sslmode=verify-full sslrootcert={rootcert or self.ca.cert_path}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +84,13 @@ def tls_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsDataba
     with TempServers() as servers:
         server = servers.server("tls")
         pair = ca.issue("postgres-server", ip_addresses=("127.0.0.1",), file_stem="server")
-        server.initdb(hba=[
-            "hostssl all postgres 127.0.0.1/32 trust",          # the test's own admin connections
-            "hostssl all all 127.0.0.1/32 scram-sha-256",
-            "host all all 127.0.0.1/32 reject",                   # no plaintext TCP at all
-        ])
+        server.initdb(
+            hba=[
+                "hostssl all postgres 127.0.0.1/32 trust",  # the test's own admin connections
+                "hostssl all all 127.0.0.1/32 scram-sha-256",
+                "host all all 127.0.0.1/32 reject",  # no plaintext TCP at all
+            ]
+        )
         tls_dir = server.home / "tls"
         tls_dir.mkdir()
         for source in (pair.cert_path, pair.key_path):
@@ -95,8 +99,13 @@ def tls_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsDataba
             target.chmod(0o600)
             chown_to_server_user(target)
         chown_to_server_user(tls_dir)
-        server.configure({"ssl": "on", "ssl_cert_file": str(tls_dir / pair.cert_path.name),
-                          "ssl_key_file": str(tls_dir / pair.key_path.name)})
+        server.configure(
+            {
+                "ssl": "on",
+                "ssl_cert_file": str(tls_dir / pair.cert_path.name),
+                "ssl_key_file": str(tls_dir / pair.key_path.name),
+            }
+        )
         server.start()
         server.execute(f"CREATE ROLE app LOGIN PASSWORD '{DB_PASSWORD}'")
         server.execute("CREATE SCHEMA app AUTHORIZATION app")
@@ -104,16 +113,20 @@ def tls_database(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsDataba
 
 
 @pytest.mark.timeout(120)
-def test_relay_on_verify_full_migrates_and_drains_over_tls(tls_database: TlsDatabase, broker: Any,
-                                                           tmp_path: Path) -> None:
+def test_relay_on_verify_full_migrates_and_drains_over_tls(
+    tls_database: TlsDatabase, broker: Any, tmp_path: Path
+) -> None:
     dsn = tls_database.dsn()
     topic_prefix = "tls" + uuid.uuid4().hex[:8]
     migrated = cli("migrate", env=cli_env(dsn, "app.outbox"))
     assert migrated.returncode == 0, migrated.stderr
-    env = relay_env(OUTBOX_RELAY_DATABASE__DSN=dsn, OUTBOX_RELAY_DATABASE__TABLE="app.outbox",
-                    OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS=broker.bootstrap_servers,
-                    OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-                    OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2")
+    env = relay_env(
+        OUTBOX_RELAY_DATABASE__DSN=dsn,
+        OUTBOX_RELAY_DATABASE__TABLE="app.outbox",
+        OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS=broker.bootstrap_servers,
+        OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+        OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
+    )
     relay = RelayProcess("relay-pg-tls", env, tmp_path)
     try:
         relay.wait_started()
@@ -121,7 +134,8 @@ def test_relay_on_verify_full_migrates_and_drains_over_tls(tls_database: TlsData
         wait_for(lambda: statuses(dsn, "app.outbox") == {"done": 30}, timeout=60, message="rows done over TLS")
         encrypted = tls_database.server.execute(
             "SELECT s.ssl, s.version FROM pg_stat_ssl AS s JOIN pg_stat_activity AS a USING (pid) "
-            "WHERE a.application_name = 'outbox-relay' AND a.usename = 'app'")
+            "WHERE a.application_name = 'outbox-relay' AND a.usename = 'app'"
+        )
         assert encrypted and all(ssl for ssl, _version in encrypted), encrypted
         assert relay.terminate() == 0
     finally:
@@ -154,9 +168,13 @@ class TlsBroker:
     client_key: Path
 
     def client_config(self) -> dict[str, str]:
-        return {"security.protocol": "ssl", "ssl.ca.location": str(self.ca.cert_path),
-                "ssl.certificate.location": str(self.client_cert), "ssl.key.location": str(self.client_key),
-                "ssl.key.password": KEY_PASSWORD}
+        return {
+            "security.protocol": "ssl",
+            "ssl.ca.location": str(self.ca.cert_path),
+            "ssl.certificate.location": str(self.client_cert),
+            "ssl.key.location": str(self.client_key),
+            "ssl.key.password": KEY_PASSWORD,
+        }
 
 
 @pytest.fixture(scope="module")
@@ -167,9 +185,12 @@ def tls_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsBroker]:
     server = ca.issue("kafka-broker", ip_addresses=("127.0.0.1",), file_stem="broker")
     client = ca.issue("outbox-relay", client=True, key_password=KEY_PASSWORD, file_stem="relay-client")
     proxy_port = free_port()
-    with EmbeddedBroker(log_file=certs / "broker.log", advertised_port=proxy_port) as broker, \
-            TlsProxy(broker.port, cert=server.cert_path, key=server.key_path, client_ca=ca.cert_path,
-                     port=proxy_port) as proxy:
+    with (
+        EmbeddedBroker(log_file=certs / "broker.log", advertised_port=proxy_port) as broker,
+        TlsProxy(
+            broker.port, cert=server.cert_path, key=server.key_path, client_ca=ca.cert_path, port=proxy_port
+        ) as proxy,
+    ):
         yield TlsBroker(proxy, ca, other_ca, client.cert_path, client.key_path)
 
 
@@ -184,13 +205,20 @@ def kafka_tls_env(tls: TlsBroker, *, ca: Path) -> dict[str, str]:
 
 
 @pytest.mark.timeout(120)
-def test_relay_delivers_over_mutual_tls(pg_dsn: str, table: str, store: Any, tls_broker: TlsBroker,
-                                        tmp_path: Path) -> None:
+def test_relay_delivers_over_mutual_tls(
+    pg_dsn: str, table: str, store: Any, tls_broker: TlsBroker, tmp_path: Path
+) -> None:
     topic_prefix = "mtls" + uuid.uuid4().hex[:8]
-    env = relay_env(**cli_env(pg_dsn, table, tls_broker.proxy.bootstrap_servers,
-                              OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
-                              OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
-                              **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path)))
+    env = relay_env(
+        **cli_env(
+            pg_dsn,
+            table,
+            tls_broker.proxy.bootstrap_servers,
+            OUTBOX_RELAY_KAFKA__TOPIC_TEMPLATE=topic_prefix + ".{aggregate_type}",
+            OUTBOX_RELAY_RELAY__POLL_INTERVAL_SECONDS="0.2",
+            **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
+        )
+    )
     handshakes_before = tls_broker.proxy.connections
     relay = RelayProcess("relay-mtls", env, tmp_path)
     try:
@@ -202,16 +230,27 @@ def test_relay_delivers_over_mutual_tls(pg_dsn: str, table: str, store: Any, tls
         relay.kill()
     assert tls_broker.proxy.connections > handshakes_before
     assert KEY_PASSWORD not in relay.output()
-    delivered = read_messages(tls_broker.proxy.bootstrap_servers, [f"{topic_prefix}.order"], expected=len(ids),
-                              timeout=30, client_config=tls_broker.client_config())
+    delivered = read_messages(
+        tls_broker.proxy.bootstrap_servers,
+        [f"{topic_prefix}.order"],
+        expected=len(ids),
+        timeout=30,
+        client_config=tls_broker.client_config(),
+    )
     assert {int(m["headers"]["message_id"]) for m in delivered} == set(ids)
 
 
 @pytest.mark.timeout(120)
-def test_broker_certificate_from_another_ca_fails_at_start(pg_dsn: str, table: str, store: Any,
-                                                           tls_broker: TlsBroker) -> None:
-    env = cli_env(pg_dsn, table, tls_broker.proxy.bootstrap_servers, **FAST_FAIL,
-                  **kafka_tls_env(tls_broker, ca=tls_broker.other_ca.cert_path))
+def test_broker_certificate_from_another_ca_fails_at_start(
+    pg_dsn: str, table: str, store: Any, tls_broker: TlsBroker
+) -> None:
+    env = cli_env(
+        pg_dsn,
+        table,
+        tls_broker.proxy.bootstrap_servers,
+        **FAST_FAIL,
+        **kafka_tls_env(tls_broker, ca=tls_broker.other_ca.cert_path),
+    )
     result = cli("run", env=env, timeout=60)
     line = assert_fails_at_start(result, side="Kafka cluster", secrets=(KEY_PASSWORD,))
     assert "certificate verify failed" in line
@@ -220,23 +259,33 @@ def test_broker_certificate_from_another_ca_fails_at_start(pg_dsn: str, table: s
 def assert_names_the_tls_handshake(result: Any, line: str) -> None:
     """The error line, and the start-up wait's log lines before it, say the TLS handshake failed."""
     assert "the TLS handshake failed (kafka.security_protocol = ssl: is the listener plaintext?)" in line, line
-    waits = [json.loads(text) for text in result.stderr.splitlines()
-             if text.startswith("{") and "waiting for dependencies" in text]
+    waits = [
+        json.loads(text)
+        for text in result.stderr.splitlines()
+        if text.startswith("{") and "waiting for dependencies" in text
+    ]
     assert waits and "the TLS handshake failed" in waits[-1]["target"], result.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)
-def test_tls_against_a_plaintext_listener_fails_at_start(pg_dsn: str, table: str, store: Any,
-                                                         tls_broker: TlsBroker) -> None:
+def test_tls_against_a_plaintext_listener_fails_at_start(
+    pg_dsn: str, table: str, store: Any, tls_broker: TlsBroker
+) -> None:
     """tansu's plain listener never answers a TLS ClientHello (it waits for the rest of
     a 'frame'): a connection that never completes its handshake, which the relay waits
     for like a broker that is not up yet; relay.startup_timeout_seconds bounds the wait.
     librdkafka gives up on the handshake after socket.connection.setup.timeout.ms
     (30 s by default, 1 s here) and the wait names the TLS handshake from then on."""
     plain = f"127.0.0.1:{tls_broker.proxy.target_port}"
-    env = cli_env(pg_dsn, table, plain, **FAST_FAIL, **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
-                  OUTBOX_RELAY_KAFKA__EXTRA='{"socket.connection.setup.timeout.ms": "1000"}',
-                  OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="6")
+    env = cli_env(
+        pg_dsn,
+        table,
+        plain,
+        **FAST_FAIL,
+        **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
+        OUTBOX_RELAY_KAFKA__EXTRA='{"socket.connection.setup.timeout.ms": "1000"}',
+        OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="6",
+    )
     result = cli("run", env=env, timeout=60)
     line = assert_fails_at_start(result, side="Kafka cluster", secrets=(KEY_PASSWORD,))
     assert plain in line
@@ -245,8 +294,9 @@ def test_tls_against_a_plaintext_listener_fails_at_start(pg_dsn: str, table: str
 
 
 @pytest.mark.timeout(120)
-def test_tls_against_a_listener_that_hangs_up_fails_at_start(pg_dsn: str, table: str, store: Any,
-                                                             tls_broker: TlsBroker) -> None:
+def test_tls_against_a_listener_that_hangs_up_fails_at_start(
+    pg_dsn: str, table: str, store: Any, tls_broker: TlsBroker
+) -> None:
     """Apache Kafka's plaintext listener reads a TLS ClientHello as an oversized request
     and closes the connection: librdkafka reports 'SSL handshake failed: Disconnected'
     at once, and the wait names the TLS handshake."""
@@ -270,8 +320,14 @@ def test_tls_against_a_listener_that_hangs_up_fails_at_start(pg_dsn: str, table:
         server = threading.Thread(target=hang_up, daemon=True)
         server.start()
         plain = f"127.0.0.1:{listener.getsockname()[1]}"
-        env = cli_env(pg_dsn, table, plain, **FAST_FAIL, **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
-                      OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="6")
+        env = cli_env(
+            pg_dsn,
+            table,
+            plain,
+            **FAST_FAIL,
+            **kafka_tls_env(tls_broker, ca=tls_broker.ca.cert_path),
+            OUTBOX_RELAY_RELAY__STARTUP_TIMEOUT_SECONDS="6",
+        )
         try:
             result = cli("run", env=env, timeout=60)
         finally:
@@ -284,14 +340,20 @@ def test_tls_against_a_listener_that_hangs_up_fails_at_start(pg_dsn: str, table:
 
 
 @pytest.mark.timeout(120)
-def test_refused_sasl_login_fails_at_start_without_the_password(pg_dsn: str, table: str, store: Any,
-                                                                 tmp_path: Path) -> None:
+def test_refused_sasl_login_fails_at_start_without_the_password(
+    pg_dsn: str, table: str, store: Any, tmp_path: Path
+) -> None:
     with EmbeddedBroker(log_file=tmp_path / "broker.log", authentication=True) as broker:
-        env = cli_env(pg_dsn, table, broker.bootstrap_servers, **FAST_FAIL,
-                      OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
-                      OUTBOX_RELAY_KAFKA__SASL_MECHANISM="SCRAM-SHA-512",
-                      OUTBOX_RELAY_KAFKA__SASL_USERNAME="outbox-relay",
-                      OUTBOX_RELAY_KAFKA__SASL_PASSWORD=SASL_PASSWORD)
+        env = cli_env(
+            pg_dsn,
+            table,
+            broker.bootstrap_servers,
+            **FAST_FAIL,
+            OUTBOX_RELAY_KAFKA__SECURITY_PROTOCOL="sasl_plaintext",
+            OUTBOX_RELAY_KAFKA__SASL_MECHANISM="SCRAM-SHA-512",
+            OUTBOX_RELAY_KAFKA__SASL_USERNAME="outbox-relay",
+            OUTBOX_RELAY_KAFKA__SASL_PASSWORD=SASL_PASSWORD,
+        )
         result = cli("run", env=env, timeout=60)
     line = assert_fails_at_start(result, side="Kafka cluster", secrets=(SASL_PASSWORD,))
     assert "SASL authentication" in line
@@ -307,14 +369,23 @@ def test_tls_settings_reach_librdkafka(tmp_path: Path) -> None:
 
     ca = TestCA(tmp_path, "cfg")
     client = ca.issue("client", client=True, key_password=KEY_PASSWORD, file_stem="client")
-    settings = load_settings(None, kafka={
-        "security_protocol": "ssl", "ssl_ca_location": str(ca.cert_path),
-        "ssl_certificate_location": str(client.cert_path), "ssl_key_location": str(client.key_path),
-        "ssl_key_password": KEY_PASSWORD})
+    settings = load_settings(
+        None,
+        kafka={
+            "security_protocol": "ssl",
+            "ssl_ca_location": str(ca.cert_path),
+            "ssl_certificate_location": str(client.cert_path),
+            "ssl_key_location": str(client.key_path),
+            "ssl_key_password": KEY_PASSWORD,
+        },
+    )
     conf = producer_config(settings)
     assert {k: conf[k] for k in conf if k.startswith("ssl.")} == {
-        "ssl.ca.location": str(ca.cert_path), "ssl.certificate.location": str(client.cert_path),
-        "ssl.key.location": str(client.key_path), "ssl.key.password": KEY_PASSWORD}
+        "ssl.ca.location": str(ca.cert_path),
+        "ssl.certificate.location": str(client.cert_path),
+        "ssl.key.location": str(client.key_path),
+        "ssl.key.password": KEY_PASSWORD,
+    }
     assert KEY_PASSWORD not in repr(settings) and KEY_PASSWORD not in json.dumps(settings.model_dump(mode="json"))
     conf["log_level"] = 0  # nothing listens on the default bootstrap address: no connect noise
     Producer(conf).flush(0)  # loads CA, certificate and the encrypted key

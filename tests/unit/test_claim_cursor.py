@@ -23,7 +23,9 @@ class Clock:
 
 def test_first_claim_is_full_then_fast_claims_start_at_the_lowest_key_of_the_window() -> None:
     clock = Clock()
-    cursor = DueCursor(lag_seconds=2.0, rescan_min_seconds=1.0, rescan_max_seconds=30.0, fast_above_seconds=0.0, clock=clock)
+    cursor = DueCursor(
+        lag_seconds=2.0, rescan_min_seconds=1.0, rescan_max_seconds=30.0, fast_above_seconds=0.0, clock=clock
+    )
     plan = cursor.begin()
     assert plan.full and plan.start is None
     cursor.end(plan, [ClaimOutcome(lowest=key(0, 10))], 0.005)
@@ -53,8 +55,9 @@ def test_a_late_key_found_by_a_full_claim_pulls_the_start_back_at_once() -> None
 
 def test_full_claims_come_round_less_often_when_they_are_expensive() -> None:
     clock = Clock()
-    cursor = DueCursor(lag_seconds=2.0, rescan_min_seconds=1.0, rescan_max_seconds=30.0, full_cost_share=0.1,
-                       clock=clock)
+    cursor = DueCursor(
+        lag_seconds=2.0, rescan_min_seconds=1.0, rescan_max_seconds=30.0, full_cost_share=0.1, clock=clock
+    )
     for _ in range(3):  # cheap full claims: every claim is a full one
         plan = cursor.begin()
         assert plan.full
@@ -91,8 +94,9 @@ def test_fast_claims_start_the_processing_index_where_no_live_lease_was_left() -
     cursor = DueCursor(rescan_min_seconds=1.0, lease_margin_seconds=1.0, fast_above_seconds=0.0, clock=clock)
     plan = cursor.begin()
     assert plan.full and plan.leases_from is None
-    cursor.end(plan, [ClaimOutcome(lowest=key(0, 1), database_now=T0 + dt.timedelta(seconds=50),
-                                   leases_exhausted=True)], 0.001)
+    cursor.end(
+        plan, [ClaimOutcome(lowest=key(0, 1), database_now=T0 + dt.timedelta(seconds=50), leases_exhausted=True)], 0.001
+    )
     fast = cursor.begin()
     assert not fast.full and fast.leases_from == T0 + dt.timedelta(seconds=49)
     # A scan cut by its LIMIT leaves expired leases behind: the start stays.

@@ -8,12 +8,15 @@ from outbox_relay.config import check_environment, load_settings
 from outbox_relay.errors import ConfigError
 
 
-@pytest.mark.parametrize("variable, expected", [
-    ("OUTBOX_RELAY_KAFKAA__BOOTSTRAP_SERVERS", "did you mean OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS?"),
-    ("OUTBOX_RELAY_RELAYY__WORKERS", "did you mean OUTBOX_RELAY_RELAY__WORKERS?"),
-    ("OUTBOX_RELAY_RELAY__WORKRS", "did you mean OUTBOX_RELAY_RELAY__WORKERS?"),
-    ("OUTBOX_RELAY_ZZZ__Q", "there is no settings section 'zzz'"),
-])
+@pytest.mark.parametrize(
+    ("variable", "expected"),
+    [
+        ("OUTBOX_RELAY_KAFKAA__BOOTSTRAP_SERVERS", "did you mean OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS?"),
+        ("OUTBOX_RELAY_RELAYY__WORKERS", "did you mean OUTBOX_RELAY_RELAY__WORKERS?"),
+        ("OUTBOX_RELAY_RELAY__WORKRS", "did you mean OUTBOX_RELAY_RELAY__WORKERS?"),
+        ("OUTBOX_RELAY_ZZZ__Q", "there is no settings section 'zzz'"),
+    ],
+)
 def test_unknown_environment_variables_are_refused(variable, expected):
     with pytest.raises(ConfigError) as info:
         check_environment({variable: "x"})
@@ -21,9 +24,15 @@ def test_unknown_environment_variables_are_refused(variable, expected):
 
 
 def test_variables_that_are_not_settings_are_left_alone():
-    check_environment({"OUTBOX_RELAY_CONFIG": "/x.toml", "OUTBOX_RELAY_TEST_DSN": "postgresql://",
-                       "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": "k:9092", "OUTBOX_RELAY_kafka__linger_ms": "3",
-                       "OTHER__THING": "x"})
+    check_environment(
+        {
+            "OUTBOX_RELAY_CONFIG": "/x.toml",
+            "OUTBOX_RELAY_TEST_DSN": "postgresql://",
+            "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": "k:9092",
+            "OUTBOX_RELAY_kafka__linger_ms": "3",
+            "OTHER__THING": "x",
+        }
+    )
 
 
 def test_unknown_toml_section_and_key_name_the_closest(tmp_path):
@@ -37,8 +46,9 @@ def test_unknown_toml_section_and_key_name_the_closest(tmp_path):
     assert "\n" not in text
 
 
-@pytest.mark.parametrize("name", ["enable.idempotence", "acks", "message.timeout.ms", "delivery.timeout.ms",
-                                  "message.max.bytes"])
+@pytest.mark.parametrize(
+    "name", ["enable.idempotence", "acks", "message.timeout.ms", "delivery.timeout.ms", "message.max.bytes"]
+)
 def test_kafka_extra_cannot_override_what_the_guarantees_rest_on(name):
     with pytest.raises(ConfigError) as info:
         load_settings(None, kafka={"extra": {name: "1"}})
@@ -46,8 +56,16 @@ def test_kafka_extra_cannot_override_what_the_guarantees_rest_on(name):
 
 
 def test_secrets_given_through_kafka_extra_are_scrubbed():
-    settings = load_settings(None, kafka={"extra": {"sasl.oauthbearer.client.secret": "oauth-s3cret",
-                                                    "ssl.keystore.password": "ks-s3cret", "linger.ms": "7"}})
+    settings = load_settings(
+        None,
+        kafka={
+            "extra": {
+                "sasl.oauthbearer.client.secret": "oauth-s3cret",
+                "ssl.keystore.password": "ks-s3cret",
+                "linger.ms": "7",
+            }
+        },
+    )
     secrets = settings.secret_values
     assert "oauth-s3cret" in secrets and "ks-s3cret" in secrets and "7" not in secrets
 

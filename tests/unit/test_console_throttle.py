@@ -71,15 +71,18 @@ def test_memory_is_bounded_by_dropping_the_stalest_client():
     assert throttle.retry_after("b") is not None and throttle.retry_after("c") is not None
 
 
-@pytest.mark.parametrize(("host", "key"), [
-    ("198.51.100.7", "198.51.100.7"),
-    ("2001:db8::1", "2001:db8::/64"),
-    ("2001:db8::ffff:1", "2001:db8::/64"),
-    ("2001:db8:0:1::1", "2001:db8:0:1::/64"),
-    ("::ffff:198.51.100.7", "198.51.100.7"),
-    ("", "unknown"),
-    (None, "unknown"),
-])
+@pytest.mark.parametrize(
+    ("host", "key"),
+    [
+        ("198.51.100.7", "198.51.100.7"),
+        ("2001:db8::1", "2001:db8::/64"),
+        ("2001:db8::ffff:1", "2001:db8::/64"),
+        ("2001:db8:0:1::1", "2001:db8:0:1::/64"),
+        ("::ffff:198.51.100.7", "198.51.100.7"),
+        ("", "unknown"),
+        (None, "unknown"),
+    ],
+)
 def test_client_key(host, key):
     assert client_key(host) == key
 

@@ -136,9 +136,9 @@ def _queries(node: Any) -> list[str]:
     found: list[str] = []
     if isinstance(node, dict):
         for key, value in node.items():
-            if key in ("expr", "definition") and isinstance(value, str):
-                found.append(value)
-            elif key == "query" and isinstance(value, str) and node.get("type") != "datasource":
+            if isinstance(value, str) and (
+                key in ("expr", "definition") or (key == "query" and node.get("type") != "datasource")
+            ):
                 found.append(value)
             else:
                 found.extend(_queries(value))
@@ -149,11 +149,7 @@ def _queries(node: Any) -> list[str]:
 
 
 def dashboard_targets() -> list[str]:
-    return [
-        target["expr"]
-        for panel in dashboard()["panels"]
-        for target in panel.get("targets", [])
-    ]
+    return [target["expr"] for panel in dashboard()["panels"] for target in panel.get("targets", [])]
 
 
 def promtool() -> str:
@@ -168,9 +164,7 @@ def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
 
 
 # --------------------------------------------------------------------------- parsing
-@pytest.mark.parametrize(
-    "path", deploy_files(".yml", ".yaml"), ids=lambda p: str(p.relative_to(ROOT))
-)
+@pytest.mark.parametrize("path", deploy_files(".yml", ".yaml"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_yaml_files_parse(path: Path) -> None:
     docs = load_yaml_docs(path)
     assert docs, f"{path} is empty"
@@ -185,8 +179,14 @@ def test_json_files_parse(path: Path) -> None:
 
 def test_expected_files_exist() -> None:
     for path in (
-        DOCKERFILE, ROOT / ".dockerignore", COMPOSE_FILE, ALERTS_FILE, PROMETHEUS_FILE, DASHBOARD_FILE,
-        DEPLOY / "example-writer" / "writer.py", K8S / "kustomization.yaml",
+        DOCKERFILE,
+        ROOT / ".dockerignore",
+        COMPOSE_FILE,
+        ALERTS_FILE,
+        PROMETHEUS_FILE,
+        DASHBOARD_FILE,
+        DEPLOY / "example-writer" / "writer.py",
+        K8S / "kustomization.yaml",
     ):
         assert path.is_file(), f"missing {path.relative_to(ROOT)}"
 
@@ -227,9 +227,7 @@ def test_dockerfile_is_multi_stage_non_root_and_runtime_only() -> None:
     instructions = dockerfile_instructions()
     froms = [args for kw, args in instructions if kw == "FROM"]
     assert len(froms) >= 2, "expected a builder stage and a runtime stage"
-    args = dict(
-        a.split("=", 1) for kw, a in instructions if kw == "ARG" and "=" in a
-    )
+    args = dict(a.split("=", 1) for kw, a in instructions if kw == "ARG" and "=" in a)
     final_base = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), froms[-1].split()[0])
     assert final_base == "python:3.11-slim"
     runs = " ".join(a for kw, a in instructions if kw == "RUN")
@@ -305,7 +303,7 @@ def test_compose_prometheus_loads_the_rules_and_scrapes_the_relays() -> None:
     assert sd, "no dns_sd_configs"
     assert any("relay" in c["names"] and c["port"] == METRICS_PORT for c in sd)
     jobs = [job["job_name"] for job in prom["scrape_configs"] if job.get("dns_sd_configs")]
-    assert jobs == ["outbox-relay"], "alerts.yml selects job=\"outbox-relay\""
+    assert jobs == ["outbox-relay"], 'alerts.yml selects job="outbox-relay"'
 
 
 def test_compose_services_and_ordering() -> None:
@@ -329,11 +327,7 @@ def test_compose_grafana_provisions_the_dashboard() -> None:
     services = compose()["services"]
     mounts = _mounts(services["grafana"])
     provisioning = mounts["/etc/grafana/provisioning"]
-    providers = [
-        p
-        for f in sorted((provisioning / "dashboards").glob("*.y*ml"))
-        for p in load_yaml(f)["providers"]
-    ]
+    providers = [p for f in sorted((provisioning / "dashboards").glob("*.y*ml")) for p in load_yaml(f)["providers"]]
     assert providers
     for provider in providers:
         host_dir = mounts[provider["options"]["path"]]
@@ -424,9 +418,9 @@ def test_dashboard_covers_the_relay_metrics() -> None:
         assert name in used, f"dashboard has no panel on {name}"
     for hist in ("publish_latency_seconds", "end_to_end_latency_seconds"):
         for q in ("0.5", "0.99"):
-            assert any(
-                f"histogram_quantile({q}," in e and f"outbox_relay_{hist}_bucket" in e for e in exprs
-            ), f"no p{q} of {hist}"
+            assert any(f"histogram_quantile({q}," in e and f"outbox_relay_{hist}_bucket" in e for e in exprs), (
+                f"no p{q} of {hist}"
+            )
     ids = [p["id"] for p in dashboard()["panels"]]
     assert len(ids) == len(set(ids)), "duplicate panel ids"
 
@@ -624,18 +618,21 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, str, list[dic
         [("11m", "OutboxRelayNewDeadRows", []), ("15m", "OutboxRelayNewDeadRows", [WARN])],
     ),
     "dead rows retried by an operator": (
-        _both("outbox_relay_queue_depth", "5x12 2x10", status="dead")
-        + [_series("outbox_relay_published_total", "0x22", outcome="dead")],
+        [
+            *_both("outbox_relay_queue_depth", "5x12 2x10", status="dead"),
+            _series("outbox_relay_published_total", "0x22", outcome="dead"),
+        ],
         [("15m", "OutboxRelayNewDeadRows", [])],
     ),
     "one row retried while another died": (
-        _both("outbox_relay_queue_depth", "3x22", status="dead")
-        + [_series("outbox_relay_published_total", "0x12 1x10", outcome="dead")],
+        [
+            *_both("outbox_relay_queue_depth", "3x22", status="dead"),
+            _series("outbox_relay_published_total", "0x12 1x10", outcome="dead"),
+        ],
         [("15m", "OutboxRelayNewDeadRows", [WARN])],
     ),
     "a row reaped to dead": (
-        _both("outbox_relay_queue_depth", "0x22", status="dead")
-        + [_series("outbox_relay_reaped_total", "0x12 1x10")],
+        [*_both("outbox_relay_queue_depth", "0x22", status="dead"), _series("outbox_relay_reaped_total", "0x12 1x10")],
         [("15m", "OutboxRelayNewDeadRows", [WARN])],
     ),
     "expired leases stuck": (
@@ -651,10 +648,14 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, str, list[dic
         [("4m", "OutboxRelayLostLeases", []), ("8m", "OutboxRelayLostLeases", [WARN])],
     ),
     "circuit breaker open": (
-        [_series("outbox_relay_circuit_breaker_open", "0x2 1x10"),
-         _series("outbox_relay_circuit_breaker_open", "0x12", instance="b:9464")],
-        [("3m", "OutboxRelayCircuitBreakerOpen", []),
-         ("6m", "OutboxRelayCircuitBreakerOpen", [{**CRIT, "instance": "a:9464"}])],
+        [
+            _series("outbox_relay_circuit_breaker_open", "0x2 1x10"),
+            _series("outbox_relay_circuit_breaker_open", "0x12", instance="b:9464"),
+        ],
+        [
+            ("3m", "OutboxRelayCircuitBreakerOpen", []),
+            ("6m", "OutboxRelayCircuitBreakerOpen", [{**CRIT, "instance": "a:9464"}]),
+        ],
     ),
     "one replica down": (
         [_series("up", "1x2 0x10"), _series("up", "1x12", instance="b:9464")],
@@ -691,15 +692,17 @@ def test_promtool_alert_behaviour(tmp_path: Path) -> None:
     rules.write_text(yaml.safe_dump(doc), encoding="utf-8")
     tests = []
     for name, (series, checks) in ALERT_CASES.items():
-        tests.append({
-            "name": name,
-            "interval": "1m",
-            "input_series": series,
-            "alert_rule_test": [
-                {"eval_time": at, "alertname": alert, "exp_alerts": [{"exp_labels": labels} for labels in expected]}
-                for at, alert, expected in checks
-            ],
-        })
+        tests.append(
+            {
+                "name": name,
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    {"eval_time": at, "alertname": alert, "exp_alerts": [{"exp_labels": labels} for labels in expected]}
+                    for at, alert, expected in checks
+                ],
+            }
+        )
     spec = tmp_path / "alerts_test.yml"
     spec.write_text(
         yaml.safe_dump({"rule_files": [rules.name], "evaluation_interval": "1m", "tests": tests}), encoding="utf-8"

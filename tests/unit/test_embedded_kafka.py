@@ -27,8 +27,12 @@ def test_a_cluster_shares_its_id_and_voters_and_sizes_replication(tmp_path):
 
 
 def test_a_sasl_listener_gets_scram_and_properties_override_the_defaults(tmp_path):
-    node = KafkaBroker(data_dir=tmp_path, client_protocol="sasl_ssl", scram_users={"u": "p"},
-                       properties={"num.io.threads": 4, "auto.create.topics.enable": "false"})
+    node = KafkaBroker(
+        data_dir=tmp_path,
+        client_protocol="sasl_ssl",
+        scram_users={"u": "p"},
+        properties={"num.io.threads": 4, "auto.create.topics.enable": "false"},
+    )
     props = node.server_properties()
     assert props["listener.security.protocol.map"].startswith("CLIENT:SASL_SSL,INTERNAL:PLAINTEXT")
     assert props["sasl.enabled.mechanisms"] == "SCRAM-SHA-512"

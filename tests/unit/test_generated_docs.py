@@ -39,7 +39,8 @@ def test_generated_page_is_current(relative: str) -> None:
     path = ROOT / relative
     assert path.exists(), f"{relative} is missing: run python scripts/gen_reference.py"
     assert path.read_text(encoding="utf-8") == gen.PAGES[relative](), (
-        f"{relative} is stale: run python scripts/gen_reference.py")
+        f"{relative} is stale: run python scripts/gen_reference.py"
+    )
 
 
 def test_stale_pages_names_a_page_that_differs(tmp_path: Path) -> None:
@@ -73,11 +74,31 @@ def test_configuration_reference_lists_every_setting_with_its_variable() -> None
 
 def test_cli_reference_lists_every_command_and_option() -> None:
     page = gen.cli_reference()
-    for command in ("run", "migrate", "status", "dead list", "dead retry", "dead skip", "aggregate show",
-                    "audit list", "console", "purge", "grants", "demo"):
+    for command in (
+        "run",
+        "migrate",
+        "status",
+        "dead list",
+        "dead retry",
+        "dead skip",
+        "aggregate show",
+        "audit list",
+        "console",
+        "purge",
+        "grants",
+        "demo",
+    ):
         assert f"## `outbox-relay {command}`" in page
-    for option in ("`--workers`", "`--no-notify-trigger`", "`--drop-ordering-indexes`", "`--older-than`",
-                   "`--dry-run`", "`--error-contains`", "`--reason`", "`--chunk-size`"):
+    for option in (
+        "`--workers`",
+        "`--no-notify-trigger`",
+        "`--drop-ordering-indexes`",
+        "`--older-than`",
+        "`--dry-run`",
+        "`--error-contains`",
+        "`--reason`",
+        "`--chunk-size`",
+    ):
         assert option in page
 
 
@@ -112,8 +133,9 @@ def test_every_metric_the_documentation_names_exists() -> None:
 def test_config_example_loads_to_the_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     example = gen.example_toml()
     setting = re.compile(r"^# [a-z_]+ = ")
-    uncommented = "\n".join(line[2:] if setting.match(line) and "..." not in line else line
-                            for line in example.splitlines())
+    uncommented = "\n".join(
+        line[2:] if setting.match(line) and "..." not in line else line for line in example.splitlines()
+    )
     tomllib.loads(uncommented)
     path = tmp_path / "all.toml"
     path.write_text(uncommented, encoding="utf-8")

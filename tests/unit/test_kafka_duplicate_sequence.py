@@ -22,8 +22,7 @@ class Report:
 
 
 def _publisher() -> KafkaPublisher:
-    return KafkaPublisher({"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 1000,
-                           "message.max.bytes": 1000})
+    return KafkaPublisher({"bootstrap.servers": "127.0.0.1:1", "message.timeout.ms": 1000, "message.max.bytes": 1000})
 
 
 def test_a_duplicate_sequence_batch_is_recognised_from_its_offsets():

@@ -16,8 +16,17 @@ NEIGHBOUR = KafkaError(KafkaError._INVALID_DIFFERENT_RECORD)
 
 
 def _message(i: int, group: str | None = None) -> Message:
-    return Message(id=i, topic="t", key=group or f"k{i}", value="{}", headers=[], aggregate_type="a",
-                   aggregate_id=group or f"k{i}", event_type="E", order_key=group)
+    return Message(
+        id=i,
+        topic="t",
+        key=group or f"k{i}",
+        value="{}",
+        headers=[],
+        aggregate_type="a",
+        aggregate_id=group or f"k{i}",
+        event_type="E",
+        order_key=group,
+    )
 
 
 def _reports(*errors: KafkaError | None) -> tuple[list[Outcome], list[KafkaError | None]]:
@@ -60,8 +69,12 @@ def test_producer_state_errors_are_judged_alone_too():
 def test_isolation_codes_exclude_errors_that_are_not_about_the_batch_content():
     assert KafkaError.INVALID_RECORD in ISOLATE_CODES
     assert KafkaError.MSG_SIZE_TOO_LARGE in ISOLATE_CODES
-    for code in (KafkaError._MSG_TIMED_OUT, KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError._TRANSPORT,
-                 KafkaError.UNKNOWN_TOPIC_OR_PART):
+    for code in (
+        KafkaError._MSG_TIMED_OUT,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError._TRANSPORT,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+    ):
         assert code not in ISOLATE_CODES
 
 

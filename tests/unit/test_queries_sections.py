@@ -10,9 +10,15 @@ from psycopg import sql
 from outbox_relay.db.schema import QUERIES, TableSql
 
 # Placeholders that only some statements have (filled in by their callers).
-EXTRA = {"status": sql.Literal("dead"), "concurrently": sql.SQL(""), "index": sql.Identifier("some_idx"),
-         "role": sql.Identifier("some_role"), "database": sql.Identifier("some_db"),  # grant_* sections
-         "parameter": sql.SQL("autovacuum_vacuum_threshold"), "value": sql.Literal("1000")}  # *_storage_parameter
+EXTRA = {
+    "status": sql.Literal("dead"),
+    "concurrently": sql.SQL(""),
+    "index": sql.Identifier("some_idx"),
+    "role": sql.Identifier("some_role"),
+    "database": sql.Identifier("some_db"),  # grant_* sections
+    "parameter": sql.SQL("autovacuum_vacuum_threshold"),
+    "value": sql.Literal("1000"),
+}  # *_storage_parameter
 
 
 @pytest.mark.parametrize("name", sorted(n for n in QUERIES if n != "dead_filter"))  # a fragment, not a statement

@@ -81,16 +81,25 @@ def test_bad_source_values_name_the_setting_and_hide_the_dsn():
 
 def test_a_source_lease_must_outlast_the_shared_producer_timeout():
     with pytest.raises(ConfigError, match=r"sources\.a\.lease_seconds \(5\) must be above"):
-        load_settings(None, relay={"lease_seconds": 30},
-                      kafka={"delivery_timeout_seconds": 10},
-                      sources={"a": {"dsn": "postgresql://h/a", "lease_seconds": 5}})
+        load_settings(
+            None,
+            relay={"lease_seconds": 30},
+            kafka={"delivery_timeout_seconds": 10},
+            sources={"a": {"dsn": "postgresql://h/a", "lease_seconds": 5}},
+        )
 
 
 def test_discovered_source_takes_the_discovery_dsn_with_its_database_name():
     from outbox_relay.runtime.sources import discovered_source
 
-    settings = load_settings(None, discovery={"dsn": "postgresql://u:pw@cluster:5433/postgres",
-                                              "database_pattern": "tenant_%", "table": "app.outbox"})
+    settings = load_settings(
+        None,
+        discovery={
+            "dsn": "postgresql://u:pw@cluster:5433/postgres",
+            "database_pattern": "tenant_%",
+            "table": "app.outbox",
+        },
+    )
     assert uses_sources(settings) and static_sources(settings) == {}
     source = settings_for(settings, discovered_source(settings, "tenant_42"))
     import psycopg

@@ -14,8 +14,9 @@ def test_work_runs_on_one_thread_in_the_order_it_was_handed_over():
     submitter = Submitter()
     seen: list[tuple[int, str]] = []
     try:
-        futures = [submitter.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i)
-                   for i in range(50)]
+        futures = [
+            submitter.submit(lambda i=i: seen.append((i, threading.current_thread().name)) or i) for i in range(50)
+        ]
         assert [f.result(timeout=5) for f in futures] == list(range(50))
     finally:
         submitter.close()
@@ -27,6 +28,7 @@ def test_work_runs_on_one_thread_in_the_order_it_was_handed_over():
 def test_an_exception_comes_back_with_the_future_and_the_thread_goes_on():
     submitter = Submitter()
     try:
+
         def boom() -> None:
             raise ValueError("bad batch")
 

@@ -74,8 +74,11 @@ LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 SECURITY_HEADERS = [
     # No script may run at all: the console needs none, and a payload that slipped
     # past escaping still could not execute.
-    (b"content-security-policy", b"default-src 'none'; style-src 'self'; img-src 'self'; "
-                                 b"form-action 'self'; frame-ancestors 'none'; base-uri 'none'"),
+    (
+        b"content-security-policy",
+        b"default-src 'none'; style-src 'self'; img-src 'self'; "
+        b"form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    ),
     (b"x-content-type-options", b"nosniff"),
     (b"x-frame-options", b"DENY"),
     # same-origin, not no-referrer: with no-referrer browsers send "Origin: null" on
@@ -125,8 +128,11 @@ class _Guard:
             host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
             name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
             if name not in self.allowed:
-                response = Response("unexpected Host header: a console without console.token answers only "
-                                    "loopback names\n", status_code=400, media_type="text/plain")
+                response = Response(
+                    "unexpected Host header: a console without console.token answers only loopback names\n",
+                    status_code=400,
+                    media_type="text/plain",
+                )
                 await response(scope, receive, send)
                 return
 
@@ -153,13 +159,19 @@ class Console:
         self.count_budget_ms = min(settings.console.statement_timeout_ms, settings.metrics.exact_count_timeout_ms)
         # A slot records no time: the console counts from when it first saw one (a lower bound).
         self.horizon_clock = HorizonClock()
-        self.env = Environment(loader=FileSystemLoader(str(HERE / "templates")), autoescape=True,
-                               undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        self.env = Environment(
+            loader=FileSystemLoader(str(HERE / "templates")),
+            autoescape=True,
+            undefined=StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
         self.env.filters["utc"] = _utc
         self.env.filters["num"] = _num
         self.env.filters["quote"] = lambda text: urllib.parse.quote(str(text), safe="")
         self.env.globals["qs"] = lambda **kw: urllib.parse.urlencode(
-            [(k, v) for k, v in kw.items() if v not in (None, "", [])], doseq=True)
+            [(k, v) for k, v in kw.items() if v not in (None, "", [])], doseq=True
+        )
 
     # --- plumbing ------------------------------------------------------------------------
     def app(self) -> ASGIApp:
@@ -185,8 +197,7 @@ class Console:
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ]
         starlette = Starlette(routes=routes)
-        guarded: ASGIApp = _Guard(starlette, check_host=self.sessions.read_only,
-                                  bind_host=self.settings.console.host)
+        guarded: ASGIApp = _Guard(starlette, check_host=self.sessions.read_only, bind_host=self.settings.console.host)
         proxies = self.settings.console.forwarded_allow_ips
         if not proxies:
             return guarded
@@ -208,8 +219,9 @@ class Console:
             client = self._client(request)
             wait = self._locked_out(client, via="bearer")
             if wait is not None:
-                return self._json_error(429, "too many wrong tokens from your address: try again later",
-                                        retry_after=wait)
+                return self._json_error(
+                    429, "too many wrong tokens from your address: try again later", retry_after=wait
+                )
             if not self.sessions.token_matches(value.strip()):
                 self._wrong_token(client, via="bearer", user=clean_user(request.headers.get("x-outbox-relay-user", "")))
                 return self._json_error(403, "wrong token")
@@ -235,6 +247,7 @@ class Console:
             except OutboxRelayError as exc:
                 code = 503 if isinstance(exc, (DatabaseUnavailable, SchemaMissing)) else 500
                 return self.render(request, who, "error.html", {"title": "Database problem", "message": str(exc)}, code)
+
         return endpoint
 
     def _api(self, handler: Handler) -> Endpoint:
@@ -251,6 +264,7 @@ class Console:
             except OutboxRelayError as exc:
                 code = 503 if isinstance(exc, (DatabaseUnavailable, SchemaMissing)) else 500
                 return self._json_error(code, str(exc))
+
         return endpoint
 
     @staticmethod
@@ -275,22 +289,38 @@ class Console:
             return None
         wait, first = refused
         if first:  # one line per lockout: refused attempts are not counted or logged one by one
-            log.warning("console login refused: locked out after wrong tokens", client=client[0],
-                        client_key=client[1], via=via, retry_after_seconds=math.ceil(wait))
+            log.warning(
+                "console login refused: locked out after wrong tokens",
+                client=client[0],
+                client_key=client[1],
+                via=via,
+                retry_after_seconds=math.ceil(wait),
+            )
         return wait
 
     def _wrong_token(self, client: tuple[str, str], *, via: str, user: str) -> None:
         """Count and log a wrong token (never the token itself)."""
         failure = self.throttle.failed(client[1])
-        log.warning("console login failed: wrong token", client=client[0], client_key=client[1], via=via,
-                    user=user or None, failures=failure.failures,
-                    locked_out_seconds=round(failure.locked_for_seconds, 3) or None)
+        log.warning(
+            "console login failed: wrong token",
+            client=client[0],
+            client_key=client[1],
+            via=via,
+            user=user or None,
+            failures=failure.failures,
+            locked_out_seconds=round(failure.locked_for_seconds, 3) or None,
+        )
 
-    def render(self, request: Request, who: Principal, template: str, context: Mapping[str, Any],
-               status_code: int = 200) -> HTMLResponse:
+    def render(
+        self, request: Request, who: Principal, template: str, context: Mapping[str, Any], status_code: int = 200
+    ) -> HTMLResponse:
         html = self.env.get_template(template).render(
-            table=self.settings.database.table, who=who, read_only=self.sessions.read_only,
-            path=request.url.path, **context)
+            table=self.settings.database.table,
+            who=who,
+            read_only=self.sessions.read_only,
+            path=request.url.path,
+            **context,
+        )
         return HTMLResponse(html, status_code=status_code)
 
     @staticmethod
@@ -302,8 +332,10 @@ class Console:
         host = request.headers.get("host", "")
         if urllib.parse.urlsplit(origin).netloc == host:  # "null" never matches
             return None
-        return (f"the request comes from {origin!r}, not from this console (Host: {host!r}); behind a reverse "
-                "proxy, have it pass on the Host the browser used (nginx: proxy_set_header Host $host)")
+        return (
+            f"the request comes from {origin!r}, not from this console (Host: {host!r}); behind a reverse "
+            "proxy, have it pass on the Host the browser used (nginx: proxy_set_header Host $host)"
+        )
 
     async def _form(self, request: Request) -> dict[str, list[str]]:
         body = await self._body(request)
@@ -354,8 +386,12 @@ class Console:
 
     def _status_data(self) -> dict[str, Any]:
         s = self.settings
-        stats = self.store.stats(ordered_types=self.ordered_types, include_depth=False,
-                                 count_cap=s.metrics.exact_count_limit, timeout_ms=s.console.statement_timeout_ms)
+        stats = self.store.stats(
+            ordered_types=self.ordered_types,
+            include_depth=False,
+            count_cap=s.metrics.exact_count_limit,
+            timeout_ms=s.console.statement_timeout_ms,
+        )
         depth = self.store.exact_depth(budget_ms=self.count_budget_ms, first_upto=s.metrics.exact_count_limit)
         # Done rows have no index: the rate reads the table, so it gets a short timeout
         # (and the page says so when that runs out) rather than slowing every overview.
@@ -363,10 +399,17 @@ class Console:
         horizon = self.store.xmin_horizon(timeout_ms=s.console.statement_timeout_ms)
         self.horizon_clock.apply(horizon.holders)
         vacuum = self.store.vacuum_figures(timeout_ms=s.console.statement_timeout_ms)
-        return {"depth": depth, "stats": stats, "buckets": buckets, "horizon": horizon, "vacuum": vacuum,
-                "horizon_warn_seconds": s.metrics.xmin_horizon_warn_seconds,
-                "published_last_hour": sum(buckets) if buckets is not None else None,
-                "ordered": bool(self.ordered_types), "statuses": STATUSES}
+        return {
+            "depth": depth,
+            "stats": stats,
+            "buckets": buckets,
+            "horizon": horizon,
+            "vacuum": vacuum,
+            "horizon_warn_seconds": s.metrics.xmin_horizon_warn_seconds,
+            "published_last_hour": sum(buckets) if buckets is not None else None,
+            "ordered": bool(self.ordered_types),
+            "statuses": STATUSES,
+        }
 
     async def dead_rows(self, request: Request, who: Principal) -> Response:
         params = request.query_params
@@ -385,9 +428,19 @@ class Console:
         filters = {k: v for k, v in values.items() if v}
         rows = data["rows"]
         next_after = rows[-1]["id"] if len(rows) == page_size else None
-        return self.render(request, who, "dead.html", dict(
-            data, filters=filters, page_size=page_size, after_id=after_id, next_after=next_after,
-            has_conditions=data["selector"].has_conditions()))
+        return self.render(
+            request,
+            who,
+            "dead.html",
+            dict(
+                data,
+                filters=filters,
+                page_size=page_size,
+                after_id=after_id,
+                next_after=next_after,
+                has_conditions=data["selector"].has_conditions(),
+            ),
+        )
 
     def _selection(self, values: Mapping[str, list[str]]) -> tuple[str, DeadFilter]:
         """scope=ids (id=…), scope=filter (filter fields) or scope=all -> a selector."""
@@ -423,8 +476,16 @@ class Console:
         action = self._action((values.get("action") or [""])[0])
         return await self._render_preview(request, who, action, values, error=None, status_code=200)
 
-    async def _render_preview(self, request: Request, who: Principal, action: Action,
-                              values: Mapping[str, list[str]], *, error: str | None, status_code: int) -> Response:
+    async def _render_preview(
+        self,
+        request: Request,
+        who: Principal,
+        action: Action,
+        values: Mapping[str, list[str]],
+        *,
+        error: str | None,
+        status_code: int,
+    ) -> Response:
         def load() -> dict[str, Any]:
             scope, selector = self._selection(values)
             preview = preview_dead(self.store, selector, budget_ms=self.count_budget_ms)
@@ -439,9 +500,20 @@ class Console:
         hidden: list[tuple[str, str]] = [("action", action), ("scope", data["scope"])]
         hidden += [("id", str(i)) for i in selector.ids or ()]
         hidden += [(k, str(v)) for k, v in selector.describe().items()]  # absolute times, not "2h"
-        return self.render(request, who, "preview.html", dict(
-            data, action=action, hidden=hidden, error=error, described=selector_description(selector),
-            reason=(values.get("reason") or [""])[0]), status_code)
+        return self.render(
+            request,
+            who,
+            "preview.html",
+            dict(
+                data,
+                action=action,
+                hidden=hidden,
+                error=error,
+                described=selector_description(selector),
+                reason=(values.get("reason") or [""])[0],
+            ),
+            status_code,
+        )
 
     async def dead_apply(self, request: Request, who: Principal) -> Response:
         values = await self._form(request)
@@ -450,21 +522,38 @@ class Console:
             raise BadRequest("the console is read-only: set console.token to enable retry and skip")
         refusal = self._origin_refusal(request)
         if refusal is None and not csrf_ok(who, (values.get("csrf_token") or [""])[0]):
-            refusal = ("this form did not come from this console session (missing or wrong CSRF token); "
-                       "reload the page and try again")
+            refusal = (
+                "this form did not come from this console session (missing or wrong CSRF token); "
+                "reload the page and try again"
+            )
         if refusal is not None:
             return self.render(request, who, "error.html", {"title": "Refused", "message": refusal}, 403)
         scope = (values.get("scope") or [""])[0]
         try:
-            reason = check_dead_change(action, ids=scope == "ids", all_rows=scope == "all", filtered=scope == "filter",
-                                       reason=(values.get("reason") or [""])[0], dry_run=False, wording=FORM_WORDING)
+            reason = check_dead_change(
+                action,
+                ids=scope == "ids",
+                all_rows=scope == "all",
+                filtered=scope == "filter",
+                reason=(values.get("reason") or [""])[0],
+                dry_run=False,
+                wording=FORM_WORDING,
+            )
         except OperatorRuleError as exc:
             return await self._render_preview(request, who, action, values, error=str(exc), status_code=400)
 
         def apply() -> int | None:
             _scope, selector = self._selection(values)
-            result = change_dead(self.store, action, selector, actor=who.user, source=who.source, reason=reason,
-                                 chunk_size=self.settings.console.chunk_size, budget_ms=self.count_budget_ms)
+            result = change_dead(
+                self.store,
+                action,
+                selector,
+                actor=who.user,
+                source=who.source,
+                reason=reason,
+                chunk_size=self.settings.console.chunk_size,
+                budget_ms=self.count_budget_ms,
+            )
             return result.audit_id
 
         audit_id = await run_in_threadpool(apply)
@@ -474,21 +563,38 @@ class Console:
         row_id = int(request.path_params["row_id"])
         row = await run_in_threadpool(self.store.row_detail, row_id)
         if row is None:
-            return self.render(request, who, "error.html",
-                               {"title": "No such row", "message": f"row {row_id} does not exist (purged?)"}, 404)
+            return self.render(
+                request,
+                who,
+                "error.html",
+                {"title": "No such row", "message": f"row {row_id} does not exist (purged?)"},
+                404,
+            )
         return self.render(request, who, "row.html", {"row": row})
 
     async def aggregate_page(self, request: Request, who: Principal) -> Response:
         aggregate_id = str(request.path_params["aggregate_id"])
-        found, total = await run_in_threadpool(self.store.aggregate_rows, aggregate_id,
-                                               limit=self.settings.console.page_size * 4)
+        found, total = await run_in_threadpool(
+            self.store.aggregate_rows, aggregate_id, limit=self.settings.console.page_size * 4
+        )
         verdict = diagnose_aggregate(found, self.ordering, max_attempts=self.settings.relay.max_attempts)
         states = row_states(found, self.ordering)
-        rows = [dict(r, state=state, ordered=self.ordering.is_ordered(r["event_type"]))
-                for r, state in zip(found, states, strict=True)]
-        return self.render(request, who, "aggregate.html", {
-            "aggregate_id": aggregate_id, "rows": rows, "total": total, "verdict": verdict,
-            "dead_head": blocking_head(found, self.ordering)})
+        rows = [
+            dict(r, state=state, ordered=self.ordering.is_ordered(r["event_type"]))
+            for r, state in zip(found, states, strict=True)
+        ]
+        return self.render(
+            request,
+            who,
+            "aggregate.html",
+            {
+                "aggregate_id": aggregate_id,
+                "rows": rows,
+                "total": total,
+                "verdict": verdict,
+                "dead_head": blocking_head(found, self.ordering),
+            },
+        )
 
     async def audit_page(self, request: Request, who: Principal) -> Response:
         before_id = self._int_param(request.query_params.get("before"), "before")
@@ -501,9 +607,18 @@ class Console:
 
         entries = await run_in_threadpool(load)
         next_before = entries[-1]["id"] if len(entries) == page_size else None
-        return self.render(request, who, "audit.html", {
-            "entries": entries, "next_before": next_before, "done": done, "before_id": before_id,
-            "json": lambda value: json.dumps(value, ensure_ascii=False)})
+        return self.render(
+            request,
+            who,
+            "audit.html",
+            {
+                "entries": entries,
+                "next_before": next_before,
+                "done": done,
+                "before_id": before_id,
+                "json": lambda value: json.dumps(value, ensure_ascii=False),
+            },
+        )
 
     async def login_page(self, request: Request) -> Response:
         who = Principal(user="", source="anonymous", can_act=False)
@@ -524,14 +639,25 @@ class Console:
         target = self._next((values.get("next") or [""])[0])
         context = {"next": target, "name": name}
         if not name:
-            return self.render(request, who, "login.html",
-                               dict(context, error="enter your name (it is recorded with every action)"), 401)
+            return self.render(
+                request,
+                who,
+                "login.html",
+                dict(context, error="enter your name (it is recorded with every action)"),
+                401,
+            )
         client = self._client(request)
         wait = self._locked_out(client, via="form")
         if wait is not None:  # the token is not even looked at
-            page = self.render(request, who, "login.html", dict(
-                context, error=f"too many wrong tokens from your address: try again in {retry_after_header(wait)} s"),
-                429)
+            page = self.render(
+                request,
+                who,
+                "login.html",
+                dict(
+                    context, error=f"too many wrong tokens from your address: try again in {retry_after_header(wait)} s"
+                ),
+                429,
+            )
             page.headers["Retry-After"] = retry_after_header(wait)
             return page
         session = self.sessions.login(name, (values.get("token") or [""])[0])
@@ -540,8 +666,15 @@ class Console:
             return self.render(request, who, "login.html", dict(context, error="wrong token"), 401)
         log.info("console login", user=session.user, client=client[0])
         response = RedirectResponse(target, status_code=303)
-        response.set_cookie(COOKIE_NAME, session.id, max_age=int(self.sessions.lifetime_seconds), path="/",
-                            httponly=True, samesite="strict", secure=self._secure_cookie(request))
+        response.set_cookie(
+            COOKIE_NAME,
+            session.id,
+            max_age=int(self.sessions.lifetime_seconds),
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=self._secure_cookie(request),
+        )
         return response
 
     def _secure_cookie(self, request: Request) -> bool:
@@ -554,8 +687,9 @@ class Console:
         if who.source == "console" and csrf_ok(who, (values.get("csrf_token") or [""])[0]):
             self.sessions.logout(request.cookies.get(COOKIE_NAME))
         response = RedirectResponse("/login", status_code=303)
-        response.delete_cookie(COOKIE_NAME, path="/", httponly=True, samesite="strict",
-                               secure=self._secure_cookie(request))
+        response.delete_cookie(
+            COOKIE_NAME, path="/", httponly=True, samesite="strict", secure=self._secure_cookie(request)
+        )
         return response
 
     @staticmethod
@@ -570,19 +704,21 @@ class Console:
         data = await run_in_threadpool(self._status_data)
         stats = data["stats"]
         depth: dict[str, Count] = data["depth"]
-        return JSONResponse({
-            "table": self.settings.database.table,
-            "queue_depth": {name: c.n for name, c in depth.items()},
-            "queue_depth_estimated": [name for name, c in depth.items() if not c.exact],
-            "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
-            "expired_leases": stats.expired_leases,
-            "attempts": {str(k): v for k, v in sorted(stats.attempts.items())},
-            "blocked_aggregates": [{"aggregate_id": a, "dead_id": i} for a, i in stats.blocked_aggregates],
-            "published_last_hour": data["published_last_hour"],
-            "published_per_5min": data["buckets"],
-            "xmin_horizon": data["horizon"].as_json(),
-            "vacuum": data["vacuum"].as_json(),
-        })
+        return JSONResponse(
+            {
+                "table": self.settings.database.table,
+                "queue_depth": {name: c.n for name, c in depth.items()},
+                "queue_depth_estimated": [name for name, c in depth.items() if not c.exact],
+                "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
+                "expired_leases": stats.expired_leases,
+                "attempts": {str(k): v for k, v in sorted(stats.attempts.items())},
+                "blocked_aggregates": [{"aggregate_id": a, "dead_id": i} for a, i in stats.blocked_aggregates],
+                "published_last_hour": data["published_last_hour"],
+                "published_per_5min": data["buckets"],
+                "xmin_horizon": data["horizon"].as_json(),
+                "vacuum": data["vacuum"].as_json(),
+            }
+        )
 
     async def api_dead(self, request: Request, who: Principal) -> Response:
         params = request.query_params
@@ -600,7 +736,8 @@ class Console:
             summary = self.store.dead_summary(selector, timeout_ms=self.count_budget_ms) if matched.n else None
             return {
                 "rows": jsonable(rows),
-                "matched": matched.n, "matched_exact": matched.exact,
+                "matched": matched.n,
+                "matched_exact": matched.exact,
                 "next_after_id": rows[-1]["id"] if len(rows) == page_size else None,
                 "by_event_type": dict(summary.by_event_type) if summary else None,
                 "by_error": [{"error": e, "rows": n} for e, n in summary.by_error] if summary else None,
@@ -626,7 +763,7 @@ class Console:
         return await self._api_change(request, who, "skip")
 
     async def _api_change(self, request: Request, who: Principal, action: Action) -> Response:
-        if not request.headers.get("content-type", "").split(";")[0].strip() == "application/json":
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             # Also what keeps a cross-site HTML form from posting here.
             return self._json_error(415, "send the request as application/json")
         try:
@@ -654,8 +791,15 @@ class Console:
             raise BadRequest("reason must be text")
         given = {k for k in API_SELECTIONS if doc.get(k) not in (None, False)}
         try:
-            reason = check_dead_change(action, ids="ids" in given, all_rows="all" in given, filtered="filter" in given,
-                                       reason=reason, dry_run=dry_run, wording=API_WORDING)
+            reason = check_dead_change(
+                action,
+                ids="ids" in given,
+                all_rows="all" in given,
+                filtered="filter" in given,
+                reason=reason,
+                dry_run=dry_run,
+                wording=API_WORDING,
+            )
         except OperatorRuleError as exc:
             raise BadRequest(str(exc)) from None
         selector = self._api_selector(doc)
@@ -666,10 +810,23 @@ class Console:
             if dry_run:
                 preview = preview_dead(self.store, selector_, budget_ms=budget_ms)
                 return dict(preview.as_json(), changed=0, dry_run=True)
-            result = change_dead(self.store, action, selector_, actor=who.user, source=who.source, reason=reason,
-                                 chunk_size=self.settings.console.chunk_size, budget_ms=budget_ms)
-            return {"matched": result.matched.n, "matched_exact": result.matched.exact, "changed": result.changed,
-                    "dry_run": False, "audit_id": result.audit_id}
+            result = change_dead(
+                self.store,
+                action,
+                selector_,
+                actor=who.user,
+                source=who.source,
+                reason=reason,
+                chunk_size=self.settings.console.chunk_size,
+                budget_ms=budget_ms,
+            )
+            return {
+                "matched": result.matched.n,
+                "matched_exact": result.matched.exact,
+                "changed": result.changed,
+                "dry_run": False,
+                "audit_id": result.audit_id,
+            }
 
         return JSONResponse(await run_in_threadpool(run))
 
@@ -680,8 +837,12 @@ class Console:
         given = [k for k in API_SELECTIONS if doc.get(k) not in (None, False)]
         if given[0] == "ids":
             ids = doc["ids"]
-            if (not isinstance(ids, list) or not ids or len(ids) > MAX_IDS
-                    or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or len(ids) > MAX_IDS
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            ):
                 raise BadRequest(f'"ids" must be a non-empty list of at most {MAX_IDS} integers')
             return DeadFilter(ids=tuple(dict.fromkeys(ids)))
         if given[0] == "all":
@@ -703,8 +864,10 @@ class Console:
         def load() -> dict[str, Any]:
             self.store.require_audit_table()
             entries = self.store.audit_list(limit=page_size, before_id=before_id)
-            return {"entries": jsonable(entries),
-                    "next_before_id": entries[-1]["id"] if len(entries) == page_size else None}
+            return {
+                "entries": jsonable(entries),
+                "next_before_id": entries[-1]["id"] if len(entries) == page_size else None,
+            }
 
         return JSONResponse(await run_in_threadpool(load))
 

@@ -76,8 +76,12 @@ class Sessions:
     def login(self, user: str, candidate: str) -> Session | None:
         if not self.token_matches(candidate):
             return None
-        session = Session(id=secrets.token_urlsafe(32), user=clean_user(user) or "operator",
-                          csrf_token=secrets.token_urlsafe(32), expires_at=time.monotonic() + self._lifetime)
+        session = Session(
+            id=secrets.token_urlsafe(32),
+            user=clean_user(user) or "operator",
+            csrf_token=secrets.token_urlsafe(32),
+            expires_at=time.monotonic() + self._lifetime,
+        )
         with self._lock:
             self._sessions[session.id] = session
             while len(self._sessions) > MAX_SESSIONS:
@@ -164,8 +168,14 @@ class LoginThrottle:
     the last wrong token, if none).
     """
 
-    def __init__(self, max_failures: int, lockout_seconds: float, *, max_clients: int = MAX_THROTTLED_CLIENTS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_failures: int,
+        lockout_seconds: float,
+        *,
+        max_clients: int = MAX_THROTTLED_CLIENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._max_failures = max_failures
         self._lockout = lockout_seconds
         self._cap = max(LOCKOUT_CAP_SECONDS, lockout_seconds)

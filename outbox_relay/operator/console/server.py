@@ -36,8 +36,9 @@ def uvicorn_config(app: ASGIApp) -> uvicorn.Config:
     proxy-header handling stays off: the app applies console.forwarded_allow_ips itself,
     so uvicorn's FORWARDED_ALLOW_IPS environment default (trust 127.0.0.1) cannot make
     a local process's X-Forwarded-* headers count."""
-    return uvicorn.Config(app, log_level="warning", access_log=False, server_header=False, proxy_headers=False,
-                          lifespan="off")
+    return uvicorn.Config(
+        app, log_level="warning", access_log=False, server_header=False, proxy_headers=False, lifespan="off"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -56,15 +57,22 @@ def serve(settings: Settings) -> None:
     try:
         store.require_table()
         if c.token is None and not _is_loopback(c.host):
-            log.warning("console without console.token on a non-loopback address: read-only, and it answers "
-                        "only requests addressed to a loopback name or to this address; set console.token "
-                        "to use it from elsewhere", host=c.host)
-        elif c.token is not None and not _is_loopback(c.host) and not c.forwarded_allow_ips \
-                and c.cookie_secure == "auto":
-            log.warning("console on a non-loopback address serves plain http: the token and the session cookie "
-                        "cross the network unencrypted unless a TLS-terminating proxy is in front; list it in "
-                        "console.forwarded_allow_ips (then the cookie is Secure) or set console.cookie_secure "
-                        "= \"always\"", host=c.host)
+            log.warning(
+                "console without console.token on a non-loopback address: read-only, and it answers "
+                "only requests addressed to a loopback name or to this address; set console.token "
+                "to use it from elsewhere",
+                host=c.host,
+            )
+        elif (
+            c.token is not None and not _is_loopback(c.host) and not c.forwarded_allow_ips and c.cookie_secure == "auto"
+        ):
+            log.warning(
+                "console on a non-loopback address serves plain http: the token and the session cookie "
+                "cross the network unencrypted unless a TLS-terminating proxy is in front; list it in "
+                "console.forwarded_allow_ips (then the cookie is Secure) or set console.cookie_secure "
+                '= "always"',
+                host=c.host,
+            )
         # Bind first, so the port (also when 0 = any free one) is known before serving.
         family = socket.AF_INET6 if ":" in c.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

@@ -7,7 +7,9 @@ import pytest
 from outbox_relay.core.backoff import backoff_ceiling, full_jitter_backoff
 
 
-@pytest.mark.parametrize("attempt, ceiling", [(0, 1.0), (1, 2.0), (5, 32.0), (9, 300.0), (10_000, 300.0), (-1, 1.0)])
+@pytest.mark.parametrize(
+    ("attempt", "ceiling"), [(0, 1.0), (1, 2.0), (5, 32.0), (9, 300.0), (10_000, 300.0), (-1, 1.0)]
+)
 def test_backoff_ceiling(attempt, ceiling):
     assert backoff_ceiling(attempt, base=1.0, cap=300.0) == ceiling
 

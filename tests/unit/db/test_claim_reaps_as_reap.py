@@ -18,7 +18,14 @@ def _normalized(text: str) -> str:
 
 def test_the_claim_holds_the_reap_statement_word_for_word():
     reap = _normalized(EXECUTABLE["reap"])
-    claim = _normalized(re.sub(r"\s*AND \(\{leases_from\}::timestamptz IS NULL OR lease_until >= "
-                               r"\{leases_from\}::timestamptz\)", "", EXECUTABLE["claim"], count=1))
+    claim = _normalized(
+        re.sub(
+            r"\s*AND \(\{leases_from\}::timestamptz IS NULL OR lease_until >= "
+            r"\{leases_from\}::timestamptz\)",
+            "",
+            EXECUTABLE["claim"],
+            count=1,
+        )
+    )
     victims, update = re.fullmatch(r"WITH (victims AS \(.*?\)) (UPDATE .*)", reap).groups()
     assert claim.startswith(f"WITH {victims}, reaped AS ( {update} ),")

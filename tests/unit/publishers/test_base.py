@@ -30,34 +30,45 @@ def test_simple_publisher_stops_a_run_after_a_failure_and_honours_cancel():
             if m.id == 2:
                 raise Defer(5, "later")
 
-    outcomes = Fails2().publish_batch([message(1, "a"), message(2, "a"), message(3, "a"), message(4)],
-                                      timeout_seconds=5)
+    outcomes = Fails2().publish_batch(
+        [message(1, "a"), message(2, "a"), message(3, "a"), message(4)], timeout_seconds=5
+    )
     assert sent == [1, 2, 4]
     assert outcomes[0] is None and isinstance(outcomes[1], Defer) and isinstance(outcomes[2], NotDelivered)
     cancel = threading.Event()
     cancel.set()
-    assert all(isinstance(o, RetryableError) for o in Fails2().publish_batch([message(9)], timeout_seconds=5,
-                                                                              cancel=cancel))
+    assert all(
+        isinstance(o, RetryableError) for o in Fails2().publish_batch([message(9)], timeout_seconds=5, cancel=cancel)
+    )
 
 
 def test_build_message_follows_the_contract():
-    m = build_message(claimed(headers='{"trace_id": "t-1"}'), "outbox.{aggregate_type}.{event_type}",
-                      OrderingRule.of(["OrderPaid"]))
+    m = build_message(
+        claimed(headers='{"trace_id": "t-1"}'), "outbox.{aggregate_type}.{event_type}", OrderingRule.of(["OrderPaid"])
+    )
     assert (m.topic, m.key, m.value) == ("outbox.order.OrderPaid", "order-7", '{"a": 1}')
-    assert m.headers == [("message_id", "42"), ("event_type", "OrderPaid"), ("aggregate_type", "order"),
-                         ("aggregate_id", "order-7"), ("trace_id", "t-1")]
+    assert m.headers == [
+        ("message_id", "42"),
+        ("event_type", "OrderPaid"),
+        ("aggregate_type", "order"),
+        ("aggregate_id", "order-7"),
+        ("trace_id", "t-1"),
+    ]
     assert (m.attempts, m.lease_version, m.order_key, m.message_id) == (2, 3, "order-7", "42")
     assert m.created_at_epoch == claimed().created_at.timestamp()
     assert build_message(claimed(topic="own.topic"), "x.{aggregate_type}").topic == "own.topic"
     assert build_message(claimed(), "x").order_key is None
 
 
-@pytest.mark.parametrize("headers, problem", [
-    ('["a"]', "must be a JSON object"),
-    ('{"n": 1}', "must be a string"),
-    ('{"message_id": "1"}', "reserved"),
-    ("{not json", "bad headers"),
-])
+@pytest.mark.parametrize(
+    ("headers", "problem"),
+    [
+        ('["a"]', "must be a JSON object"),
+        ('{"n": 1}', "must be a string"),
+        ('{"message_id": "1"}', "reserved"),
+        ("{not json", "bad headers"),
+    ],
+)
 def test_build_message_refuses_bad_headers(headers, problem):
     with pytest.raises(MessageFormatError, match=problem):
         build_message(claimed(headers=headers), "t")

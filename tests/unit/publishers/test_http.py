@@ -26,25 +26,29 @@ def test_parse_retry_after():
 
 @pytest.fixture(scope="module")
 def http_publisher():
-    publisher = HttpPublisher("http://127.0.0.1:9/e", timeout_seconds=1, done_statuses=[409, 404],
-                              defer_statuses=[425], defer_seconds=7)
+    publisher = HttpPublisher(
+        "http://127.0.0.1:9/e", timeout_seconds=1, done_statuses=[409, 404], defer_statuses=[425], defer_seconds=7
+    )
     yield publisher
     publisher.close()
 
 
-@pytest.mark.parametrize("status, headers, body, kind, detail", [
-    (200, {}, b"", type(None), None),
-    (204, {}, b"", type(None), None),
-    (409, {}, b"exists", type(None), None),
-    (404, {}, b"gone", type(None), None),  # configured as done
-    (425, {}, b"too early", Defer, 7.0),
-    (425, {"Retry-After": "3"}, b"", Defer, 3.0),
-    (429, {"Retry-After": "12"}, b"slow down", RetryableError, 12.0),
-    (503, {}, b"<html>\n down \n</html>", RetryableError, None),
-    (408, {}, b"", RetryableError, None),
-    (400, {}, b"bad field x", PermanentError, None),
-    (301, {"Location": "http://elsewhere/"}, b"", PermanentError, None),
-])
+@pytest.mark.parametrize(
+    ("status", "headers", "body", "kind", "detail"),
+    [
+        (200, {}, b"", type(None), None),
+        (204, {}, b"", type(None), None),
+        (409, {}, b"exists", type(None), None),
+        (404, {}, b"gone", type(None), None),  # configured as done
+        (425, {}, b"too early", Defer, 7.0),
+        (425, {"Retry-After": "3"}, b"", Defer, 3.0),
+        (429, {"Retry-After": "12"}, b"slow down", RetryableError, 12.0),
+        (503, {}, b"<html>\n down \n</html>", RetryableError, None),
+        (408, {}, b"", RetryableError, None),
+        (400, {}, b"bad field x", PermanentError, None),
+        (301, {"Location": "http://elsewhere/"}, b"", PermanentError, None),
+    ],
+)
 def test_http_classification(http_publisher, status, headers, body, kind, detail):
     response = httpx.Response(status, headers=headers, content=body)
     outcome = http_publisher._classify(response, "POST http://127.0.0.1:9/e")

@@ -22,15 +22,18 @@ def test_a_topic_the_acl_refuses_defers_its_rows_without_burning_attempts():
     assert "TOPIC_AUTHORIZATION_FAILED" in outcome.reason and "ACL" in outcome.reason
 
 
-@pytest.mark.parametrize("code, kind, transport", [
-    (KafkaError.MSG_SIZE_TOO_LARGE, PermanentError, False),
-    (KafkaError.INVALID_RECORD, PermanentError, False),
-    (KafkaError._MSG_TIMED_OUT, RetryableError, True),
-    (KafkaError._TRANSPORT, RetryableError, True),
-    (KafkaError.NOT_LEADER_FOR_PARTITION, RetryableError, False),
-    (KafkaError.UNKNOWN_TOPIC_OR_PART, RetryableError, False),
-    (KafkaError.SASL_AUTHENTICATION_FAILED, RetryableError, True),
-])
+@pytest.mark.parametrize(
+    ("code", "kind", "transport"),
+    [
+        (KafkaError.MSG_SIZE_TOO_LARGE, PermanentError, False),
+        (KafkaError.INVALID_RECORD, PermanentError, False),
+        (KafkaError._MSG_TIMED_OUT, RetryableError, True),
+        (KafkaError._TRANSPORT, RetryableError, True),
+        (KafkaError.NOT_LEADER_FOR_PARTITION, RetryableError, False),
+        (KafkaError.UNKNOWN_TOPIC_OR_PART, RetryableError, False),
+        (KafkaError.SASL_AUTHENTICATION_FAILED, RetryableError, True),
+    ],
+)
 def test_kafka_error_classification(code, kind, transport):
     outcome = classify(KafkaError(code))
     assert type(outcome) is kind
@@ -66,12 +69,24 @@ def test_kafka_connection_failures_in_the_tls_handshake_are_remembered_not_logge
     assert sink.levels == []
     assert publisher.probe_problem() == (
         "the TLS handshake failed (kafka.security_protocol = ssl: is the listener plaintext?): "
-        "ssl://b:9093/bootstrap: Connection setup timed out in state SSL_HANDSHAKE")
-    as_configured.log(logging.ERROR, fmt, "FAIL", "p#1", "b:9093/bootstrap: Connect to ipv4#10.0.0.1:9093 failed: "
-                                                         "Connection refused (after 0ms in state CONNECT)")
+        "ssl://b:9093/bootstrap: Connection setup timed out in state SSL_HANDSHAKE"
+    )
+    as_configured.log(
+        logging.ERROR,
+        fmt,
+        "FAIL",
+        "p#1",
+        "b:9093/bootstrap: Connect to ipv4#10.0.0.1:9093 failed: Connection refused (after 0ms in state CONNECT)",
+    )
     assert sink.levels == [logging.ERROR] and publisher.probe_problem() is None  # the latest failure counts
-    as_configured.log(logging.ERROR, fmt, "FAIL", "p#1", "ssl://b:9093/bootstrap: SSL handshake failed: "
-                      "Disconnected: SSL connection closed by peer: connecting to a PLAINTEXT broker listener?")
+    as_configured.log(
+        logging.ERROR,
+        fmt,
+        "FAIL",
+        "p#1",
+        "ssl://b:9093/bootstrap: SSL handshake failed: "
+        "Disconnected: SSL connection closed by peer: connecting to a PLAINTEXT broker listener?",
+    )
     assert "connecting to a PLAINTEXT broker listener?" in (publisher.probe_problem() or "")
     _ProducerLog(publisher, logger, forward_level=7).log(logging.DEBUG, fmt, "BROKER", "p#1", "debug asked for")
     assert sink.levels == [logging.ERROR, logging.ERROR, logging.DEBUG]

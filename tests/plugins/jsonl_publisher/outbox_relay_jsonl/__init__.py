@@ -31,8 +31,9 @@ class JsonLinesPublisher(Publisher):
     def start(self) -> None:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
-    def publish_batch(self, messages: Sequence[Message], *, timeout_seconds: float,
-                      cancel: threading.Event | None = None) -> list[Outcome]:
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
         assert self._file is not None, "start() first"
         outcomes: list[Outcome] = []
         with self._lock:
@@ -40,9 +41,18 @@ class JsonLinesPublisher(Publisher):
                 if message.event_type == "Unwritable":
                     outcomes.append(PermanentError("the jsonl plug-in refuses Unwritable events"))
                     continue
-                self._file.write(json.dumps({"id": message.id, "topic": message.topic, "key": message.key,
-                                             "headers": dict(message.headers),
-                                             "payload": json.loads(message.value)}) + "\n")
+                self._file.write(
+                    json.dumps(
+                        {
+                            "id": message.id,
+                            "topic": message.topic,
+                            "key": message.key,
+                            "headers": dict(message.headers),
+                            "payload": json.loads(message.value),
+                        }
+                    )
+                    + "\n"
+                )
                 outcomes.append(None)
             self._file.flush()
             os.fsync(self._file.fileno())
