@@ -62,6 +62,7 @@ from psycopg.transaction import Transaction
 
 from outbox_relay._embedded.embedded import EmbeddedPgBouncer
 from outbox_relay.db import store as store_module
+from outbox_relay.db import store_core
 from outbox_relay.db.pooler import PoolerConnection
 from outbox_relay.db.store import OutboxStore
 
@@ -291,12 +292,12 @@ def ordered_cycle(store: OutboxStore, batch: int) -> float:
 @contextmanager
 def pooler_store(dsn: str, table: str, connection_class: type[PoolerConnection]) -> Iterator[OutboxStore]:
     """An OutboxStore in pooler mode whose pool uses ``connection_class``."""
-    original = store_module.PoolerConnection
-    store_module.PoolerConnection = connection_class  # type: ignore[misc]
+    original = store_core.PoolerConnection  # the store's __init__ picks the pool's connection class
+    store_core.PoolerConnection = connection_class  # type: ignore[misc]
     try:
         store = OutboxStore(dsn, table, pool_size=1, transaction_pooler=True, statement_timeout_ms=TIMEOUT_MS)
     finally:
-        store_module.PoolerConnection = original  # type: ignore[misc]
+        store_core.PoolerConnection = original  # type: ignore[misc]
     with store:
         yield store
 

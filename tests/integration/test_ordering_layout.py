@@ -7,7 +7,7 @@ from __future__ import annotations
 import psycopg
 import pytest
 
-from outbox_relay.db import store as store_module
+from outbox_relay.db import monitoring as monitoring_module
 from outbox_relay.db.store import OutboxStore
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import ON_DONE, assert_delivered, rows
@@ -125,7 +125,7 @@ def test_blocked_aggregates_are_the_same_from_either_walk(ordered_store, pg_dsn,
     )  # after B3's pending
     expected = [("B1", ids[5]), ("B2", ids[7])]
     from_dead = ordered_store.stats(ordered_types=ALL).blocked_aggregates
-    monkeypatch.setattr(store_module, "BLOCKED_FROM_DEAD_ROWS", 0)  # force the walk over aggregates with work
+    monkeypatch.setattr(monitoring_module, "BLOCKED_FROM_DEAD_ROWS", 0)  # force the walk over aggregates with work
     from_aggregates = ordered_store.stats(ordered_types=ALL).blocked_aggregates
     assert from_dead == expected
     assert from_aggregates == expected

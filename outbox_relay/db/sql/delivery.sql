@@ -303,7 +303,7 @@ WITH decided AS (
     -- are and looks them up by primary key. With statistics taken while hardly any row
     -- was processing (the usual case: autovacuum's ANALYZE of an idle outbox), it
     -- otherwise guessed ~5 delivered rows and rescanned them for every processing row:
-    -- 0.2-0.8 s per 1000-row batch instead of ~5 ms. FINALIZE_SETTINGS (store.py):
+    -- 0.2-0.8 s per 1000-row batch instead of ~5 ms. FINALIZE_SETTINGS (db/delivery.py):
     -- no bitmap scans, whose reading of the processing index grew with every row
     -- finalized since the last VACUUM (a bitmap scan never marks an index entry dead;
     -- an index scan does, and skips it from then on).
@@ -360,7 +360,7 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 -- name: statement_settings
 -- Planner settings of the claim and the finalize, set transaction-locally by a
 -- statement pipelined in front of them (one round trip; pooler.execute_with_settings,
--- store.py CLAIM_SETTINGS / FINALIZE_SETTINGS). Both must touch only the rows they
+-- db/delivery.py CLAIM_SETTINGS / FINALIZE_SETTINGS). Both must touch only the rows they
 -- work on, with and without statistics that describe the table:
 -- - the claim reads its partial indexes in order and stops after LIMIT rows
 --   (enable_bitmapscan = off). Without statistics that know the backlog (a table
