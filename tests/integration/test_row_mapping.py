@@ -69,10 +69,12 @@ def test_every_statement_that_builds_a_claimed_returns_its_fields_in_order(store
 
 
 def test_the_plain_claim_keeps_the_reaped_columns_where_the_store_reads_them(store, pg_dsn, table):
-    """Reaped rows are read as (record[1], record[2], record[12]): id, version, owner."""
+    """Reaped rows are read as (record[1], record[2], record[12]): id, version, owner;
+    record[13] is a claimed due row's key, where the claim cursor starts later claims."""
     columns = _columns(store, pg_dsn, "claim")
     assert columns[0] == "reaped" and columns[1:3] == ["id", "lease_version"] and columns[12] == "reaped_owner"
-    assert len(columns) == 13
+    assert columns[13] == "due_at"
+    assert len(columns) == 14
 
 
 def test_a_claimed_row_carries_each_column_in_its_own_field(store, pg_dsn, table):
