@@ -64,6 +64,9 @@ SMALL_MACHINE_PROPERTIES: dict[str, str] = {
     "offsets.topic.num.partitions": "4",
     "transaction.state.log.num.partitions": "4",
     "group.initial.rebalance.delay.ms": "0",
+    # Three JVMs starting together on two busy cores can take minutes to form their
+    # quorum: a node gives up (and exits) after this long without registering.
+    "initial.broker.registration.timeout.ms": "300000",
     "auto.create.topics.enable": "true",
     "num.partitions": "1",
 }
@@ -81,8 +84,12 @@ def free_port() -> int:
 
 def new_cluster_id() -> str:
     """A cluster id as ``kafka-storage.sh random-uuid`` prints it (URL-safe base64 of
-    16 random bytes, no padding)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    16 random bytes, no padding), never starting with "-" (Kafka's ``Uuid.randomUuid``
+    skips those too: a command line would read it as an option)."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
 
 
 # -- finding Java and the jars ------------------------------------------------------

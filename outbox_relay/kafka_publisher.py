@@ -125,6 +125,12 @@ AUTHORIZATION_RETRY_SECONDS = 15.0
 REFUSED_TOPIC_MEMORY_SECONDS = 3 * AUTHORIZATION_RETRY_SECONDS
 
 
+#: At most this many distinct topics of one batch are looked up after delivery
+#: timeouts (each lookup waits up to MISSING_TOPIC_LOOKUP_SECONDS).
+MISSING_TOPIC_LOOKUPS = 4
+MISSING_TOPIC_LOOKUP_SECONDS = 2.0
+
+
 def classify(err: KafkaError) -> Outcome:
     """Map a librdkafka error to an outcome."""
     code = err.code()
@@ -280,8 +286,8 @@ class KafkaPublisher(Publisher):
         self._tls_failure: str | None = None  # the last connection failure, if it was in the TLS handshake
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
-        # Topics the broker refused to this principal (TOPIC_AUTHORIZATION_FAILED):
-        # topic -> (monotonic time of the last refusal, the broker's error text).
+        # Topics the broker refused writes to (TOPIC_AUTHORIZATION_FAILED, or
+        # UNKNOWN_TOPIC_OR_PART: not created): topic -> (monotonic time, error name).
         self.refused_topics: dict[str, tuple[float, str]] = {}
         # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
         self.delivery_log = DeliveryLog.from_environment()
@@ -409,16 +415,54 @@ class KafkaPublisher(Publisher):
             if allowed:
                 log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
 
+    def defer_missing_topics(self, messages: Sequence[Message], outcomes: list[Outcome],
+                             errors: Sequence[KafkaError | None]) -> list[Outcome]:
+        """Messages that timed out waiting for a topic the cluster does not have (its
+        automatic creation is off): a topic an operator has yet to create, not a fault
+        of the rows, so they wait (Defer, attempt refunded) like those of a topic the
+        ACL refuses. librdkafka reports them only as timed out; the topic's metadata
+        says why. Looked up only after a timeout, a few topics per batch."""
+        timed_out = [i for i, err in enumerate(errors)
+                     if err is not None and err.code() == E._MSG_TIMED_OUT and isinstance(outcomes[i], RetryableError)]
+        if not timed_out:
+            return outcomes
+        producer = self._producer
+        missing: set[str] = set()
+        for topic in list(dict.fromkeys(messages[i].topic for i in timed_out))[:MISSING_TOPIC_LOOKUPS]:
+            if producer is None:
+                break
+            try:
+                meta = producer.list_topics(topic, timeout=MISSING_TOPIC_LOOKUP_SECONDS).topics.get(topic)
+            except KafkaException:
+                break  # the cluster does not answer: an outage, not a missing topic
+            if meta is not None and meta.error is not None and meta.error.code() == E.UNKNOWN_TOPIC_OR_PART:
+                missing.add(topic)
+        if not missing:
+            return outcomes
+        result = list(outcomes)
+        for i in timed_out:
+            topic = messages[i].topic
+            if topic in missing:
+                result[i] = Defer(AUTHORIZATION_RETRY_SECONDS,
+                                  f"kafka: UNKNOWN_TOPIC_OR_PART: topic {topic!r} does not exist and the cluster "
+                                  "does not create it: the rows wait until it is created")
+        for topic in missing:
+            self.topic_refused(topic, KafkaError(E.UNKNOWN_TOPIC_OR_PART, "topic does not exist"))
+        return result
+
     def topic_refused(self, topic: str, err: KafkaError) -> None:
-        """The broker refused a write to ``topic`` (its ACL): remember it for /readyz,
-        count it, and log it once per topic and 10 s."""
+        """The broker refused writes to ``topic`` (its ACL, or it does not exist):
+        remember it for /readyz, count it, and log it once per topic and 10 s."""
         first = topic not in self.refused_topics
-        self.refused_topics[topic] = (time.monotonic(), f"{err.name()}: {err.str()}")
-        self.observer.topic_authorization_failed(topic)
+        self.refused_topics[topic] = (time.monotonic(), err.name())
+        if err.code() == E.TOPIC_AUTHORIZATION_FAILED:
+            self.observer.topic_authorization_failed(topic)
+        else:
+            self.observer.topic_missing(topic)
         allowed, suppressed = self._error_lines.allow(f"acl:{topic}")
         if first or allowed:
-            log.error("kafka refuses writes to a topic: its rows wait until the ACL is fixed", topic=topic,
-                      code=err.name(), retry_seconds=AUTHORIZATION_RETRY_SECONDS, suppressed=suppressed)
+            log.error("kafka refuses writes to a topic: its rows wait", topic=topic, code=err.name(),
+                      detail=err.str(), retry_seconds=AUTHORIZATION_RETRY_SECONDS, suppressed=suppressed)
 
     def topic_accepted(self, topic: str) -> None:
         if self.refused_topics.pop(topic, None) is not None:
@@ -431,9 +475,11 @@ class KafkaPublisher(Publisher):
                 self.refused_topics.pop(topic, None)
         if not self.refused_topics:
             return None
-        topics = sorted(self.refused_topics)
-        named = ", ".join(topics[:5]) + (f" and {len(topics) - 5} more" if len(topics) > 5 else "")
-        return f"kafka refuses writes (TOPIC_AUTHORIZATION_FAILED) to {named}: their rows wait"
+        topics = sorted(self.refused_topics.items())
+        named = ", ".join(f"{topic} ({code})" for topic, (_, code) in topics[:5])
+        if len(topics) > 5:
+            named += f" and {len(topics) - 5} more"
+        return f"kafka refuses writes to {named}: their rows wait"
 
     def connection_failed(self, text: str) -> None:
         """librdkafka's text for a failed broker connection (no credentials in it)."""
@@ -630,6 +676,7 @@ class InFlightBatch(PendingBatch):
         if self._messages and not publisher.aborting.is_set() and not (cancel is not None and cancel.is_set()):
             outcomes = publisher.isolation.resolve(self._messages, outcomes, waiter.errors, deadline=self._deadline,
                                                    cancel=cancel, abort=publisher.aborting)
+            outcomes = publisher.defer_missing_topics(self._messages, outcomes, waiter.errors)
         # --- end issue 14 ---
         return outcomes
 

@@ -103,6 +103,11 @@ class RelayMetrics(PublisherObserver):
             "outbox_relay_topic_authorization_failures",
             "Messages the broker refused because this principal may not write to the topic "
             "(TOPIC_AUTHORIZATION_FAILED); their rows wait, attempts refunded.", ["topic"], registry=r)
+        self.missing_topic_deferrals_total = Counter(
+            "outbox_relay_missing_topic_deferrals",
+            "Batches whose messages for the topic timed out because the cluster has no such topic and does "
+            "not create it; "
+            "their rows wait, attempts refunded.", ["topic"], registry=r)
         self.stats_refresh_errors_total = Counter(
             "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r)
         self.claim_batch_size = Histogram(
@@ -169,6 +174,9 @@ class RelayMetrics(PublisherObserver):
 
     def topic_authorization_failed(self, topic: str) -> None:
         self.topic_authorization_failures_total.labels(topic=topic).inc()
+
+    def topic_missing(self, topic: str) -> None:
+        self.missing_topic_deferrals_total.labels(topic=topic).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

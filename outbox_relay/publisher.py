@@ -204,6 +204,9 @@ class PublisherObserver:
     def topic_authorization_failed(self, topic: str) -> None:
         """The target refused a message for ``topic`` to this client's identity (an ACL)."""
 
+    def topic_missing(self, topic: str) -> None:
+        """Messages for ``topic`` wait because the target has no such topic and does not create it."""
+
 
 class Publisher(abc.ABC):
     """Every hook the relay uses, with defaults. Only ``publish_batch`` is required
@@ -260,7 +263,7 @@ class Publisher(abc.ABC):
 
     def held_back(self) -> str | None:
         """Why some messages wait although the target answers (Kafka: topics whose ACL
-        refuses this principal), for ``/readyz``; None when nothing is held back."""
+        refuses this principal, or missing topics), for ``/readyz``; None when nothing is held back."""
         return None
 
     def abort(self) -> None:

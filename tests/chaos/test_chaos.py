@@ -13,9 +13,9 @@ Checked at the end:
 - SIGTERMed relays hand off gracefully (exit 0), no relay exits on its own, no worker
   thread crashed.
 
-The broker is only ever paused (SIGSTOP/SIGCONT), never killed: tansu keeps messages
-in memory, so a restart would lose delivered messages and make the first check
-unverifiable. The fault *schedule* is deterministic (random.Random(1234)); timing is not.
+The broker is only ever paused (SIGSTOP/SIGCONT), never killed: on tansu (which the
+suite can still run on) a restart would lose delivered messages and make the first
+check unverifiable; a Kafka broker restart is tests/kafka/test_broker_restart.py. The fault *schedule* is deterministic (random.Random(1234)); timing is not.
 A JSON summary (duplicates, faults injected, recovery time, ...) is written to the test's
 tmp dir and printed (visible with ``pytest -s``).
 """

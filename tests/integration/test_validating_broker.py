@@ -4,7 +4,9 @@ The embedded tansu broker started with a schema directory validates every record
 batch produced to a topic that has ``<topic>.json`` and refuses the batch with
 INVALID_RECORD if one record does not match, as Confluent Server's broker-side
 schema validation and Redpanda's schema ID validation do. Only the violating rows
-may go dead; every neighbour is delivered on its first attempt.
+may go dead; every neighbour is delivered on its first attempt. (Only tansu validates
+records here, hence its own broker; the test of a topic's ``max.message.bytes`` below
+runs on the session's broker, Apache Kafka, which enforces that limit.)
 """
 
 from __future__ import annotations
@@ -179,7 +181,7 @@ def test_a_row_above_the_topics_size_limit_goes_dead_alone(make_settings, store,
         pytest.skip(f"cannot create a topic with max.message.bytes: {exc}")
     if not _broker_enforces_topic_size_limit(broker.bootstrap_servers, f"{topic}", oversized):
         pytest.skip("the broker does not enforce a topic's max.message.bytes (tansu 0.6 stores the setting and "
-                    "ignores it); set OUTBOX_RELAY_TEST_KAFKA to a Kafka cluster to run this test")
+                    "ignores it); run without OUTBOX_RELAY_TEST_BROKER=tansu")
     spec = [(f"order-{i % 10}", FREE_TYPE, {"amount": i, "pad": "x" * (oversized if i == 70 else 100)})
             for i in range(150)]
     ids = _insert(pg_dsn, table, spec)
@@ -199,8 +201,8 @@ def test_a_row_above_the_topics_size_limit_goes_dead_alone(make_settings, store,
 
 def test_a_batch_refused_as_too_large_is_judged_message_by_message(make_settings, store, pg_dsn, table):
     """librdkafka's mock cluster answers the next two Produce requests with
-    MSG_SIZE_TOO_LARGE (an injected broker-side answer, not a measured size: no broker
-    available here enforces a size limit, see the test above). The first refuses the
+    MSG_SIZE_TOO_LARGE (an injected broker-side answer: it pins the exact sequence of
+    refusals; Apache Kafka's own, measured, is the test above). The first refuses the
     batch, the second the first message produced alone: exactly that row goes dead,
     the other 39 are delivered on their first attempt."""
     from tests.helpers.mock_kafka import MockCluster

@@ -1,0 +1,198 @@
+"""What only a replicated Apache Kafka cluster shows: leader failover and lost quorum.
+
+Three nodes (replication factor 3, ``min.insync.replicas=2``), started once for the
+module. The relay runs in process with its defaults (idempotent producer, acks=all).
+
+- The partition leader is killed (SIGKILL) mid-drain, or shut down in a controlled way
+  (SIGTERM): a follower takes over, every row is delivered, none goes dead; the
+  duplicates the failover caused are counted (printed, and kept as test properties).
+- A topic with ``min.insync.replicas=3`` and one node down, and two of three nodes
+  down: no write can reach enough in-sync replicas. Rows wait (released
+  with their attempt refunded, never ``dead``), ``/readyz`` says the broker cannot take
+  them and the circuit-breaker gauge is 1; once the nodes return, everything is delivered.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from outbox_relay.embedded import read_messages
+from outbox_relay.embedded_kafka import KafkaCluster
+from outbox_relay.relay import Relay
+from tests.helpers.db import insert_rows, statuses, wait_for
+from tests.kafka.conftest import heal, sample, wait_in_sync
+
+pytestmark = [pytest.mark.first_pass_only, pytest.mark.kafka_cluster, pytest.mark.timeout(600)]
+
+ROWS = 3000
+PARTITIONS = 3
+
+
+def _relay_on(cluster: KafkaCluster, make_settings: Callable[..., Any], topic: str,
+              kafka: dict[str, Any] | None = None, **relay: Any) -> Relay:
+    settings = make_settings(kafka={"bootstrap_servers": cluster.bootstrap_servers, "topic_template": topic,
+                                    **(kafka or {})},
+                             relay={"workers": 4, "batch_size": 100, "max_attempts": 5, **relay})
+    return Relay(settings)
+
+
+def _read_back(cluster: KafkaCluster, topic: str, ids: list[int]) -> collections.Counter[int]:
+    wanted = set(ids)
+    # ``expected`` counts messages, duplicates included: stop on the ids instead.
+    messages = read_messages(cluster.bootstrap_servers, [topic], expected=10 * len(ids), timeout=120,
+                             partitions=PARTITIONS,
+                             stop_when=lambda out: wanted <= {int(m["headers"]["message_id"]) for m in out})
+    return collections.Counter(int(m["headers"]["message_id"]) for m in messages)
+
+
+def _drain_through(cluster: KafkaCluster, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic: str,
+                   fault: Callable[[], None], record_property: Callable[[str, object], None]) -> None:
+    """Start a drain of ROWS rows, apply ``fault`` once a tenth is delivered, then check
+    that everything arrived, nothing died, and count the duplicates."""
+    cluster.create_topic(topic, partitions=PARTITIONS)
+    ids = insert_rows(pg_dsn, table, ROWS, aggregates=50)
+    relay = _relay_on(cluster, make_settings, topic)
+    relay.start()
+    try:
+        wait_for(lambda: statuses(pg_dsn, table).get("done", 0) >= ROWS // 10, timeout=120,
+                 message="a tenth delivered")
+        fault_at = time.monotonic()
+        fault()
+        wait_for(lambda: statuses(pg_dsn, table).get("done", 0) == ROWS, timeout=240, interval=0.2,
+                 message="every row delivered after the fault")
+        recovery_seconds = time.monotonic() - fault_at
+    finally:
+        relay.stop()
+    assert statuses(pg_dsn, table) == {"done": ROWS}
+    assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
+    heal(cluster, topic)  # read with every replica back in sync
+    seen = _read_back(cluster, topic, ids)
+    missing = sorted(set(ids) - set(seen))
+    assert missing == [], f"{len(missing)} rows acknowledged by the cluster are missing, e.g. {missing[:20]}"
+    duplicates = sum(count - 1 for count in seen.values())
+    record_property("duplicates", duplicates)
+    record_property("seconds_from_fault_to_all_delivered", round(recovery_seconds, 1))
+    print(f"\n[kafka] {ROWS} rows: {duplicates} duplicates; all delivered {recovery_seconds:.1f}s after the fault; "
+          f"retries {sample(relay, 'outbox_relay_published_total', {'outcome': 'retry'}):.0f}, "
+          f"released {sample(relay, 'outbox_relay_released_total'):.0f}")
+
+
+def test_partition_leader_killed_mid_drain(cluster, make_settings, store, pg_dsn, table, topic_prefix,
+                                           record_property):
+    topic = f"{topic_prefix}.killed-leader"
+
+    def kill_leader() -> None:
+        cluster.leader_of(topic, 0).kill()
+
+    try:
+        _drain_through(cluster, make_settings, pg_dsn, table, topic, kill_leader, record_property)
+    finally:
+        heal(cluster, topic)
+
+
+def test_partition_leader_shut_down_mid_drain(cluster, make_settings, store, pg_dsn, table, topic_prefix,
+                                              record_property):
+    topic = f"{topic_prefix}.stopped-leader"
+
+    def stop_leader() -> None:
+        cluster.leader_of(topic, 0).stop()  # SIGTERM: controlled shutdown moves leadership first
+
+    try:
+        _drain_through(cluster, make_settings, pg_dsn, table, topic, stop_leader, record_property)
+    finally:
+        heal(cluster, topic)
+
+
+def test_two_of_three_nodes_down_rows_wait_then_all_delivered(cluster, make_settings, store, pg_dsn, table,
+                                                              topic_prefix, record_property):
+    topic = f"{topic_prefix}.no-quorum"
+    cluster.create_topic(topic, partitions=PARTITIONS)
+    # A short delivery timeout so the outage shows within seconds (until then the
+    # producer retries NOT_ENOUGH_REPLICAS and unreachable leaders itself).
+    relay = _relay_on(cluster, make_settings, topic, kafka={"delivery_timeout_seconds": 8},
+                      backoff_base_seconds=0.2, backoff_cap_seconds=2)
+    relay.start()
+    down = cluster.nodes[1:]
+    try:
+        first = insert_rows(pg_dsn, table, 200)
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 200, timeout=120, message="first rows delivered")
+        for node in down:
+            node.kill()
+        down_at = time.monotonic()
+        second = insert_rows(pg_dsn, table, 300)
+        reasons: set[str] = set()
+        breaker_seen = False
+        # Long enough for several delivery timeouts: rows must keep waiting, not die.
+        while time.monotonic() - down_at < 45:
+            ready, why = relay.readiness()
+            if not ready:
+                reasons.add(why)
+            breaker_seen = breaker_seen or sample(relay, "outbox_relay_circuit_breaker_open") == 1
+            assert statuses(pg_dsn, table).get("dead", 0) == 0
+            time.sleep(0.5)
+        waiting = statuses(pg_dsn, table)
+        assert waiting.get("done", 0) < 500 and waiting.get("dead", 0) == 0, waiting
+        assert reasons, "readiness never reported the outage"
+        assert breaker_seen, "the circuit breaker gauge never showed the outage"
+        restarted_at = time.monotonic()
+        heal(cluster)
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 500, timeout=240, interval=0.2,
+                 message="every row delivered after the nodes returned")
+        catch_up_seconds = time.monotonic() - restarted_at
+    finally:
+        relay.stop()
+        heal(cluster)
+    assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
+    seen = _read_back(cluster, topic, first + second)
+    assert set(first + second) - set(seen) == set()
+    record_property("readiness_reasons", sorted(reasons))
+    record_property("seconds_from_restart_to_all_delivered", round(catch_up_seconds, 1))
+    print(f"\n[kafka] two nodes down: /readyz said {sorted(reasons)}; released "
+          f"{sample(relay, 'outbox_relay_released_total'):.0f}; all delivered {catch_up_seconds:.1f}s after the "
+          f"nodes were started again")
+    wait_in_sync(cluster, topic)
+
+
+def test_topic_requiring_more_in_sync_replicas_than_are_live_holds_rows_until_one_returns(
+        cluster, make_settings, store, pg_dsn, table, topic_prefix, record_property):
+    """``min.insync.replicas=3`` on a topic of three replicas, one node down: every
+    write is refused with NOT_ENOUGH_REPLICAS (the producer retries it until its
+    delivery timeout). Rows wait, none dead; all delivered when the node returns."""
+    topic = f"{topic_prefix}.strict-isr"
+    cluster.create_topic(topic, partitions=1, config={"min.insync.replicas": 3})
+    relay = _relay_on(cluster, make_settings, topic, kafka={"delivery_timeout_seconds": 8},
+                      backoff_base_seconds=0.2, backoff_cap_seconds=2)
+    down = cluster.nodes[2]
+    relay.start()
+    try:
+        down.kill()
+        ids = insert_rows(pg_dsn, table, 100)
+        reasons: set[str] = set()
+        down_at = time.monotonic()
+        while time.monotonic() - down_at < 30:
+            ready, why = relay.readiness()
+            if not ready:
+                reasons.add(why)
+            assert statuses(pg_dsn, table).get("dead", 0) == 0
+            time.sleep(0.5)
+        assert statuses(pg_dsn, table).get("done", 0) == 0, "a write was acknowledged without 3 in-sync replicas"
+        assert reasons, "readiness never reported the refused writes"
+        healed_at = time.monotonic()
+        heal(cluster)
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 100, timeout=240, interval=0.2,
+                 message="every row delivered once three replicas are in sync")
+        catch_up_seconds = time.monotonic() - healed_at
+    finally:
+        relay.stop()
+        heal(cluster)
+    assert sample(relay, "outbox_relay_published_total", {"outcome": "dead"}) == 0
+    assert set(ids) - set(_read_back(cluster, topic, ids)) == set()
+    record_property("readiness_reasons", sorted(reasons))
+    record_property("seconds_from_restart_to_all_delivered", round(catch_up_seconds, 1))
+    print(f"\n[kafka] min.insync.replicas=3 with a node down: /readyz said {sorted(reasons)}; all delivered "
+          f"{catch_up_seconds:.1f}s after the node was started again")
