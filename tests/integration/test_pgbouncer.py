@@ -34,9 +34,7 @@ from tests.helpers.db import insert_rows, make_row, run_sql, statuses, wait_for
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
 # ./dev runs it on the first pass only (see pyproject.toml markers).
-pytestmark = pytest.mark.first_pass_only
-
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.first_pass_only, pytest.mark.timeout(300)]
 
 
 @pytest.fixture
