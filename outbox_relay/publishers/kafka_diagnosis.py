@@ -52,6 +52,11 @@ CAUSES = ("no_leader", "leader_unreachable", "not_enough_replicas", "not_acknowl
 
 # librdkafka names a broker "host:port/<node id>" (or ".../bootstrap" before it knows the id).
 _BROKER = re.compile(r"^(?:\[thrd:[^\]]*\]: )?(?P<name>[^\s/]+/(?P<node>\d+|bootstrap)): (?P<text>.*)$", re.S)
+# librdkafka's suffix of a connection error: how long, in which state, how many suppressed.
+_ERROR_SUFFIX = re.compile(r" \(after \d+ms in state [^)]*\)$")
+#: Delivery errors of the client's own making (a purge when the producer is replaced or
+#: closed): they say nothing of the cluster, and keep what was known of the partition.
+LIFECYCLE_CODES = frozenset({"_PURGE_QUEUE", "_PURGE_INFLIGHT", "_DESTROY"})
 # The debug=msg line of a produce request that failed:
 # "<broker>: <topic> [<partition>]: MessageSet with N message(s) (...) encountered error: <err2str> (actions ...)"
 _MSGSET_ERROR = re.compile(
@@ -118,8 +123,8 @@ class KafkaDiagnosis:
 
     # --- what the producer reports ---------------------------------------------------------
     def delivery_failed(self, topic: str, partition: int, code: str) -> None:
-        if partition < 0:
-            return  # never assigned to a partition: nothing to say of one
+        if partition < 0 or code in LIFECYCLE_CODES:
+            return  # never assigned to a partition, or purged by the relay itself
         with self._lock:
             known = self._partitions.get((topic, partition))
             refusal = known.refusal if known is not None else None
@@ -153,7 +158,7 @@ class KafkaDiagnosis:
             # reconnects at once, and reports the reconnection's failure if there is one.
             if "Disconnected" in match["text"] and code == "_TRANSPORT":
                 return
-            self._broker_failed[node] = (self._clock(), match["text"])
+            self._broker_failed[node] = (self._clock(), _ERROR_SUFFIX.sub("", match["text"].strip()))
 
     def debug_line(self, text: str) -> None:
         """A librdkafka ``MSGSET`` debug line (``debug=msg``): the refusal of a produce
@@ -276,18 +281,27 @@ class KafkaDiagnosis:
         if meta is not None and in_sync is not None:
             replicas = meta.replicas[number]
             live = [node for node in in_sync if node not in unreachable]
-            if min_insync is not None and len(live) < min_insync:
+            gone = sorted(set(in_sync) - set(live))
+            listed = ", ".join(str(node) for node in gone)
+            if min_insync is not None and len(in_sync) < min_insync:
+                # The broker's own rule: it refuses acks=all writes with NOT_ENOUGH_REPLICAS.
                 return "not_enough_replicas", (
-                    f"NOT_ENOUGH_REPLICAS on {where}: {len(live)} of {replicas} replicas in sync, "
+                    f"NOT_ENOUGH_REPLICAS on {where}: {len(in_sync)} of {replicas} replicas in sync, "
                     f"min.insync.replicas={min_insync}"
                 )
-            gone = sorted(set(in_sync) - set(live))
+            if min_insync is not None and len(live) < min_insync:
+                # The in-sync replicas the metadata lists include brokers the producer cannot
+                # reach: the leader waits for them (or, once they leave the ISR, refuses).
+                return "not_enough_replicas", (
+                    f"NOT_ENOUGH_REPLICAS on {where}: {len(live)} of {replicas} replicas in sync and reachable "
+                    f"(in-sync replicas {sorted(in_sync)}, broker{'s' if len(gone) > 1 else ''} {listed} "
+                    f"unreachable), min.insync.replicas={min_insync}"
+                )
             if gone:
-                listed = ", ".join(str(node) for node in gone)
                 return "not_acknowledged", (
                     f"{where}: its leader, broker {leader}, acknowledged nothing before the delivery timeout: "
-                    f"acks=all waits for every in-sync replica, and {listed} of its in-sync replicas "
-                    f"{sorted(in_sync)} {'is' if len(gone) == 1 else 'are'} unreachable"
+                    f"acks=all waits for every in-sync replica, and its in-sync replicas {sorted(in_sync)} "
+                    f"include unreachable broker{'s' if len(gone) > 1 else ''} {listed}"
                 )
         detail = f"; {len(in_sync)} of {meta.replicas[number]} replicas in sync" if meta and in_sync else ""
         return "not_acknowledged", (

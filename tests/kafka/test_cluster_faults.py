@@ -227,6 +227,15 @@ def test_two_of_three_nodes_down_rows_wait_then_all_delivered(
             watch.reasons
         )
         assert watch.said(r"brokers unreachable: "), watch.reasons
+        # The survivor's partition: its ISR still lists the dead nodes (no controller to
+        # shrink it); named NOT_ENOUGH_REPLICAS once the topic's min.insync.replicas was
+        # read (the survivor answers DescribeConfigs, or not without the controller).
+        survivor = cluster.nodes[0].node_id
+        assert watch.said(
+            rf"NOT_ENOUGH_REPLICAS on {re.escape(topic)}\[\d\]: 1 of 3 replicas in sync and reachable"
+            rf"|{re.escape(topic)}\[\d\]: its leader, broker {survivor}, acknowledged nothing"
+        ), watch.reasons
+        assert watch.unwritable["refused"] == 0, watch.unwritable
         assert watch.unwritable["leader_unreachable"] >= 1, watch.unwritable
         assert watch.errors.get(("delivery", "_MSG_TIMED_OUT"), 0) > 0, watch.errors
         assert watch.errors.get(("client", "_TRANSPORT"), 0) > 0, watch.errors

@@ -80,14 +80,25 @@ def test_two_brokers_down_without_quorum_names_unreachable_leaders_and_the_waiti
     assert "orders[0]: its leader, broker 2, is unreachable" in reason
     assert "orders[1]: its leader, broker 3, is unreachable" in reason
     assert "orders[2]: its leader, broker 1, acknowledged nothing before the delivery timeout" in reason
-    assert "2, 3 of its in-sync replicas [1, 2, 3] are unreachable" in reason
-    assert "brokers unreachable: 2 (127.0.0.1:9092/2), 3 (127.0.0.1:9093/3)" in reason
+    assert "its in-sync replicas [1, 2, 3] include unreachable brokers 2, 3" in reason
+    assert reason.endswith(
+        "brokers unreachable: 2 (127.0.0.1:9092/2), 3 (127.0.0.1:9093/3): "
+        "Connect to ipv4#127.0.0.1:9092 failed: Connection refused"
+    )
     assert diagnosis.unwritable_partitions() == {
         **dict.fromkeys(CAUSES, 0),
         "leader_unreachable": 2,
         "not_acknowledged": 1,
     }
     assert diagnosis.under_replicated("orders")  # live in-sync replicas: fewer than all
+    diagnosis.min_insync("orders", 2)
+    assert (
+        "NOT_ENOUGH_REPLICAS on orders[2]: 1 of 3 replicas in sync and reachable (in-sync replicas [1, 2, 3], "
+        "brokers 2, 3 unreachable), min.insync.replicas=2" in (diagnosis.reason() or "")
+    )
+    # the relay's own purge of a replaced producer says nothing of the partition
+    diagnosis.delivery_failed("orders", 0, "_PURGE_QUEUE")
+    assert "orders[0]: its leader, broker 2, is unreachable" in (diagnosis.reason() or "")
 
 
 def test_fewer_in_sync_replicas_than_min_insync_is_named_not_enough_replicas():
