@@ -423,6 +423,7 @@ class KafkaPublisher(Publisher):
                     pass
             producer.flush(timeout_seconds)
         self.isolation.close(timeout_seconds, discard_queued=self.aborting.is_set())  # its re-sends too
+        self._admin = None  # the min.insync.replicas lookups' client, if one was made
 
     def duplicate_sequence_ack(self, generation: int, msg: Any) -> bool:
         """True if this successful delivery report came from a DUPLICATE_SEQUENCE_NUMBER
@@ -593,8 +594,9 @@ class KafkaPublisher(Publisher):
         try:
             if self._admin is None:
                 conf = {k: v for k, v in self._config.items() if k in _ADMIN_KEYS or k.startswith(_ADMIN_PREFIXES)}
-                conf["logger"] = librdkafka_logger()
-                conf["log_level"] = 3
+                # Its connection errors are the producer's too (reported there); a
+                # lookup that fails is logged below, once.
+                conf["log_level"] = 0
                 self._admin = AdminClient(conf)
             futures = self._admin.describe_configs(
                 [ConfigResource("topic", topic)], request_timeout=MIN_INSYNC_LOOKUP_SECONDS

@@ -53,7 +53,7 @@ CAUSES = ("no_leader", "leader_unreachable", "not_enough_replicas", "not_acknowl
 # librdkafka names a broker "host:port/<node id>" (or ".../bootstrap" before it knows the id).
 _BROKER = re.compile(r"^(?:\[thrd:[^\]]*\]: )?(?P<name>[^\s/]+/(?P<node>\d+|bootstrap)): (?P<text>.*)$", re.S)
 # librdkafka's suffix of a connection error: how long, in which state, how many suppressed.
-_ERROR_SUFFIX = re.compile(r" \(after \d+ms in state [^)]*\)$")
+_ERROR_SUFFIX = re.compile(r" \(after \d+ms in state .*\)$")
 #: Delivery errors of the client's own making (a purge when the producer is replaced or
 #: closed): they say nothing of the cluster, and keep what was known of the partition.
 LIFECYCLE_CODES = frozenset({"_PURGE_QUEUE", "_PURGE_INFLIGHT", "_DESTROY"})
