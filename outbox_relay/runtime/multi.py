@@ -67,6 +67,11 @@ PER_SOURCE_FAMILIES = frozenset(
         "outbox_relay_stats_refresh_errors",
         "outbox_relay_claim_batch_size",
         "outbox_relay_publish_latency_seconds",
+        # MVCC pressure of each source's table (what holds its vacuum back, how vacuum keeps up)
+        "outbox_relay_xmin_horizon_age_seconds",
+        "outbox_relay_dead_tuples",
+        "outbox_relay_table_size_bytes",
+        "outbox_relay_last_vacuum_age_seconds",
     }
 )
 
@@ -313,6 +318,7 @@ class MultiRelay:
             count_cap=m.exact_count_limit,
             exact_count_interval_seconds=m.exact_count_interval_seconds,
             exact_count_timeout_ms=m.exact_count_timeout_ms,
+            xmin_horizon_warn_seconds=m.xmin_horizon_warn_seconds,
         )
         runtime.opened = True
         log.info("source ready", source=runtime.name, table=s.database.table)
@@ -683,10 +689,18 @@ class _GaugeRefresher(PeriodicService):
                     runtime.reading.release()
             else:
                 m = runtime.metrics
-                m.oldest_pending_age_seconds.set(math.nan)
-                m.expired_leases.set(math.nan)
+                for gauge in (
+                    m.oldest_pending_age_seconds,
+                    m.expired_leases,
+                    m.xmin_horizon_age_seconds,
+                    m.dead_tuples,
+                    m.last_vacuum_age_seconds,
+                ):
+                    gauge.set(math.nan)
                 for status in STATUSES:
                     m.queue_depth.labels(status=status).set(math.nan)
+                for part in ("heap", "indexes"):
+                    m.table_size_bytes.labels(part=part).set(math.nan)
 
 
 class _Discovery(PeriodicService):

@@ -156,7 +156,23 @@ def test_two_static_sources_deliver_to_their_own_topics(databases, broker, topic
         timeout=30,
         message="source a's queue_depth gauge refreshed to 0",
     )
+    # The vacuum-health gauges of each source's table, labelled like the queue gauges.
+    wait_for(
+        lambda: (metric(fetch(port, "/metrics")[1], "outbox_relay_table_size_bytes", part="heap", source="b") or 0) > 0,
+        timeout=30,
+        message="source b's table size gauge refreshed",
+    )
     text = fetch(port, "/metrics")[1]
+    for source in ("a", "b"):
+        assert metric(text, "outbox_relay_dead_tuples", source=source) is not None
+        assert metric(text, "outbox_relay_xmin_horizon_age_seconds", source=source) is not None
+        assert metric(text, "outbox_relay_table_size_bytes", part="indexes", source=source) > 0
+    for unlabelled in (
+        "outbox_relay_dead_tuples ",
+        "outbox_relay_xmin_horizon_age_seconds ",
+        "outbox_relay_last_vacuum_age_seconds ",
+    ):
+        assert "\n" + unlabelled not in text
     assert metric(text, "outbox_relay_source_up", source="b") == 1
     assert 'outbox_relay_queue_depth{status="pending"}' not in text
     assert "outbox_relay_in_flight_bytes " in text
