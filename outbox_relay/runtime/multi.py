@@ -38,7 +38,7 @@ from ..core.breaker import CircuitBreaker
 from ..core.budget import InFlightBudget
 from ..core.service import PeriodicService
 from ..db.store import STATUSES, OutboxStore
-from ..errors import ConfigError, DatabaseError, DatabaseRefused
+from ..errors import BrokerUnavailable, ConfigError, DatabaseError, DatabaseRefused, DatabaseUnavailable
 from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..observability.tracing_factory import make_tracing
@@ -409,6 +409,8 @@ class MultiRelay:
             self._discovery.start()
         self._started = True
         self._waiting_for = None
+        if s.relay.startup_timeout_seconds > 0:
+            self._await_first_ready(s.relay.startup_timeout_seconds)
         log.info(
             "relay started",
             sources=len(self.runtimes),
@@ -417,6 +419,40 @@ class MultiRelay:
             owner=s.relay.owner,
             publisher=s.relay.publisher,
             metrics_port=self.metrics_port,
+        )
+
+    def _await_first_ready(self, timeout: float) -> None:
+        """``relay.startup_timeout_seconds`` with sources: give up (stop, raise: exit 1)
+        unless within ``timeout`` the process becomes ready, i.e. the broker answers and
+        at least one source is ready (with discovery: once the databases were listed,
+        and a cluster without a matching database yet counts as ready). Sources that
+        stay unready after that do not matter: each one backs off on its own, and
+        ``/readyz`` names them."""
+        deadline = time.monotonic() + timeout
+        while not self.stop_event.is_set():
+            listed = self._discovery is None or self._discovery.listed.is_set()
+            ready, why = self.readiness()
+            if ready and listed:
+                return
+            if time.monotonic() >= deadline:
+                break
+            self.stop_event.wait(0.1)
+        else:
+            return  # stop() was called meanwhile
+        broker_down = (self.breaker is not None and self.breaker.is_open) or not self.publisher.healthy()
+        self.stop(timeout_seconds=0)
+        if broker_down:
+            raise BrokerUnavailable(
+                f"the broker did not answer within relay.startup_timeout_seconds ({timeout:g} s): "
+                f"{self.publisher.describe_target()}"
+            )
+        if not listed:
+            raise DatabaseUnavailable(
+                f"discovery could not list the databases within relay.startup_timeout_seconds ({timeout:g} s)"
+            )
+        raise DatabaseUnavailable(
+            f"no source became ready within relay.startup_timeout_seconds ({timeout:g} s): "
+            + why.removeprefix("not ready: ")
         )
 
     def _start_threads(self) -> None:
@@ -715,6 +751,8 @@ class _Discovery(PeriodicService):
         self._relay = relay
         self._known: set[str] = set()
         self._failing = False
+        #: Set once the databases were listed (the process knows its sources).
+        self.listed = threading.Event()
 
     def step(self) -> None:
         relay = self._relay
@@ -731,6 +769,14 @@ class _Discovery(PeriodicService):
             return
         self._failing = False
         static = set(s.sources)
+        try:
+            self._add_and_remove(names, static)
+        finally:
+            self.listed.set()
+
+    def _add_and_remove(self, names: set[str], static: set[str]) -> None:
+        relay = self._relay
+        s = relay.settings
         for name in sorted(names - self._known - static):
             relay.add_source(name, settings_for(s, discovered_source(s, name)), discovered=True)
             self._known.add(name)
