@@ -540,7 +540,12 @@ class MultiRelay:
     ) -> _InFlight | None:
         """Claim one batch of the source and hand it to the submitter (built and
         submitted on the worker itself without one). None when nothing was claimed
-        (the source is then marked idle or failing by the scheduler)."""
+        (the source is then marked idle or failing by the scheduler).
+
+        A short batch (a quiet source's few rows) is built here, not queued behind the
+        busy sources' 1000-message batches on the submitter: the worker waits for it
+        at once anyway (it is finished before anything else), so handing it over would
+        only add the queue's wait to its latency. Building a few messages is cheap."""
         name = runtime.name
         assert runtime.cfg is not None
         batch_size = runtime.cfg.batch_size
@@ -563,8 +568,9 @@ class MultiRelay:
             if not rows:
                 self.scheduler.done(name)
                 return None
+            short = len(rows) < batch_size
             batch: _Batch | _Submitted
-            if self._submitter is not None:
+            if self._submitter is not None and not short:
                 batch = _Submitted(self._submitter.submit(partial(worker._start, rows, trace)))
             else:
                 try:
@@ -574,7 +580,7 @@ class MultiRelay:
                     self.scheduler.done(name)
                     raise
             batch.held_bytes = held
-        return _InFlight(runtime, worker, batch, short=len(rows) < batch_size)
+        return _InFlight(runtime, worker, batch, short=short)
 
     def _finish(self, in_flight: _InFlight | None) -> None:
         if in_flight is None:
