@@ -63,6 +63,14 @@ class ClaimOutcome:
     leases_exhausted: bool = False  # its expired-lease scan did not stop at its LIMIT
 
 
+@dataclass(frozen=True, slots=True)
+class GaugeBounds:
+    """Lower bounds of the queue gauges' index scans (the fast claims' starts)."""
+
+    due_from: Key  # the pending index from this (available_at, id)
+    leases_from: dt.datetime | None  # the processing index from this lease_until (None: the front)
+
+
 class DueCursor:
     """Shared by the workers of one process (thread-safe)."""
 
@@ -151,6 +159,17 @@ class DueCursor:
         with self._lock:
             self._expire(self._clock())
             return self._start()
+
+    def gauge_bounds(self) -> GaugeBounds | None:
+        """Where the queue gauges may start their index scans: where fast claims start,
+        while they are in use (full claims slow: dead entries pile up at the front);
+        None while full claims are cheap (the gauges read from the front, exactly)."""
+        with self._lock:
+            self._expire(self._clock())
+            start = self._start()
+            if start is None or self._full_cost < self._fast_above:
+                return None
+            return GaugeBounds(due_from=start, leases_from=self._leases_from)
 
     def _expire(self, now: float) -> None:
         while self._window and now - self._window[0][0] > self._lag:
