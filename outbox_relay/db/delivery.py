@@ -117,7 +117,7 @@ class DeliveryOps(StoreCore):
                 ordering, params, rows, plan, outcomes, run_length=run_length, ordered_after=ordered_after
             )
         except BaseException:
-            self.due_cursor.failed(plan)
+            self.due_cursor.failed(plan, time.monotonic() - started)
             raise
         self.due_cursor.end(plan, outcomes, time.monotonic() - started)
         return result
