@@ -111,6 +111,7 @@ def database(args: argparse.Namespace) -> Any:
                     ("auto_explain.log_min_duration", str(args.explain_slower_ms)),
                     ("auto_explain.log_analyze", "on"),
                     ("auto_explain.log_buffers", "on"),
+                    ("auto_explain.log_wal", "on"),
                     ("auto_explain.log_timing", "off"),  # per-node timing costs more than it tells here
                 ):
                     conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
