@@ -406,6 +406,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
             phase = "baseline" if not held else ("held" if not released else "released")
             sample = {
                 "t": round(now - t0),
+                "at": time.strftime("%H:%M:%S"),  # wall clock, to match the server log
                 "phase": phase,
                 "written": writer.written,
                 "delivered": delivered,
