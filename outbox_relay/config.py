@@ -312,7 +312,8 @@ class RelaySettings(_Section):
     startup_timeout_seconds: float = Field(
         default=0.0,
         ge=0,
-        description="How long `run` waits at start for the database, the table and the broker (0 = until they answer).",
+        description="How long `run` waits at start for the database, the table and the broker (0 = until they "
+        "answer); with sources: for the broker and at least one ready source, then exit 1.",
     )
     shutdown_timeout_seconds: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long to wait for in-flight batches before releasing them."

@@ -31,7 +31,7 @@ from pydantic_core import PydanticUndefined
 
 from outbox_relay.config import Settings
 from outbox_relay.operator.cli import app
-from outbox_relay.runtime.multi import SourcesMetrics
+from outbox_relay.runtime.multi import PER_SOURCE_FAMILIES, SourcesMetrics
 from outbox_relay.source_config import SourceSettings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -319,6 +319,8 @@ def registry_metrics() -> list[dict[str, Any]]:
                 "help": collector._documentation,
                 "series": [name + suffix for suffix in _SERIES_SUFFIXES.get(kind, ("",))],
                 "buckets": bounds if kind == "histogram" else [],
+                # Describes one outbox: a process serving several sources labels it source=NAME.
+                "per_source": name in PER_SOURCE_FAMILIES,
             }
         )
     names = {metric["name"] for metric in found}
@@ -349,6 +351,10 @@ def metrics_reference() -> str:
         "`metrics.refresh_interval_seconds`. What to do when one looks wrong: "
         "[monitor the relay](../how-to/monitor.md).",
         "",
+        "A process that serves several sources (`[sources]` or `[discovery]`) labels every "
+        "metric that describes one outbox with `source` (marked `(+ source)` below); a relay "
+        "configured with `[database]` only exposes them without it, as here.",
+        "",
         f"{len(metrics)} metrics, by type:",
         "",
         "| metric | type | labels | series | help |",
@@ -356,6 +362,8 @@ def metrics_reference() -> str:
     ]
     for metric in metrics:
         labels = ", ".join(f"`{label}`" for label in metric["labels"]) or ""
+        if metric["per_source"]:
+            labels = f"{labels} (+ `source`)" if labels else "(+ `source`)"
         series = ", ".join(f"`{series}`" for series in metric["series"])
         out.append(
             f"| [`{metric['name']}`](#{metric['name']}) | {metric['type']} | {labels} | {series} | "
@@ -369,7 +377,13 @@ def metrics_reference() -> str:
             _cell(metric["help"]),
             "",
             f"- type: {metric['type']}",
-            "- labels: " + (", ".join(f"`{label}`" for label in metric["labels"]) or "none"),
+            "- labels: "
+            + (", ".join(f"`{label}`" for label in metric["labels"]) or "none")
+            + (
+                "; with several sources (`[sources]` or `[discovery]`) also `source`, one series per source"
+                if metric["per_source"]
+                else ""
+            ),
             "- series: " + ", ".join(f"`{series}`" for series in metric["series"]),
         ]
         if metric["buckets"]:

@@ -672,14 +672,21 @@ def console(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
-    settings = _for_source(_settings(config, console=overrides or None), source)
+    from ..runtime.sources import uses_sources
+
+    settings = _settings(config, console=overrides or None)
+    # Without --source, a configuration of several sources is served whole: the
+    # overview lists them and every page names one (?source=NAME).
+    all_sources = source is None and uses_sources(settings)
+    if not all_sources:
+        settings = _for_source(settings, source)
     try:
         from .console.server import serve
     except ImportError as exc:
         _fail(f"the console needs the `console` extra: pip install 'outbox-relay[console]' ({exc})", 1)
         raise
     with _errors():
-        serve(settings)
+        serve(settings, source_name=source, all_sources=all_sources)
 
 
 # --- retention -------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -37,16 +38,17 @@ from ..core.breaker import CircuitBreaker
 from ..core.budget import InFlightBudget
 from ..core.service import PeriodicService
 from ..db.store import STATUSES, OutboxStore
-from ..errors import ConfigError, DatabaseError, DatabaseRefused
+from ..errors import BrokerUnavailable, ConfigError, DatabaseError, DatabaseRefused, DatabaseUnavailable
 from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..observability.tracing_factory import make_tracing
-from ..publishers.base import Publisher, load_publisher
+from ..publishers.base import Publisher, load_publisher, not_ready_because
 from .heartbeat import LeaseKeeper
 from .relay import make_store, tune_garbage_collector
 from .scheduler import SourceScheduler, SourceState
 from .sources import discovered_source, list_databases, settings_for, static_sources
-from .worker import Worker, WorkerConfig
+from .submitter import Submitter
+from .worker import Worker, WorkerConfig, _Batch, _Submitted
 
 log = structlog.get_logger("outbox_relay.sources")
 
@@ -65,6 +67,11 @@ PER_SOURCE_FAMILIES = frozenset(
         "outbox_relay_stats_refresh_errors",
         "outbox_relay_claim_batch_size",
         "outbox_relay_publish_latency_seconds",
+        # MVCC pressure of each source's table (what holds its vacuum back, how vacuum keeps up)
+        "outbox_relay_xmin_horizon_age_seconds",
+        "outbox_relay_dead_tuples",
+        "outbox_relay_table_size_bytes",
+        "outbox_relay_last_vacuum_age_seconds",
     }
 )
 
@@ -121,6 +128,16 @@ class SourceRuntime:
                 worker.log = worker.log.bind(source=self.name)
                 self.workers[index] = worker
             return worker
+
+
+@dataclass
+class _InFlight:
+    """A batch of one source between its claim and its finalize."""
+
+    runtime: SourceRuntime
+    worker: Worker
+    batch: _Batch | _Submitted
+    short: bool  # fewer rows than a batch: the source had no more due rows
 
 
 class SourcesMetrics(RelayMetrics):
@@ -210,6 +227,9 @@ class MultiRelay:
         self.budget = InFlightBudget(settings.relay.max_in_flight_bytes, self.metrics.in_flight_bytes)
         self._threads: list[threading.Thread] = []
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="source-probe")
+        # Pipelining publishers: one thread builds and submits every worker's batches,
+        # whatever their source, so workers go straight on to their next statement.
+        self._submitter: Submitter | None = None
         self._server: MetricsServer | None = None
         self._started = False
         self._waiting_for: str | None = None
@@ -298,6 +318,7 @@ class MultiRelay:
             count_cap=m.exact_count_limit,
             exact_count_interval_seconds=m.exact_count_interval_seconds,
             exact_count_timeout_ms=m.exact_count_timeout_ms,
+            xmin_horizon_warn_seconds=m.xmin_horizon_warn_seconds,
         )
         runtime.opened = True
         log.info("source ready", source=runtime.name, table=s.database.table)
@@ -388,6 +409,8 @@ class MultiRelay:
             self._discovery.start()
         self._started = True
         self._waiting_for = None
+        if s.relay.startup_timeout_seconds > 0:
+            self._await_first_ready(s.relay.startup_timeout_seconds)
         log.info(
             "relay started",
             sources=len(self.runtimes),
@@ -396,6 +419,40 @@ class MultiRelay:
             owner=s.relay.owner,
             publisher=s.relay.publisher,
             metrics_port=self.metrics_port,
+        )
+
+    def _await_first_ready(self, timeout: float) -> None:
+        """``relay.startup_timeout_seconds`` with sources: give up (stop, raise: exit 1)
+        unless within ``timeout`` the process becomes ready, i.e. the broker answers and
+        at least one source is ready (with discovery: once the databases were listed,
+        and a cluster without a matching database yet counts as ready). Sources that
+        stay unready after that do not matter: each one backs off on its own, and
+        ``/readyz`` names them."""
+        deadline = time.monotonic() + timeout
+        while not self.stop_event.is_set():
+            listed = self._discovery is None or self._discovery.listed.is_set()
+            ready, why = self.readiness()
+            if ready and listed:
+                return
+            if time.monotonic() >= deadline:
+                break
+            self.stop_event.wait(0.1)
+        else:
+            return  # stop() was called meanwhile
+        broker_down = (self.breaker is not None and self.breaker.is_open) or not self.publisher.healthy()
+        self.stop(timeout_seconds=0)
+        if broker_down:
+            raise BrokerUnavailable(
+                f"the broker did not answer within relay.startup_timeout_seconds ({timeout:g} s): "
+                f"{self.publisher.describe_target()}"
+            )
+        if not listed:
+            raise DatabaseUnavailable(
+                f"discovery could not list the databases within relay.startup_timeout_seconds ({timeout:g} s)"
+            )
+        raise DatabaseUnavailable(
+            f"no source became ready within relay.startup_timeout_seconds ({timeout:g} s): "
+            + why.removeprefix("not ready: ")
         )
 
     def _start_threads(self) -> None:
@@ -409,6 +466,8 @@ class MultiRelay:
         if s.metrics.enabled:
             self._gauges = _GaugeRefresher(self, s.metrics.refresh_interval_seconds)
             self._gauges.start()
+        if self.publisher.pipelines:
+            self._submitter = Submitter()
         for thread in self._threads:
             thread.start()
         self.metrics.worker_threads_alive.set(s.relay.workers)
@@ -428,9 +487,11 @@ class MultiRelay:
 
     # --- the shared worker loop ------------------------------------------------------
     def _worker_loop(self, index: int) -> None:
-        """Take the next due source, claim one batch of it, submit it; finish the
-        previous batch (of whichever source) while this one is being acknowledged."""
-        in_flight: tuple[SourceRuntime, Worker, Any] | None = None
+        """Take the next due source, claim one batch of it, hand it to the submitter;
+        finish the previous batch (of whichever source) while this one is being built,
+        produced and acknowledged: the same pipeline as a single-source worker (the
+        claim of batch N+1 overlaps the publish and finalize of batch N)."""
+        in_flight: _InFlight | None = None
         max_batch_bytes = self.settings.relay.max_batch_bytes
         while not self.stop_event.is_set():
             if self.breaker is not None and self.breaker.is_open:
@@ -450,57 +511,84 @@ class MultiRelay:
                 self.scheduler.done(name)
                 continue
             if not self.budget.try_reserve(max_batch_bytes):
+                # Never wait on our own batch: finish it, then wait for the others'.
                 self._finish(in_flight)
                 in_flight = None
-                if not self.budget.reserve(max_batch_bytes, self.stop_event):
-                    self.scheduler.done(name)
-                    break
+                if not self.budget.try_reserve(max_batch_bytes):
+                    self.metrics.in_flight_budget_waits_total.inc()
+                    if not self.budget.reserve(max_batch_bytes, self.stop_event):
+                        self.scheduler.done(name)
+                        break
             worker = runtime.worker(index, self)
-            with structlog.contextvars.bound_contextvars(source=name):
-                try:
-                    rows, trace = worker._claim()
-                except DatabaseError as exc:
-                    self.budget.resize(max_batch_bytes, 0)
-                    problem = runtime.store.redact(str(exc))
-                    delay = self.scheduler.failed(name, problem)
-                    self._set_up(name, False)
-                    worker.log.warning(
-                        "source's database unavailable; backing off", error=problem, retry_in_seconds=round(delay, 2)
-                    )
-                    self.scheduler.done(name)
-                    continue
-                held = sum(r.size_bytes for r in rows)
-                self.budget.resize(max_batch_bytes, held)
-                self.scheduler.claimed(name, epoch, rows=len(rows), batch_size=runtime.cfg.batch_size)
-                if not rows:
-                    self.scheduler.done(name)
-                    continue
+            started = self._claim_and_start(runtime, worker, epoch, max_batch_bytes)
+            if started is None:
+                continue
+            if started.short or not self.publisher.pipelines:
+                # A short batch (a quiet source's few rows) is finished at once, before
+                # the previous batch: its latency is its own acknowledgements and a small
+                # finalize, never another source's 1000-row finalize or next claim.
+                self._finish(started)
+                self._finish(in_flight)
+                in_flight = None
+            else:
+                self._finish(in_flight)
+                in_flight = started
+        self._finish(in_flight)
+
+    def _claim_and_start(
+        self, runtime: SourceRuntime, worker: Worker, epoch: int, reserved_bytes: int
+    ) -> _InFlight | None:
+        """Claim one batch of the source and hand it to the submitter (built and
+        submitted on the worker itself without one). None when nothing was claimed
+        (the source is then marked idle or failing by the scheduler).
+
+        A short batch (a quiet source's few rows) is built here, not queued behind the
+        busy sources' 1000-message batches on the submitter: the worker waits for it
+        at once anyway (it is finished before anything else), so handing it over would
+        only add the queue's wait to its latency. Building a few messages is cheap."""
+        name = runtime.name
+        assert runtime.cfg is not None
+        batch_size = runtime.cfg.batch_size
+        with structlog.contextvars.bound_contextvars(source=name):
+            try:
+                rows, trace = worker._claim()
+            except DatabaseError as exc:
+                self.budget.resize(reserved_bytes, 0)
+                problem = runtime.store.redact(str(exc))
+                delay = self.scheduler.failed(name, problem)
+                self._set_up(name, False)
+                worker.log.warning(
+                    "source's database unavailable; backing off", error=problem, retry_in_seconds=round(delay, 2)
+                )
+                self.scheduler.done(name)
+                return None
+            held = sum(r.size_bytes for r in rows)
+            self.budget.resize(reserved_bytes, held)
+            self.scheduler.claimed(name, epoch, rows=len(rows), batch_size=batch_size)
+            if not rows:
+                self.scheduler.done(name)
+                return None
+            short = len(rows) < batch_size
+            batch: _Batch | _Submitted
+            if self._submitter is not None and not short:
+                batch = _Submitted(self._submitter.submit(partial(worker._start, rows, trace)))
+            else:
                 try:
                     batch = worker._start(rows, trace)
                 except BaseException:
                     self.budget.release(held)
                     self.scheduler.done(name)
                     raise
-                batch.held_bytes = held
-            if len(rows) < runtime.cfg.batch_size or not self.publisher.pipelines:
-                # A short batch (a quiet source's few rows) is finished at once, before
-                # the previous batch: its latency is its own acknowledgements and a small
-                # finalize, never another source's 1000-row finalize or next claim.
-                self._finish((runtime, worker, batch))
-                self._finish(in_flight)
-                in_flight = None
-            else:
-                self._finish(in_flight)
-                in_flight = (runtime, worker, batch)
-        self._finish(in_flight)
+            batch.held_bytes = held
+        return _InFlight(runtime, worker, batch, short=short)
 
-    def _finish(self, in_flight: tuple[SourceRuntime, Worker, Any] | None) -> None:
+    def _finish(self, in_flight: _InFlight | None) -> None:
         if in_flight is None:
             return
-        runtime, worker, batch = in_flight
+        runtime, worker = in_flight.runtime, in_flight.worker
         with structlog.contextvars.bound_contextvars(source=runtime.name):
             try:
-                worker._complete(batch)
+                worker._complete(in_flight.batch)
             except Exception as exc:  # rows whose finalize failed are recovered by their lease
                 worker.log.warning("batch not finalized; its leases expire", error=runtime.store.redact(str(exc)))
             finally:
@@ -539,9 +627,9 @@ class MultiRelay:
         if not self._started:
             return False, f"not ready: {self._waiting_for or 'starting'}"
         if self.breaker is not None and self.breaker.is_open:
-            return False, "not ready: broker circuit breaker open"
+            return False, not_ready_because("broker circuit breaker open", self.publisher.trouble())
         if not self.publisher.healthy():
-            return False, "not ready: broker unreachable"
+            return False, not_ready_because("broker unreachable", self.publisher.trouble())
         sources = self.source_readiness()
         unready = {name: why for name, why in sources.items() if why is not None}
         ready_count = len(sources) - len(unready)
@@ -573,6 +661,8 @@ class MultiRelay:
                 self.publisher.abort()
                 for thread in self._threads:
                     thread.join(timeout=10)
+            if self._submitter is not None:
+                self._submitter.close()
             self._probe_pool.shutdown(wait=False, cancel_futures=True)
             if self._gauges is not None:
                 self._gauges.stop()
@@ -641,10 +731,18 @@ class _GaugeRefresher(PeriodicService):
                     runtime.reading.release()
             else:
                 m = runtime.metrics
-                m.oldest_pending_age_seconds.set(math.nan)
-                m.expired_leases.set(math.nan)
+                for gauge in (
+                    m.oldest_pending_age_seconds,
+                    m.expired_leases,
+                    m.xmin_horizon_age_seconds,
+                    m.dead_tuples,
+                    m.last_vacuum_age_seconds,
+                ):
+                    gauge.set(math.nan)
                 for status in STATUSES:
                     m.queue_depth.labels(status=status).set(math.nan)
+                for part in ("heap", "indexes"):
+                    m.table_size_bytes.labels(part=part).set(math.nan)
 
 
 class _Discovery(PeriodicService):
@@ -659,6 +757,8 @@ class _Discovery(PeriodicService):
         self._relay = relay
         self._known: set[str] = set()
         self._failing = False
+        #: Set once the databases were listed (the process knows its sources).
+        self.listed = threading.Event()
 
     def step(self) -> None:
         relay = self._relay
@@ -675,6 +775,14 @@ class _Discovery(PeriodicService):
             return
         self._failing = False
         static = set(s.sources)
+        try:
+            self._add_and_remove(names, static)
+        finally:
+            self.listed.set()
+
+    def _add_and_remove(self, names: set[str], static: set[str]) -> None:
+        relay = self._relay
+        s = relay.settings
         for name in sorted(names - self._known - static):
             relay.add_source(name, settings_for(s, discovered_source(s, name)), discovered=True)
             self._known.add(name)

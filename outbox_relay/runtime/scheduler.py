@@ -5,7 +5,9 @@ Every source is in one of three states:
 * **due** — it is believed to have claimable rows. Due sources wait in one ring; a
   worker takes the source at the head and puts it straight back at the tail, so the
   next worker takes the *next* source (round-robin), and a busy source keeps every
-  worker that has nothing else to do.
+  worker that has nothing else to do. A source that has just *become* due (its probe
+  found a row) is taken before the sources of the ring, by the next worker that looks
+  for work: it has had no turn yet, and the ring's sources each just had one.
 * **idle** — its last claim was short (fewer rows than a batch). It is not claimed
   again until a probe (a cheap ``EXISTS`` over the claim's indexes) finds a due row.
   Probes of an idle source back off from ``probe_min_seconds`` to
@@ -15,12 +17,15 @@ Every source is in one of three states:
   alone for a full-jitter back-off (up to ``error_cap_seconds``) and then probed
   again; other sources are never made to wait for it.
 
-The bound this gives a quiet source: once its probe has seen a due row, its next claim
-starts after at most ``ceil(due_sources / workers)`` batches of the other sources have
-been claimed (each worker ends its current batch and takes the next source of the
-ring). The probe adds up to ``probe_max_seconds`` of detection delay while the source
-was idle. One batch of a busy source, however large its backlog, is all a quiet source
-waits for when it is the only other due source.
+The bound this gives a quiet source: once its probe has seen a due row, the next
+worker that ends its current batch claims it (ahead of the sources already in the
+ring; only other sources that became due before it go first). Each worker looks for
+work after every batch, so with ``workers`` workers that is at most one batch of the
+busy sources per worker, and usually a fraction of one. The probe adds up to
+``probe_max_seconds`` of detection delay while the source was idle (less for a source
+that had rows a moment ago: its probes restart at ``probe_min_seconds`` and double).
+The backlog of the other sources does not enter the bound: however many rows they
+have, a worker ends its batch and looks again.
 """
 
 from __future__ import annotations
@@ -73,6 +78,9 @@ class SourceScheduler:
         self._cond = threading.Condition()
         self._states: dict[str, SourceState] = {}
         self._ring: collections.deque[str] = collections.deque()
+        # Sources that became due and have not been claimed since: served first, in the
+        # order they became due (each is also in the ring).
+        self._fresh: collections.deque[str] = collections.deque()
         # Retired sources whose batches are still in flight (done() counts them down).
         self._retiring: dict[str, SourceState] = {}
         self._probe_min = probe_min_seconds
@@ -141,8 +149,14 @@ class SourceScheduler:
         deadline = self._clock() + timeout
         with self._cond:
             while not self._closed:
-                if self._ring:
+                if self._fresh:
+                    name = self._fresh.popleft()
+                    self._ring.remove(name)
+                elif self._ring:
                     name = self._ring.popleft()
+                else:
+                    name = None
+                if name is not None:
                     state = self._states[name]
                     self._ring.append(name)
                     state.active += 1
@@ -249,13 +263,15 @@ class SourceScheduler:
             state.due = True
             state.probe_delay = self._probe_min
             self._ring.append(state.name)
+            self._fresh.append(state.name)
             self._cond.notify_all()
 
     def _drop_from_ring(self, name: str) -> None:
-        try:
-            self._ring.remove(name)
-        except ValueError:
-            pass
+        for queue in (self._ring, self._fresh):
+            try:
+                queue.remove(name)
+            except ValueError:
+                pass
 
     def due_count(self) -> int:
         with self._cond:

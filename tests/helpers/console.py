@@ -81,14 +81,23 @@ def running_console(settings: Settings) -> Iterator[str]:
     import uvicorn
 
     from outbox_relay.operator.console.app import create_app
-    from outbox_relay.operator.console.server import make_console_store, uvicorn_config
+    from outbox_relay.operator.console.server import (
+        make_console_store,
+        make_source_console_store,
+        uvicorn_config,
+    )
+    from outbox_relay.runtime.sources import uses_sources
 
-    store = make_console_store(settings)
-    store.open()
+    # Several sources: served whole, each source's store opened on first use (as the
+    # `outbox-relay console` command does without --source).
+    store = None if uses_sources(settings) else make_console_store(settings)
+    if store is not None:
+        store.open()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn_config(create_app(settings, store)))  # configured as `outbox-relay console` does
+    app = create_app(settings, store, store_factory=make_source_console_store)
+    server = uvicorn.Server(uvicorn_config(app))  # configured as `outbox-relay console` does
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -102,27 +111,26 @@ def running_console(settings: Settings) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-        store.close()
+        if store is not None:
+            store.close()
 
 
 @contextmanager
-def console_process(dsn: str, table: str, **env: str) -> Iterator[tuple[str, list[str]]]:
+def console_process(dsn: str | None, table: str | None, **env: str) -> Iterator[tuple[str, list[str]]]:
     """The real `outbox-relay console --port 0` as a subprocess with JSON log lines;
-    ``env`` adds OUTBOX_RELAY_* variables. Yields its base URL and the list its stderr
-    lines are collected in (complete once the block is left)."""
+    ``env`` adds OUTBOX_RELAY_* variables (``dsn``/``table`` None: no [database]).
+    Yields its base URL and the list its stderr lines are collected in (complete once
+    the block is left)."""
     import os
     import subprocess
     import sys
 
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_RELAY_")}
-    environ.update(
-        {
-            "OUTBOX_RELAY_DATABASE__DSN": dsn,
-            "OUTBOX_RELAY_DATABASE__TABLE": table,
-            "OUTBOX_RELAY_LOG__FORMAT": "json",
-            **env,
-        }
-    )
+    if dsn is not None:  # None: the sources come from env (OUTBOX_RELAY_SOURCES__<NAME>__DSN ...)
+        environ["OUTBOX_RELAY_DATABASE__DSN"] = dsn
+    if table is not None:
+        environ["OUTBOX_RELAY_DATABASE__TABLE"] = table
+    environ.update({"OUTBOX_RELAY_LOG__FORMAT": "json", **env})
     proc = subprocess.Popen(
         [sys.executable, "-m", "outbox_relay.operator.cli", "console", "--port", "0"],
         env=environ,

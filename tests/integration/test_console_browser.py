@@ -1,7 +1,8 @@
 """The operator console in a real headless Chromium (Debian's chromium +
 chromium-driver, driven by Selenium), served by the real `outbox-relay console`
 command: log in, filter the dead rows, preview and retry by filter, see the audit
-entry, and check in PostgreSQL that exactly those rows changed.
+entry, and check in PostgreSQL that exactly those rows changed; with several sources,
+pick one from the list of sources and retry in it (and only in it).
 
 Skipped with a note where Chromium or its driver is not installed (`./dev test`
 installs them). Set OUTBOX_RELAY_SCREENSHOTS=docs/images to save screenshots of the main
@@ -20,8 +21,11 @@ from typing import Any
 import psycopg
 import pytest
 
+from tests.helpers import sources as source_helpers
 from tests.helpers.console import console_process as running_console_process
 from tests.helpers.console import quoted, row_states, seed_dead
+
+databases = source_helpers.databases  # the fixture
 
 # Exercises the broker, processes or external tools rather than PostgreSQL's SQL:
 # ./dev runs it on the first pass only (see pyproject.toml markers).
@@ -182,3 +186,59 @@ def test_operator_retries_by_filter_in_the_browser(browser, console_process, pg_
     b.get(f"{url}/aggregates/refund-1")
     assert f"blocked by dead head {other_error[0]}" in b.find_element(By.ID, "verdict").text
     shoot(b, "aggregate")
+
+
+def test_operator_picks_a_source_and_retries_in_it_in_the_browser(browser, databases):
+    """A console of two sources: the list shows each one's queue, picking one leads to
+    its overview, its dead rows and a retry that changes that source's rows only."""
+    from selenium.webdriver.common.by import By
+
+    dsn_a, dsn_b = databases("alpha"), databases("beta")
+    table = "public.outbox"
+    in_a = seed_dead(dsn_a, table, 2)
+    in_b = seed_dead(dsn_b, table, 4, event_type="OrderCreated", aggregate_prefix="order-")
+    env = {
+        "OUTBOX_RELAY_SOURCES__ALPHA__DSN": dsn_a,
+        "OUTBOX_RELAY_SOURCES__BETA__DSN": dsn_b,
+        "OUTBOX_RELAY_CONSOLE__TOKEN": TOKEN,
+    }
+    with running_console_process(None, None, **env) as (url, _lines):
+        b = browser
+        b.get(url + "/")
+        b.find_element(By.ID, "name").send_keys("bob")
+        b.find_element(By.ID, "token").send_keys(TOKEN)
+        navigate(b, b.find_element(By.ID, "login").click, to=url + "/", exact=True)
+
+        # The list of sources, each with its own queue.
+        assert b.find_element(By.ID, "source-count").text == "2"
+        rows = {
+            r.find_element(By.CSS_SELECTOR, "a.source-link").text: r.find_element(By.CSS_SELECTOR, "td.dead").text
+            for r in b.find_elements(By.CSS_SELECTOR, "#sources tbody tr")
+        }
+        assert rows == {"alpha": "2", "beta": "4"}
+        shoot(b, "sources")
+
+        # One source's pages: overview, then its dead rows through the navigation.
+        navigate(b, b.find_element(By.LINK_TEXT, "beta").click, to="/?source=beta")
+        assert b.find_element(By.ID, "source-name").text == "beta"
+        assert b.find_element(By.ID, "depth-dead").text == "4"
+        navigate(b, b.find_element(By.LINK_TEXT, "Dead rows").click, to="/dead?source=beta")
+        assert b.find_element(By.ID, "matched").text == "4"
+        listed = [int(e.get_attribute("value")) for e in b.find_elements(By.CSS_SELECTOR, "input[name=id]")]
+        assert listed == in_b
+
+        # Retry beta's rows: beta's change, audited in beta; alpha (same ids) untouched.
+        navigate(b, b.find_element(By.ID, "retry-matching").click, to="/dead/preview")
+        navigate(b, b.find_element(By.ID, "confirm").click, to="/audit?done=")
+        assert "source=beta" in b.current_url
+        assert b.find_element(By.CSS_SELECTOR, "tr.highlight td.changed").text == "4"
+        assert set(row_states(dsn_b, table, in_b).values()) == {("pending", 0)}
+        assert {s for s, _ in row_states(dsn_a, table, in_a).values()} == {"dead"}
+
+        # Back to the list: beta has no dead row left, alpha still has its two.
+        navigate(b, b.find_element(By.ID, "nav-sources").click, to=url + "/", exact=True)
+        rows = {
+            r.find_element(By.CSS_SELECTOR, "a.source-link").text: r.find_element(By.CSS_SELECTOR, "td.dead").text
+            for r in b.find_elements(By.CSS_SELECTOR, "#sources tbody tr")
+        }
+        assert rows == {"alpha": "2", "beta": "0"}

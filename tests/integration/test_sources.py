@@ -156,7 +156,23 @@ def test_two_static_sources_deliver_to_their_own_topics(databases, broker, topic
         timeout=30,
         message="source a's queue_depth gauge refreshed to 0",
     )
+    # The vacuum-health gauges of each source's table, labelled like the queue gauges.
+    wait_for(
+        lambda: (metric(fetch(port, "/metrics")[1], "outbox_relay_table_size_bytes", part="heap", source="b") or 0) > 0,
+        timeout=30,
+        message="source b's table size gauge refreshed",
+    )
     text = fetch(port, "/metrics")[1]
+    for source in ("a", "b"):
+        assert metric(text, "outbox_relay_dead_tuples", source=source) is not None
+        assert metric(text, "outbox_relay_xmin_horizon_age_seconds", source=source) is not None
+        assert metric(text, "outbox_relay_table_size_bytes", part="indexes", source=source) > 0
+    for unlabelled in (
+        "outbox_relay_dead_tuples ",
+        "outbox_relay_xmin_horizon_age_seconds ",
+        "outbox_relay_last_vacuum_age_seconds ",
+    ):
+        assert "\n" + unlabelled not in text
     assert metric(text, "outbox_relay_source_up", source="b") == 1
     assert 'outbox_relay_queue_depth{status="pending"}' not in text
     assert "outbox_relay_in_flight_bytes " in text
@@ -306,3 +322,26 @@ def test_a_quiet_source_is_not_held_up_by_another_sources_backlog(databases, bro
     # The stated bound: at most one claim per worker of the other due source(s).
     assert busy_claims_between <= workers, seen[due_at : claimed_at + 1]
     assert quiet_id > 0
+
+
+def test_startup_timeout_gives_up_when_no_source_becomes_ready(databases, broker, topic_prefix, running):
+    """relay.startup_timeout_seconds with sources: the process must become ready (one
+    source ready) within it, else it stops and says why; one ready source is enough."""
+    from outbox_relay.errors import DatabaseUnavailable
+
+    down = {"gone": {"dsn": "postgresql://postgres@127.0.0.1:1/postgres?connect_timeout=1"}}
+    settings = sources_settings(broker, topic_prefix, down, relay={"startup_timeout_seconds": 1.5})
+    relay = MultiRelay(settings)
+    started = time.monotonic()
+    with pytest.raises(DatabaseUnavailable, match=r"no source became ready within .*gone: cannot connect"):
+        relay.start()
+    assert time.monotonic() - started < 30
+    assert relay.wait(timeout=0)  # stopped, nothing left running
+
+    dsn_ok = databases("ok")
+    settings = sources_settings(
+        broker, topic_prefix, {"ok": {"dsn": dsn_ok}, **down}, relay={"startup_timeout_seconds": 30}
+    )
+    relay = running(settings)
+    ready, text = relay.readiness()
+    assert ready and "1/2 sources ready" in text

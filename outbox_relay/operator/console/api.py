@@ -1,5 +1,6 @@
-"""The console's JSON API: ``GET /api/status``, ``GET /api/dead``, ``GET /api/dead/{id}``,
-``POST /api/dead/retry|skip``, ``GET /api/audit``."""
+"""The console's JSON API: ``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``,
+``GET /api/dead/{id}``, ``POST /api/dead/retry|skip``, ``GET /api/audit``; every call
+but the first takes ``?source=NAME`` (required when the console serves several)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,34 @@ API_SELECTIONS = ("ids", "filter", "all")  # the fields of a retry/skip body tha
 class ConsoleApi(ConsoleSecurity):
     """The JSON API handlers (each behind ``Console._api``)."""
 
+    async def api_sources(self, request: Request, who: Principal) -> Response:
+        listed = await run_in_threadpool(self._sources_overview)
+        return JSONResponse(
+            {
+                "sources": [
+                    {
+                        "source": item["name"],
+                        "table": item["table"],
+                        "queue_depth": {k: c.n for k, c in item["depth"].items()} if item["depth"] else None,
+                        "queue_depth_estimated": [k for k, c in item["depth"].items() if not c.exact]
+                        if item["depth"]
+                        else None,
+                        "problem": item["problem"],
+                    }
+                    for item in listed
+                ]
+            }
+        )
+
     async def api_status(self, request: Request, who: Principal) -> Response:
-        data = await run_in_threadpool(self._status_data)
+        src = await self._source(request)
+        data = await run_in_threadpool(self._status_data, src)
         stats = data["stats"]
         depth: dict[str, Count] = data["depth"]
         return JSONResponse(
             {
-                "table": self.settings.database.table,
+                "source": src.name,
+                "table": src.table,
                 "queue_depth": {name: c.n for name, c in depth.items()},
                 "queue_depth_estimated": [name for name, c in depth.items() if not c.exact],
                 "oldest_pending_age_seconds": round(stats.oldest_pending_age_seconds, 3),
@@ -53,18 +75,19 @@ class ConsoleApi(ConsoleSecurity):
 
     async def api_dead(self, request: Request, who: Principal) -> Response:
         params = request.query_params
-        unknown = sorted(set(params) - set(FILTER_NAMES) - {"after_id"})
+        unknown = sorted(set(params) - set(FILTER_NAMES) - {"after_id", "source"})
         if unknown:
-            raise BadRequest(f"unknown parameter {unknown[0]!r} (filters: {', '.join(FILTER_NAMES)}, after_id)")
+            raise BadRequest(f"unknown parameter {unknown[0]!r} (filters: {', '.join(FILTER_NAMES)}, after_id, source)")
+        src = await self._source(request)
         values = {name: params.get(name) for name in FILTER_NAMES if name != "limit"}
         page_size = self._page_size(params.get("limit"))
         after_id = self._int_param(params.get("after_id"), "after_id") or 0
 
         def load() -> dict[str, Any]:
-            selector = self._filter(values)
-            rows = self.store.dead_page(selector, after_id=after_id, limit=page_size)
-            matched = self.store.dead_count(selector, budget_ms=self.count_budget_ms)
-            summary = self.store.dead_summary(selector, timeout_ms=self.count_budget_ms) if matched.n else None
+            selector = self._filter(src, values)
+            rows = src.store.dead_page(selector, after_id=after_id, limit=page_size)
+            matched = src.store.dead_count(selector, budget_ms=self.count_budget_ms)
+            summary = src.store.dead_summary(selector, timeout_ms=self.count_budget_ms) if matched.n else None
             return {
                 "rows": jsonable(rows),
                 "matched": matched.n,
@@ -78,8 +101,9 @@ class ConsoleApi(ConsoleSecurity):
         return JSONResponse(await run_in_threadpool(load))
 
     async def api_dead_row(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         row_id = int(request.path_params["row_id"])
-        row = await run_in_threadpool(self.store.row_detail, row_id)
+        row = await run_in_threadpool(src.store.row_detail, row_id)
         if row is None:
             return self._json_error(404, f"row {row_id} does not exist")
         row.pop("database_now", None)
@@ -94,6 +118,7 @@ class ConsoleApi(ConsoleSecurity):
         return await self._api_change(request, who, "skip")
 
     async def _api_change(self, request: Request, who: Principal, action: Action) -> Response:
+        src = await self._source(request)
         if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             # Also what keeps a cross-site HTML form from posting here.
             return self._json_error(415, "send the request as application/json")
@@ -137,12 +162,12 @@ class ConsoleApi(ConsoleSecurity):
         budget_ms = self.count_budget_ms
 
         def run() -> dict[str, Any]:
-            selector_ = self._filter(selector) if isinstance(selector, dict) else selector
+            selector_ = self._filter(src, selector) if isinstance(selector, dict) else selector
             if dry_run:
-                preview = preview_dead(self.store, selector_, budget_ms=budget_ms)
+                preview = preview_dead(src.store, selector_, budget_ms=budget_ms)
                 return dict(preview.as_json(), changed=0, dry_run=True)
             result = change_dead(
-                self.store,
+                src.store,
                 action,
                 selector_,
                 actor=who.user,
@@ -189,12 +214,13 @@ class ConsoleApi(ConsoleSecurity):
         return dict(flt)
 
     async def api_audit(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         page_size = self._page_size(request.query_params.get("limit"))
         before_id = self._int_param(request.query_params.get("before_id"), "before_id")
 
         def load() -> dict[str, Any]:
-            self.store.require_audit_table()
-            entries = self.store.audit_list(limit=page_size, before_id=before_id)
+            src.store.require_audit_table()
+            entries = src.store.audit_list(limit=page_size, before_id=before_id)
             return {
                 "entries": jsonable(entries),
                 "next_before_id": entries[-1]["id"] if len(entries) == page_size else None,

@@ -2,9 +2,10 @@
 
 Pages: overview, dead rows (filters, pagination by id, counts per event type and
 error), one row, one aggregate, the audit log, plus a preview -> confirm flow for
-every retry/skip. API: ``GET /api/status``, ``GET /api/dead``, ``GET /api/dead/{id}``,
-``POST /api/dead/retry|skip``, ``GET /api/audit`` (names fixed by the design's
-contract additions).
+every retry/skip. API: ``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``,
+``GET /api/dead/{id}``, ``POST /api/dead/retry|skip``, ``GET /api/audit``. A console
+of several sources (sources.py) lists them on its overview and every other page and
+API call names one with ``?source=NAME``, carried by every link and form.
 
 Every database call goes through ``OutboxStore`` (bounded by the console's
 statement timeout and page size) in Starlette's thread pool; everything rendered is
@@ -25,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from jinja2 import Environment, FileSystemLoader, StrictUndefined, pass_context
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -35,14 +36,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from ...config import Settings
-from ...core.ordering import OrderingRule
 from ...db.store import Count, OutboxStore
-from ...db.vacuum_health import HorizonClock
 from ...errors import DatabaseUnavailable, OutboxRelayError, SchemaMissing
 from .api import ConsoleApi
 from .auth import LoginThrottle, Principal, Sessions
-from .base import BadRequest
+from .base import BadRequest, NoSuchSource
 from .pages import ConsolePages
+from .sources import ConsoleSources, StoreFactory
 
 HERE = Path(__file__).resolve().parent
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -79,6 +79,15 @@ def _num(value: int | Count | None) -> str:
     if isinstance(value, Count):
         return f"{value.n:,}" if value.exact else f"\u2265 {value.n:,}"
     return f"{value:,}"
+
+
+@pass_context
+def _query(context: Any, **params: Any) -> str:
+    """A link's query string; it names the page's source when the console serves several."""
+    source = context.get("source")
+    if source:
+        params = {"source": source, **params}
+    return urllib.parse.urlencode([(k, v) for k, v in params.items() if v not in (None, "", [])], doseq=True)
 
 
 class _Guard:
@@ -118,18 +127,14 @@ class _Guard:
 class Console(ConsolePages, ConsoleApi):
     """One console process: settings, a store, sessions, templates, routes."""
 
-    def __init__(self, settings: Settings, store: OutboxStore) -> None:
+    def __init__(self, settings: Settings, sources: ConsoleSources) -> None:
         self.settings = settings
-        self.store = store
+        self.sources = sources
         token = settings.console.token.get_secret_value() if settings.console.token else None
         self.sessions = Sessions(token or None, lifetime_seconds=settings.console.session_hours * 3600)
         self.throttle = LoginThrottle(settings.console.login_max_failures, settings.console.login_lockout_seconds)
-        self.ordered_types = list(settings.relay.ordered_event_types)
-        self.ordering = OrderingRule.of(self.ordered_types)
         # Counting never takes longer than one console statement may.
         self.count_budget_ms = min(settings.console.statement_timeout_ms, settings.metrics.exact_count_timeout_ms)
-        # A slot records no time: the console counts from when it first saw one (a lower bound).
-        self.horizon_clock = HorizonClock()
         self.env = Environment(
             loader=FileSystemLoader(str(HERE / "templates")),
             autoescape=True,
@@ -140,9 +145,7 @@ class Console(ConsolePages, ConsoleApi):
         self.env.filters["utc"] = _utc
         self.env.filters["num"] = _num
         self.env.filters["quote"] = lambda text: urllib.parse.quote(str(text), safe="")
-        self.env.globals["qs"] = lambda **kw: urllib.parse.urlencode(
-            [(k, v) for k, v in kw.items() if v not in (None, "", [])], doseq=True
-        )
+        self.env.globals["qs"] = _query
 
     # --- plumbing ------------------------------------------------------------------------
     def app(self) -> ASGIApp:
@@ -159,6 +162,7 @@ class Console(ConsolePages, ConsoleApi):
             Route("/login", self.login_page, methods=["GET"]),
             Route("/login", self.login_submit, methods=["POST"]),
             Route("/logout", page(self.logout), methods=["POST"]),
+            Route("/api/sources", api(self.api_sources)),
             Route("/api/status", api(self.api_status)),
             Route("/api/dead", api(self.api_dead)),
             Route("/api/dead/{row_id:int}", api(self.api_dead_row)),
@@ -188,6 +192,8 @@ class Console(ConsolePages, ConsoleApi):
                 return RedirectResponse("/login?" + urllib.parse.urlencode({"next": target}), status_code=303)
             try:
                 return await handler(request, who)
+            except NoSuchSource as exc:
+                return self.render(request, who, "error.html", {"title": "No such source", "message": str(exc)}, 404)
             except BadRequest as exc:
                 return self.render(request, who, "error.html", {"title": "Not possible", "message": str(exc)}, 400)
             except OutboxRelayError as exc:
@@ -205,6 +211,8 @@ class Console(ConsolePages, ConsoleApi):
                 return self._json_error(401, "authentication required: Authorization: Bearer <console.token>")
             try:
                 return await handler(request, who)
+            except NoSuchSource as exc:
+                return self._json_error(404, str(exc))
             except BadRequest as exc:
                 return self._json_error(400, str(exc))
             except OutboxRelayError as exc:
@@ -214,6 +222,14 @@ class Console(ConsolePages, ConsoleApi):
         return endpoint
 
 
-def create_app(settings: Settings, store: OutboxStore) -> ASGIApp:
-    """The console's ASGI application on an opened store."""
-    return Console(settings, store).app()
+def create_app(
+    settings: Settings,
+    store: OutboxStore | None = None,
+    *,
+    source_name: str | None = None,
+    store_factory: StoreFactory | None = None,
+) -> ASGIApp:
+    """The console's ASGI application: on one opened ``store`` (the source
+    ``source_name``, ``default`` unless named), or, without a store, on every source
+    of ``[sources]``/``[discovery]``, each opened by ``store_factory`` on first use."""
+    return Console(settings, ConsoleSources(settings, store=store, name=source_name, store_factory=store_factory)).app()

@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import urllib.parse
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jinja2 import Environment
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 
 from ...config import Settings
 from ...core.filters import DeadFilter, parse_filter
-from ...core.ordering import OrderingRule
-from ...db.store import STATUSES, OutboxStore
-from ...db.vacuum_health import HorizonClock
+from ...db.store import STATUSES
+from ...errors import OutboxRelayError
 from .auth import LoginThrottle, Principal, Sessions, retry_after_header
+from .sources import ConsoleSource, ConsoleSources, SourceNotNamed, SourceUnknown
 
 MAX_BODY_BYTES = 1_000_000
+# The statuses the list of sources shows (done has no index: counting it reads the table).
+LISTED_STATUSES = ("pending", "processing", "dead")
 MAX_IDS = 100_000
 
 
@@ -31,18 +35,19 @@ class BadRequest(Exception):
     """Input the console refuses; the message is shown to the caller (400)."""
 
 
+class NoSuchSource(BadRequest):
+    """``?source=`` names no source this console serves (404)."""
+
+
 class ConsoleBase:
     """The state of one console process (set by ``Console.__init__``) and the helpers
     its pages and API calls share."""
 
     settings: Settings
-    store: OutboxStore
+    sources: ConsoleSources
     sessions: Sessions
     throttle: LoginThrottle
-    ordered_types: list[str]
-    ordering: OrderingRule
     count_budget_ms: int
-    horizon_clock: HorizonClock
     env: Environment
 
     @staticmethod
@@ -52,11 +57,33 @@ class ConsoleBase:
             headers["Retry-After"] = retry_after_header(retry_after)
         return JSONResponse({"error": message}, status_code=code, headers=headers or None)
 
+    async def _source(self, request: Request) -> ConsoleSource:
+        """The source the request names with ``?source=NAME`` (opened off the event loop)."""
+        try:
+            return await run_in_threadpool(self.sources.get, request.query_params.get("source"))
+        except SourceNotNamed as exc:
+            raise BadRequest(str(exc)) from None
+        except SourceUnknown as exc:
+            raise NoSuchSource(str(exc)) from None
+
     def render(
-        self, request: Request, who: Principal, template: str, context: Mapping[str, Any], status_code: int = 200
+        self,
+        request: Request,
+        who: Principal,
+        template: str,
+        context: Mapping[str, Any],
+        status_code: int = 200,
+        *,
+        src: ConsoleSource | None = None,
     ) -> HTMLResponse:
+        """A page; ``src``: the source it shows (its name is carried by every link and
+        form of the page when the console serves several)."""
+        named = src.name if src is not None and self.sources.multi else None
         html = self.env.get_template(template).render(
-            table=self.settings.database.table,
+            table=src.table if src is not None else "",
+            source=named,
+            sq="?" + urllib.parse.urlencode({"source": named}) if named else "",
+            multi=self.sources.multi,
             who=who,
             read_only=self.sessions.read_only,
             path=request.url.path,
@@ -82,9 +109,10 @@ class ConsoleBase:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _filter(self, values: Mapping[str, Any]) -> DeadFilter:
+    @staticmethod
+    def _filter(src: ConsoleSource, values: Mapping[str, Any]) -> DeadFilter:
         try:
-            return parse_filter(values, self.store.database_now)
+            return parse_filter(values, src.store.database_now)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -106,21 +134,22 @@ class ConsoleBase:
         except ValueError:
             raise BadRequest(f"{name}: {raw!r} is not a whole number") from None
 
-    def _status_data(self) -> dict[str, Any]:
+    def _status_data(self, src: ConsoleSource) -> dict[str, Any]:
         s = self.settings
-        stats = self.store.stats(
-            ordered_types=self.ordered_types,
+        store = src.store
+        stats = store.stats(
+            ordered_types=src.ordered_types,
             include_depth=False,
             count_cap=s.metrics.exact_count_limit,
             timeout_ms=s.console.statement_timeout_ms,
         )
-        depth = self.store.exact_depth(budget_ms=self.count_budget_ms, first_upto=s.metrics.exact_count_limit)
+        depth = store.exact_depth(budget_ms=self.count_budget_ms, first_upto=s.metrics.exact_count_limit)
         # Done rows have no index: the rate reads the table, so it gets a short timeout
         # (and the page says so when that runs out) rather than slowing every overview.
-        buckets = self.store.published_per_bucket(timeout_ms=min(1000, self.count_budget_ms))
-        horizon = self.store.xmin_horizon(timeout_ms=s.console.statement_timeout_ms)
-        self.horizon_clock.apply(horizon.holders)
-        vacuum = self.store.vacuum_figures(timeout_ms=s.console.statement_timeout_ms)
+        buckets = store.published_per_bucket(timeout_ms=min(1000, self.count_budget_ms))
+        horizon = store.xmin_horizon(timeout_ms=s.console.statement_timeout_ms)
+        src.horizon_clock.apply(horizon.holders)
+        vacuum = store.vacuum_figures(timeout_ms=s.console.statement_timeout_ms)
         return {
             "depth": depth,
             "stats": stats,
@@ -129,6 +158,30 @@ class ConsoleBase:
             "vacuum": vacuum,
             "horizon_warn_seconds": s.metrics.xmin_horizon_warn_seconds,
             "published_last_hour": sum(buckets) if buckets is not None else None,
-            "ordered": bool(self.ordered_types),
+            "ordered": bool(src.ordered_types),
             "statuses": STATUSES,
         }
+
+    def _sources_overview(self) -> list[dict[str, Any]]:
+        """Every source with its pending, processing and dead rows (counted from their
+        indexes within the console's count budget), or why it could not be read. Read
+        a few sources at a time: a database that does not answer holds one thread for
+        its connect timeout, not the whole list."""
+        names = self.sources.names()
+        cap = self.settings.metrics.exact_count_limit
+
+        def one(name: str) -> dict[str, Any]:
+            try:
+                src = self.sources.get(name)
+            except SourceUnknown as exc:  # a discovered database dropped since it was listed
+                return {"name": name, "table": None, "depth": None, "problem": str(exc)}
+            try:
+                depth = src.store.exact_depth(budget_ms=self.count_budget_ms, statuses=LISTED_STATUSES, first_upto=cap)
+            except OutboxRelayError as exc:
+                return {"name": name, "table": src.table, "depth": None, "problem": src.store.redact(str(exc))}
+            return {"name": name, "table": src.table, "depth": depth, "problem": None}
+
+        if not names:
+            return []
+        with ThreadPoolExecutor(max_workers=min(8, len(names)), thread_name_prefix="console-sources") as pool:
+            return list(pool.map(one, names))

@@ -4,6 +4,7 @@ retry/skip, one row, one aggregate and the audit log."""
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,26 +28,32 @@ from ..operations import (
 from .auth import Principal, csrf_ok
 from .base import BadRequest
 from .security import ConsoleSecurity
+from .sources import ConsoleSource
 
 
 class ConsolePages(ConsoleSecurity):
     """The page handlers (each behind ``Console._page``)."""
 
     async def overview(self, request: Request, who: Principal) -> Response:
-        data = await run_in_threadpool(self._status_data)
-        return self.render(request, who, "overview.html", data)
+        if self.sources.multi and not request.query_params.get("source"):
+            listed = await run_in_threadpool(self._sources_overview)
+            return self.render(request, who, "sources.html", {"sources": listed})
+        src = await self._source(request)
+        data = await run_in_threadpool(self._status_data, src)
+        return self.render(request, who, "overview.html", data, src=src)
 
     async def dead_rows(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         params = request.query_params
         values = {name: params.get(name) for name in FILTER_NAMES if name != "limit"}
         page_size = self._page_size(params.get("limit"))
         after_id = self._int_param(params.get("after"), "after") or 0
 
         def load() -> dict[str, Any]:
-            selector = self._filter(values)
-            rows = self.store.dead_page(selector, after_id=after_id, limit=page_size)
-            matched = self.store.dead_count(selector, budget_ms=self.count_budget_ms)
-            summary = self.store.dead_summary(selector, timeout_ms=self.count_budget_ms) if matched.n else None
+            selector = self._filter(src, values)
+            rows = src.store.dead_page(selector, after_id=after_id, limit=page_size)
+            matched = src.store.dead_count(selector, budget_ms=self.count_budget_ms)
+            summary = src.store.dead_summary(selector, timeout_ms=self.count_budget_ms) if matched.n else None
             return {"selector": selector, "rows": rows, "matched": matched, "summary": summary}
 
         data = await run_in_threadpool(load)
@@ -65,9 +72,10 @@ class ConsolePages(ConsoleSecurity):
                 next_after=next_after,
                 has_conditions=data["selector"].has_conditions(),
             ),
+            src=src,
         )
 
-    def _selection(self, values: Mapping[str, list[str]]) -> tuple[str, DeadFilter]:
+    def _selection(self, src: ConsoleSource, values: Mapping[str, list[str]]) -> tuple[str, DeadFilter]:
         """scope=ids (id=…), scope=filter (filter fields) or scope=all -> a selector."""
         scope = (values.get("scope") or [""])[0]
         if scope == "ids":
@@ -80,7 +88,7 @@ class ConsolePages(ConsoleSecurity):
                 raise BadRequest("row ids must be whole numbers") from None
             return scope, DeadFilter(ids=ids)
         if scope in ("filter", "all"):
-            selector = self._filter({name: (values.get(name) or [""])[0] for name in FILTER_NAMES})
+            selector = self._filter(src, {name: (values.get(name) or [""])[0] for name in FILTER_NAMES})
             if scope == "filter" and not selector.has_conditions():
                 raise BadRequest("the filter is empty: use scope=all to mean every dead row")
             if scope == "all" and selector.has_conditions():
@@ -97,14 +105,16 @@ class ConsolePages(ConsoleSecurity):
         raise BadRequest("action must be retry or skip")
 
     async def dead_preview(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         values = {k: request.query_params.getlist(k) for k in request.query_params}
         action = self._action((values.get("action") or [""])[0])
-        return await self._render_preview(request, who, action, values, error=None, status_code=200)
+        return await self._render_preview(request, who, src, action, values, error=None, status_code=200)
 
     async def _render_preview(
         self,
         request: Request,
         who: Principal,
+        src: ConsoleSource,
         action: Action,
         values: Mapping[str, list[str]],
         *,
@@ -112,11 +122,11 @@ class ConsolePages(ConsoleSecurity):
         status_code: int,
     ) -> Response:
         def load() -> dict[str, Any]:
-            scope, selector = self._selection(values)
-            preview = preview_dead(self.store, selector, budget_ms=self.count_budget_ms)
+            scope, selector = self._selection(src, values)
+            preview = preview_dead(src.store, selector, budget_ms=self.count_budget_ms)
             not_dead: dict[int, str] = {}
             if selector.ids is not None:
-                found = self.store.statuses(list(selector.ids))
+                found = src.store.statuses(list(selector.ids))
                 not_dead = {i: found.get(i, "no such row") for i in selector.ids if found.get(i) != "dead"}
             return {"scope": scope, "selector": selector, "preview": preview, "not_dead": not_dead}
 
@@ -138,9 +148,11 @@ class ConsolePages(ConsoleSecurity):
                 reason=(values.get("reason") or [""])[0],
             ),
             status_code,
+            src=src,
         )
 
     async def dead_apply(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         values = await self._form(request)
         action = self._action((values.get("action") or [""])[0])
         if not who.can_act:
@@ -152,7 +164,7 @@ class ConsolePages(ConsoleSecurity):
                 "reload the page and try again"
             )
         if refusal is not None:
-            return self.render(request, who, "error.html", {"title": "Refused", "message": refusal}, 403)
+            return self.render(request, who, "error.html", {"title": "Refused", "message": refusal}, 403, src=src)
         scope = (values.get("scope") or [""])[0]
         try:
             reason = check_dead_change(
@@ -165,12 +177,12 @@ class ConsolePages(ConsoleSecurity):
                 wording=FORM_WORDING,
             )
         except OperatorRuleError as exc:
-            return await self._render_preview(request, who, action, values, error=str(exc), status_code=400)
+            return await self._render_preview(request, who, src, action, values, error=str(exc), status_code=400)
 
         def apply() -> int | None:
-            _scope, selector = self._selection(values)
+            _scope, selector = self._selection(src, values)
             result = change_dead(
-                self.store,
+                src.store,
                 action,
                 selector,
                 actor=who.user,
@@ -182,11 +194,13 @@ class ConsolePages(ConsoleSecurity):
             return result.audit_id
 
         audit_id = await run_in_threadpool(apply)
-        return RedirectResponse(f"/audit?done={audit_id}", status_code=303)
+        query = {"done": audit_id, **({"source": src.name} if self.sources.multi else {})}
+        return RedirectResponse("/audit?" + urllib.parse.urlencode(query), status_code=303)
 
     async def row_page(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         row_id = int(request.path_params["row_id"])
-        row = await run_in_threadpool(self.store.row_detail, row_id)
+        row = await run_in_threadpool(src.store.row_detail, row_id)
         if row is None:
             return self.render(
                 request,
@@ -194,18 +208,20 @@ class ConsolePages(ConsoleSecurity):
                 "error.html",
                 {"title": "No such row", "message": f"row {row_id} does not exist (purged?)"},
                 404,
+                src=src,
             )
-        return self.render(request, who, "row.html", {"row": row})
+        return self.render(request, who, "row.html", {"row": row}, src=src)
 
     async def aggregate_page(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         aggregate_id = str(request.path_params["aggregate_id"])
         found, total = await run_in_threadpool(
-            self.store.aggregate_rows, aggregate_id, limit=self.settings.console.page_size * 4
+            src.store.aggregate_rows, aggregate_id, limit=self.settings.console.page_size * 4
         )
-        verdict = diagnose_aggregate(found, self.ordering, max_attempts=self.settings.relay.max_attempts)
-        states = row_states(found, self.ordering)
+        verdict = diagnose_aggregate(found, src.ordering, max_attempts=src.settings.relay.max_attempts)
+        states = row_states(found, src.ordering)
         rows = [
-            dict(r, state=state, ordered=self.ordering.is_ordered(r["event_type"]))
+            dict(r, state=state, ordered=src.ordering.is_ordered(r["event_type"]))
             for r, state in zip(found, states, strict=True)
         ]
         return self.render(
@@ -217,18 +233,20 @@ class ConsolePages(ConsoleSecurity):
                 "rows": rows,
                 "total": total,
                 "verdict": verdict,
-                "dead_head": blocking_head(found, self.ordering),
+                "dead_head": blocking_head(found, src.ordering),
             },
+            src=src,
         )
 
     async def audit_page(self, request: Request, who: Principal) -> Response:
+        src = await self._source(request)
         before_id = self._int_param(request.query_params.get("before"), "before")
         done = self._int_param(request.query_params.get("done"), "done")
         page_size = self.settings.console.page_size
 
         def load() -> list[dict[str, Any]]:
-            self.store.require_audit_table()
-            return self.store.audit_list(limit=page_size, before_id=before_id)
+            src.store.require_audit_table()
+            return src.store.audit_list(limit=page_size, before_id=before_id)
 
         entries = await run_in_threadpool(load)
         next_before = entries[-1]["id"] if len(entries) == page_size else None
@@ -243,4 +261,5 @@ class ConsolePages(ConsoleSecurity):
                 "before_id": before_id,
                 "json": lambda value: json.dumps(value, ensure_ascii=False),
             },
+            src=src,
         )

@@ -17,11 +17,11 @@ from .app import create_app
 log = structlog.get_logger("outbox_relay.console")
 
 
-def make_console_store(settings: Settings) -> OutboxStore:
+def make_console_store(settings: Settings, *, pool_size: int = 4) -> OutboxStore:
     return OutboxStore(
         settings.database.dsn.get_secret_value(),
         settings.database.table,
-        pool_size=4,
+        pool_size=pool_size,
         connect_timeout_seconds=settings.database.connect_timeout_seconds,
         statement_timeout_ms=settings.console.statement_timeout_ms,  # bounds every console query
         application_name="outbox-relay-console",
@@ -50,12 +50,22 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(settings: Settings) -> None:
+def make_source_console_store(settings: Settings) -> OutboxStore:
+    # One of many sources: a small pool each (a console serves a few people, not a load).
+    return make_console_store(settings, pool_size=2)
+
+
+def serve(settings: Settings, *, source_name: str | None = None, all_sources: bool = False) -> None:
+    """Serve one source (``settings`` are that source's, ``source_name`` its name) or,
+    with ``all_sources``, every source of ``[sources]``/``[discovery]`` (each opened on
+    first use, a source whose database is down shown as such rather than failing the
+    console's start)."""
     c = settings.console
-    store = make_console_store(settings)
-    store.open()
+    store = None if all_sources else make_console_store(settings)
     try:
-        store.require_table()
+        if store is not None:
+            store.open()
+            store.require_table()
         if c.token is None and not _is_loopback(c.host):
             log.warning(
                 "console without console.token on a non-loopback address: read-only, and it answers "
@@ -92,6 +102,8 @@ def serve(settings: Settings) -> None:
         mode = "read-only (no console.token)" if c.token is None else "token required"
         # Scripts and tests read the url from this line (also when port 0 chose one).
         log.info("console listening", url=f"http://{shown}:{port}/", mode=mode)
-        uvicorn.Server(uvicorn_config(create_app(settings, store))).run(sockets=[sock])
+        app = create_app(settings, store, source_name=source_name, store_factory=make_source_console_store)
+        uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
     finally:
-        store.close()
+        if store is not None:
+            store.close()
