@@ -657,6 +657,24 @@ ALERT_CASES: dict[str, tuple[list[dict[str, str]], list[tuple[str, str, list[dic
             ("6m", "OutboxRelayCircuitBreakerOpen", [{**CRIT, "instance": "a:9464"}]),
         ],
     ),
+    "one partition unwritable for 6 minutes": (
+        [
+            _series("outbox_relay_unwritable_partitions", "0x2 1x10", cause="not_enough_replicas"),
+            _series("outbox_relay_unwritable_partitions", "0x12", cause="leader_unreachable"),
+        ],
+        [
+            ("5m", "OutboxRelayPartitionsUnwritable", []),
+            (
+                "9m",
+                "OutboxRelayPartitionsUnwritable",
+                [{**WARN, "instance": "a:9464", "cause": "not_enough_replicas"}],
+            ),
+        ],
+    ),
+    "a partition unwritable for 3 minutes, then healed": (
+        [_series("outbox_relay_unwritable_partitions", "0 1 1 1 0x10", cause="leader_unreachable")],
+        [("4m", "OutboxRelayPartitionsUnwritable", []), ("10m", "OutboxRelayPartitionsUnwritable", [])],
+    ),
     "one replica down": (
         [_series("up", "1x2 0x10"), _series("up", "1x12", instance="b:9464")],
         [("6m", "OutboxRelayDown", [{**CRIT, **_R, "instance": "a:9464"}]), ("10m", "OutboxRelayAbsent", [])],
