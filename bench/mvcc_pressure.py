@@ -97,13 +97,10 @@ def database(args: argparse.Namespace) -> Any:
     pg = EmbeddedPostgres(base_dir=tmp).start()
     try:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            preload = "pg_stat_statements" + (",auto_explain" if args.explain_slower_ms is not None else "")
-            conn.execute(sql.SQL("ALTER SYSTEM SET shared_preload_libraries = {}").format(sql.Literal(preload)))
-            if args.server_log:
-                Path(args.server_log).mkdir(parents=True, exist_ok=True)
-                conn.execute("ALTER SYSTEM SET logging_collector = on")
-                log_dir = str(Path(args.server_log).resolve())
-                conn.execute(sql.SQL("ALTER SYSTEM SET log_directory = {}").format(sql.Literal(log_dir)))
+            preload = ["pg_stat_statements"] + (["auto_explain"] if args.explain_slower_ms is not None else [])
+            libraries = sql.SQL(", ").join(sql.Literal(name) for name in preload)  # a list, not one string
+            conn.execute(sql.SQL("ALTER SYSTEM SET shared_preload_libraries = {}").format(libraries))
+            if args.server_log:  # the server's own log file is copied there at the end
                 conn.execute("ALTER SYSTEM SET log_checkpoints = on")
                 conn.execute("ALTER SYSTEM SET log_autovacuum_min_duration = 0")
             if args.explain_slower_ms is not None:
@@ -121,6 +118,10 @@ def database(args: argparse.Namespace) -> Any:
         pg.start_server()
         yield pg.dsn
     finally:
+        if args.server_log:  # before stop(), which removes the data directory
+            Path(args.server_log).mkdir(parents=True, exist_ok=True)
+            for log_file in tmp.glob("**/data/log"):
+                shutil.copy(log_file, Path(args.server_log) / "postgresql.log")
         pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
