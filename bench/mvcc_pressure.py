@@ -334,8 +334,16 @@ def table_figures(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
         (table,),
     ).fetchone()
     assert row is not None
+    schema = table.split(".", 1)[0] if "." in table else "public"
+    flips = conn.execute(
+        "SELECT coalesce(sum(n_tup_upd), 0) FROM pg_stat_user_tables WHERE schemaname = %s AND relname LIKE %s",
+        (schema, "%state%"),
+    ).fetchone()
     return {
         "vacuuming": int(row[5]),  # an autovacuum of the outbox is running at the sample
+        # updates of the relays' state row so far (the idle flag: set after an empty
+        # claim, cleared by a notification): each leaves a dead version while vacuum is held
+        "state_updates": int(flips[0]) if flips else 0,
         "heap_mb": round(row[0] / 2**20, 1),
         "index_mb": round(row[1] / 2**20, 1),
         "dead_tuples": int(row[2] or 0),
