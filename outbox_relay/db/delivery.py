@@ -69,8 +69,9 @@ def _bigint_array(values: Sequence[int]) -> str:
 
 # Planner settings of the claim and the finalize (delivery.sql "statement_settings"
 # says why): plans that touch only the rows of the batch, whatever the statistics say.
-CLAIM_SETTINGS = {"enable_bitmapscan": "off"}
-FINALIZE_SETTINGS = {"enable_bitmapscan": "off"}  # also the heartbeat's extend_lease (the same join)
+CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off"}
+# Also the heartbeat's extend_lease (the same join).
+FINALIZE_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off"}
 
 
 class DeliveryOps(StoreCore):
