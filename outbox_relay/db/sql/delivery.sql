@@ -377,6 +377,8 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 --   versions; the planner then chose a sequential scan of the whole heap for the
 --   finalize's DELETE and UPDATE and the claim's UPDATE (1.5-2.5 s each instead of
 --   ~10 ms, for the minute until the next ANALYZE: delivery stalled, backlog 109 000).
+--   With it, jit = off: before PostgreSQL 18 a disabled node still costs 1e10, over
+--   jit_above_cost, and JIT-compiling the statement took 1.5 s on every call.
 -- Also carries the transaction_pooler's statement_timeout when the statement needs
 -- one (pooler.py).
 SELECT set_config(name, value, true) FROM unnest(%s::text[], %s::text[]) AS s(name, value)
