@@ -97,13 +97,10 @@ def database(args: argparse.Namespace) -> Any:
     pg = EmbeddedPostgres(base_dir=tmp).start()
     try:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            preload = "pg_stat_statements" + (",auto_explain" if args.explain_slower_ms is not None else "")
-            conn.execute(sql.SQL("ALTER SYSTEM SET shared_preload_libraries = {}").format(sql.Literal(preload)))
-            if args.server_log:
-                Path(args.server_log).mkdir(parents=True, exist_ok=True)
-                conn.execute("ALTER SYSTEM SET logging_collector = on")
-                log_dir = str(Path(args.server_log).resolve())
-                conn.execute(sql.SQL("ALTER SYSTEM SET log_directory = {}").format(sql.Literal(log_dir)))
+            preload = ["pg_stat_statements"] + (["auto_explain"] if args.explain_slower_ms is not None else [])
+            libraries = sql.SQL(", ").join(sql.Literal(name) for name in preload)  # a list, not one string
+            conn.execute(sql.SQL("ALTER SYSTEM SET shared_preload_libraries = {}").format(libraries))
+            if args.server_log:  # the server's own log file is copied there at the end
                 conn.execute("ALTER SYSTEM SET log_checkpoints = on")
                 conn.execute("ALTER SYSTEM SET log_autovacuum_min_duration = 0")
             if args.explain_slower_ms is not None:
@@ -121,6 +118,10 @@ def database(args: argparse.Namespace) -> Any:
         pg.start_server()
         yield pg.dsn
     finally:
+        if args.server_log:  # before stop(), which removes the data directory
+            Path(args.server_log).mkdir(parents=True, exist_ok=True)
+            for log_file in tmp.glob("**/data/log"):
+                shutil.copy(log_file, Path(args.server_log) / "postgresql.log")
         pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -333,8 +334,16 @@ def table_figures(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
         (table,),
     ).fetchone()
     assert row is not None
+    schema = table.split(".", 1)[0] if "." in table else "public"
+    flips = conn.execute(
+        "SELECT coalesce(sum(n_tup_upd), 0) FROM pg_stat_user_tables WHERE schemaname = %s AND relname LIKE %s",
+        (schema, "%state%"),
+    ).fetchone()
     return {
         "vacuuming": int(row[5]),  # an autovacuum of the outbox is running at the sample
+        # updates of the relays' state row so far (the idle flag: set after an empty
+        # claim, cleared by a notification): each leaves a dead version while vacuum is held
+        "state_updates": int(flips[0]) if flips else 0,
         "heap_mb": round(row[0] / 2**20, 1),
         "index_mb": round(row[1] / 2**20, 1),
         "dead_tuples": int(row[2] or 0),

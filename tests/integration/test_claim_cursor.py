@@ -9,6 +9,7 @@ Real PostgreSQL, concurrent writers whose transactions commit out of id order.
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from typing import Any
@@ -244,6 +245,57 @@ def test_queue_gauges_start_where_fast_claims_start_under_a_held_snapshot(
         full_buffers = _explain_buffers(pg_dsn, backlog, {"cap": 1000, **bound_params(None)})
         bounded_buffers = _explain_buffers(pg_dsn, backlog, {"cap": 1000, **bound_params(bounds)})
         assert bounded_buffers * 5 < full_buffers, (bounded_buffers, full_buffers)
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_held_snapshot(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """An ANALYZE taken while vacuum is held back sees a few live rows among many dead
+    versions; the claim's UPDATE and the finalize must still find their rows by
+    primary key (their planner settings), never by reading the whole heap."""
+    from outbox_relay.db.delivery import CLAIM_SETTINGS, FINALIZE_SETTINGS, finalize_params
+    from outbox_relay.model import FinalizeItem
+
+    holder = psycopg.connect(pg_dsn)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1").fetchone()
+    try:
+        seen: dict[int, int] = {}
+        insert = (
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'order', 'a', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, 1000)"
+        )
+        for _ in range(15):
+            run_sql(pg_dsn, table, insert)
+            while _claim_all(store, seen, batch=1000):
+                pass
+        run_sql(pg_dsn, table, insert)
+        run_sql(pg_dsn, table, "ANALYZE {t}")
+        claimed = store.claim(owner="t", batch=1000, lease_seconds=30, max_attempts=5)
+        assert len(claimed.rows) == 1000
+        items = [FinalizeItem(r.id, r.lease_version, "done") for r in claimed.rows]
+
+        def plan_text(query: Any, params: dict[str, Any], settings: dict[str, str]) -> str:
+            with psycopg.connect(pg_dsn) as conn:  # a transaction: rolled back, nothing finalized
+                for name, value in settings.items():
+                    conn.execute("SELECT set_config(%s, %s, true)", (name, value))
+                rows = conn.execute(sql.SQL("EXPLAIN ") + query, params).fetchall()
+                conn.rollback()
+            return "\n".join(r[0] for r in rows)
+
+        finalize_plan = plan_text(store.sql.query("finalize"), finalize_params(items), FINALIZE_SETTINGS)
+        whole_table = re.compile(r"Seq Scan on outbox\b")  # the outbox, not its state table
+        assert not whole_table.search(finalize_plan), finalize_plan
+        claim_params = {
+            "owner": "t", "batch": 1000, "lease_seconds": 30.0, "max_attempts": 5, "max_batch_bytes": 2**62,
+            "candidates": 1000, "max_message_bytes": None, "excluded_types": [],
+        }  # fmt: skip
+        claim_plan = plan_text(store.sql.query("claim"), claim_params, CLAIM_SETTINGS)
+        assert not whole_table.search(claim_plan), claim_plan
+        assert store.mark_done([(r.id, r.lease_version) for r in claimed.rows]) == {r.id for r in claimed.rows}
     finally:
         holder.rollback()
         holder.close()

@@ -371,6 +371,14 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 -- - the finalize (and the heartbeat's extend_lease, the same join) reads the processing
 --   index with an index scan, never a bitmap scan
 --   (see "finalize").
+-- - neither reads the whole table (enable_seqscan = off): the claim's UPDATE finds its
+--   picked rows, the finalize its batch, by primary key. An ANALYZE taken while vacuum
+--   is held back sees a few thousand live rows in a table of hundreds of MB of dead
+--   versions; the planner then chose a sequential scan of the whole heap for the
+--   finalize's DELETE and UPDATE and the claim's UPDATE (1.5-2.5 s each instead of
+--   ~10 ms, for the minute until the next ANALYZE: delivery stalled, backlog 109 000).
+--   With it, jit = off: before PostgreSQL 18 a disabled node still costs 1e10, over
+--   jit_above_cost, and JIT-compiling the statement took 1.5 s on every call.
 -- Also carries the transaction_pooler's statement_timeout when the statement needs
 -- one (pooler.py).
 SELECT set_config(name, value, true) FROM unnest(%s::text[], %s::text[]) AS s(name, value)
