@@ -17,9 +17,10 @@ Every source is in one of three states:
   alone for a full-jitter back-off (up to ``error_cap_seconds``) and then probed
   again; other sources are never made to wait for it.
 
-The bound this gives a quiet source: once its probe has seen a due row, the next
-worker that ends its current batch claims it (ahead of the sources already in the
-ring; only other sources that became due before it go first). Each worker looks for
+The bound this gives a quiet source: once its probe has seen a due row, the relay's
+lane for just-due sources (``next_fresh``) claims it at once if it is free, else the
+next worker that ends its current batch (ahead of the sources already in the ring;
+only other sources that became due before it go first). Each worker looks for
 work after every batch, so with ``workers`` workers that is at most one batch of the
 busy sources per worker, and usually a fraction of one. The probe adds up to
 ``probe_max_seconds`` of detection delay while the source was idle (less for a source
