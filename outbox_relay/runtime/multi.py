@@ -4,7 +4,10 @@
 (``sources.py``). Each source has its own small connection pool, lease keeper and
 gauges (``SourceRuntime``); the worker threads are shared and pick sources through the
 ``SourceScheduler`` (round-robin over sources with due rows, probes with back-off for
-idle and failing ones: scheduler.py states the fairness bound).
+idle and failing ones: scheduler.py states the fairness bound). The workers pipeline
+as a single-source relay's do (claim of the next batch while the previous one is
+acknowledged; one ``Submitter`` thread builds and submits every full batch), and one
+more thread, the lane, claims sources the moment they become due.
 
 Idle sources are found by polling, not LISTEN: a LISTEN needs a session per database
 held open and read by someone, a probe is one indexed ``EXISTS`` per
