@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -71,6 +72,13 @@ def parse_args() -> argparse.Namespace:
         help="default: RESET the table's autovacuum storage parameters after migrate "
         "(PostgreSQL's defaults), to measure what the settings migrate chooses change",
     )
+    p.add_argument(
+        "--explain-slower-ms",
+        type=int,
+        help="embedded PostgreSQL only: log the plan (ANALYZE, BUFFERS) of every statement slower than this "
+        "(auto_explain) into --server-log",
+    )
+    p.add_argument("--server-log", help="embedded PostgreSQL only: write its log (and auto_explain plans) here (a dir)")
     return p.parse_args()
 
 
@@ -89,7 +97,24 @@ def database(args: argparse.Namespace) -> Any:
     pg = EmbeddedPostgres(base_dir=tmp).start()
     try:
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
-            conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+            preload = "pg_stat_statements" + (",auto_explain" if args.explain_slower_ms is not None else "")
+            conn.execute(sql.SQL("ALTER SYSTEM SET shared_preload_libraries = {}").format(sql.Literal(preload)))
+            if args.server_log:
+                Path(args.server_log).mkdir(parents=True, exist_ok=True)
+                conn.execute("ALTER SYSTEM SET logging_collector = on")
+                log_dir = str(Path(args.server_log).resolve())
+                conn.execute(sql.SQL("ALTER SYSTEM SET log_directory = {}").format(sql.Literal(log_dir)))
+                conn.execute("ALTER SYSTEM SET log_checkpoints = on")
+                conn.execute("ALTER SYSTEM SET log_autovacuum_min_duration = 0")
+            if args.explain_slower_ms is not None:
+                for name, value in (
+                    ("auto_explain.log_min_duration", str(args.explain_slower_ms)),
+                    ("auto_explain.log_analyze", "on"),
+                    ("auto_explain.log_buffers", "on"),
+                    ("auto_explain.log_wal", "on"),
+                    ("auto_explain.log_timing", "off"),  # per-node timing costs more than it tells here
+                ):
+                    conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
             conn.execute("ALTER SYSTEM SET max_prepared_transactions = 10")
             conn.execute("ALTER SYSTEM SET max_connections = 200")
         pg.stop_server()
@@ -275,27 +300,41 @@ class Holder:
 
 
 # --- sampling ----------------------------------------------------------------------------
+# A fast claim (claim_cursor.py) passes its start bounds as parameters: the same one twice
+# in its lease bound. A full claim has them written as NULL (normalized by
+# pg_stat_statements into two different $n, or left as NULL). A relay before that split
+# has one statement only: all its claims count as "full" here.
+FAST_CLAIM = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
+
+
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
-    """(calls, total ms) of the claim and finalize statements since the last reset."""
-    out = {}
-    for name, prefix in (("claim", CLAIM_PREFIX), ("finalize", FINALIZE_PREFIX)):
-        row = conn.execute(
-            "SELECT coalesce(sum(calls), 0), coalesce(sum(total_exec_time), 0) "
-            "FROM pg_stat_statements WHERE query LIKE %s",
-            (prefix + "%",),
-        ).fetchone()
-        out[name] = (int(row[0]), float(row[1])) if row else (0, 0.0)
+    """(calls, total ms) of the claim (all, full, fast) and finalize statements since the last reset."""
+    out = {"claim": (0, 0.0), "claim_full": (0, 0.0), "claim_fast": (0, 0.0), "finalize": (0, 0.0)}
+    rows = conn.execute(
+        "SELECT query, calls, total_exec_time FROM pg_stat_statements WHERE query LIKE %s OR query LIKE %s",
+        (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"),
+    ).fetchall()
+    for text, calls, total in rows:
+        if text.startswith(FINALIZE_PREFIX):
+            names = ["finalize"]
+        else:
+            match = FAST_CLAIM.search(text)
+            names = ["claim", "claim_fast" if match and match.group(1) == match.group(2) else "claim_full"]
+        for name in names:
+            out[name] = (out[name][0] + int(calls), out[name][1] + float(total))
     return out
 
 
 def table_figures(conn: psycopg.Connection[Any], table: str) -> dict[str, Any]:
     row = conn.execute(
-        "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid), s.n_dead_tup, s.autovacuum_count, s.vacuum_count "
+        "SELECT pg_relation_size(c.oid), pg_indexes_size(c.oid), s.n_dead_tup, s.autovacuum_count, s.vacuum_count, "
+        "(SELECT count(*) FROM pg_stat_progress_vacuum AS v WHERE v.relid = c.oid) "
         "FROM pg_class AS c LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid WHERE c.oid = %s::regclass",
         (table,),
     ).fetchone()
     assert row is not None
     return {
+        "vacuuming": int(row[5]),  # an autovacuum of the outbox is running at the sample
         "heap_mb": round(row[0] / 2**20, 1),
         "index_mb": round(row[1] / 2**20, 1),
         "dead_tuples": int(row[2] or 0),
@@ -367,6 +406,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
             phase = "baseline" if not held else ("held" if not released else "released")
             sample = {
                 "t": round(now - t0),
+                "at": time.strftime("%H:%M:%S"),  # wall clock, to match the server log
                 "phase": phase,
                 "written": writer.written,
                 "delivered": delivered,
@@ -375,6 +415,13 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 "lag_s": round(writer.lag_seconds(delivered, now), 2),
                 "claim_ms": round(window["claim"][1] / window["claim"][0], 2) if window["claim"][0] else None,
                 "claims": window["claim"][0],
+                "full_claims": window["claim_full"][0],
+                "full_claim_ms": (
+                    round(window["claim_full"][1] / window["claim_full"][0], 2) if window["claim_full"][0] else None
+                ),
+                "fast_claim_ms": (
+                    round(window["claim_fast"][1] / window["claim_fast"][0], 2) if window["claim_fast"][0] else None
+                ),
                 "finalize_ms": (
                     round(window["finalize"][1] / window["finalize"][0], 2) if window["finalize"][0] else None
                 ),

@@ -43,6 +43,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# A full claim that fails faster than this (or than fast_above_seconds) is tried again
+# by the next claim; a slower one waits for its interval (DueCursor.failed).
+QUICK_FAILURE_SECONDS = 1.0
+
 Key = tuple[dt.datetime, int]  # (available_at, id): the order of the due index
 
 
@@ -61,6 +65,14 @@ class ClaimOutcome:
     lowest: Key | None = None  # the lowest due key it claimed
     database_now: dt.datetime | None = None  # the statement's now()
     leases_exhausted: bool = False  # its expired-lease scan did not stop at its LIMIT
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeBounds:
+    """Lower bounds of the queue gauges' index scans (the fast claims' starts)."""
+
+    due_from: Key  # the pending index from this (available_at, id)
+    leases_from: dt.datetime | None  # the processing index from this lease_until (None: the front)
 
 
 class DueCursor:
@@ -139,18 +151,40 @@ class DueCursor:
                         self._leases_from = floor
             self._expire(now)
 
-    def failed(self, plan: ClaimPlan) -> None:
-        """A claim that raised: a full one is tried again by the next claim."""
+    def failed(self, plan: ClaimPlan, elapsed_seconds: float = 0.0) -> None:
+        """A claim that raised. A full one that failed quickly (a connection lost) is
+        tried again by the next claim; one that ran for a while (its statement timeout:
+        right after a long-held horizon ends, the first scan from the front prunes and
+        marks dead every entry it passes) counts as a full claim that long, so the next
+        one comes after its interval — not at once, which would keep one worker in
+        failing full claims while the fast claims go on."""
         with self._lock:
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
-                self._last_full_at = float("-inf")
+                if elapsed_seconds < max(self._fast_above, QUICK_FAILURE_SECONDS):
+                    self._last_full_at = float("-inf")
+                else:  # its interval counts from its end
+                    self._last_full_at = self._clock()
+                    self._full_costs.append(elapsed_seconds)
+                    full = len(self._full_costs) == self._full_costs.maxlen
+                    self._full_cost = min(self._full_costs) if full else 0.0
 
     def start_key(self) -> Key | None:
         """Where a fast claim would start now (None: from the front)."""
         with self._lock:
             self._expire(self._clock())
             return self._start()
+
+    def gauge_bounds(self) -> GaugeBounds | None:
+        """Where the queue gauges may start their index scans: where fast claims start,
+        while they are in use (full claims slow: dead entries pile up at the front);
+        None while full claims are cheap (the gauges read from the front, exactly)."""
+        with self._lock:
+            self._expire(self._clock())
+            start = self._start()
+            if start is None or self._full_cost < self._fast_above:
+                return None
+            return GaugeBounds(due_from=start, leases_from=self._leases_from)
 
     def _expire(self, now: float) -> None:
         while self._window and now - self._window[0][0] > self._lag:

@@ -117,7 +117,7 @@ class DeliveryOps(StoreCore):
                 ordering, params, rows, plan, outcomes, run_length=run_length, ordered_after=ordered_after
             )
         except BaseException:
-            self.due_cursor.failed(plan)
+            self.due_cursor.failed(plan, time.monotonic() - started)
             raise
         self.due_cursor.end(plan, outcomes, time.monotonic() - started)
         return result
@@ -219,7 +219,9 @@ class DeliveryOps(StoreCore):
         saw to ``outcomes``, for the claim cursor), return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
-        execute_with_settings(cur, self._claim_statement, params, CLAIM_SETTINGS)
+        fast = any(params.get(name) is not None for name in ("from_at", "leases_from"))
+        statement = self._claim_statement if fast else self._full_claim_statement
+        execute_with_settings(cur, statement, params, CLAIM_SETTINGS)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
         expired_seen = 0

@@ -7,12 +7,14 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from psycopg import errors as pg_errors
 from psycopg import sql
 
 from ..core.ordering import OrderingRule
 from ..errors import DatabaseUnavailable
+from .claim_cursor import GaugeBounds
 from .store_core import Count, StoreCore
 from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
 
@@ -32,6 +34,18 @@ class Stats:
     attempts: dict[int, int]
     blocked_aggregates: list[tuple[str, int]]
     estimated_statuses: list[str] = field(default_factory=list)  # counts above the exact-count cap
+    # The pending and processing figures were read from where this store's fast claims
+    # start (vacuum held back: see bound_params), not from the front of their indexes.
+    bounded: bool = False
+
+
+def bound_params(bounds: GaugeBounds | None) -> dict[str, Any]:
+    """The lower bounds of the queue gauges' index scans as query parameters (monitoring.sql
+    stats_backlog says why). None: every bound NULL, the scans start at the front."""
+    if bounds is None:
+        return {"from_at": None, "from_id": None, "leases_from": None}
+    from_at, from_id = bounds.due_from
+    return {"from_at": from_at, "from_id": from_id, "leases_from": bounds.leases_from}
 
 
 class MonitoringOps(StoreCore):
@@ -45,8 +59,14 @@ class MonitoringOps(StoreCore):
         count_cap: int = 100_000,
         blocked_limit: int = 100,
     ) -> Stats:
-        """The monitoring reads (depth per status, oldest pending age, blocked aggregates), one read-only snapshot."""
+        """The monitoring reads (depth per status, oldest pending age, blocked aggregates), one read-only snapshot.
+
+        While this store's claims start past dead index entries (vacuum held back), the
+        pending and processing figures start there too, so their cost does not grow
+        with the age of the horizon (``Stats.bounded``)."""
         ordering = OrderingRule.of(ordered_types)
+        bounds = self.due_cursor.gauge_bounds()
+        bound = bound_params(bounds)
         with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
@@ -59,7 +79,7 @@ class MonitoringOps(StoreCore):
             if include_depth:
                 unknown: list[str] = []  # done rows in a table above the cap (no index counts them)
                 for status, n in conn.execute(
-                    self.sql.query("stats_depth"), {"cap": count_cap, "table": self.sql.regclass_text}
+                    self.sql.query("stats_depth"), {"cap": count_cap, "table": self.sql.regclass_text, **bound}
                 ).fetchall():
                     if n is None:
                         unknown.append(status)
@@ -80,10 +100,10 @@ class MonitoringOps(StoreCore):
                         estimated.append(status)
             attempts: dict[int, int] = {}
             oldest_age = 0.0
-            for a, n, age in conn.execute(self.sql.query("stats_backlog"), {"cap": count_cap}).fetchall():
+            for a, n, age in conn.execute(self.sql.query("stats_backlog"), {"cap": count_cap, **bound}).fetchall():
                 attempts[int(a)] = int(n)
                 oldest_age = max(oldest_age, float(age))
-            expired = conn.execute(self.sql.query("stats_expired")).fetchone()
+            expired = conn.execute(self.sql.query("stats_expired"), bound).fetchone()
             blocked: list[tuple[str, int]] = []
             dead_rows = depth["dead"] if include_depth else None
             if ordering.enabled and dead_rows != 0:  # no dead row, no blocked aggregate
@@ -110,6 +130,7 @@ class MonitoringOps(StoreCore):
             expired_leases=int(expired[0]) if expired else 0,
             attempts=attempts,
             blocked_aggregates=blocked,
+            bounded=bounds is not None,
         )
 
     def xmin_horizon(self, *, limit: int = 5, timeout_ms: int | None = None) -> XminHorizon:
@@ -144,7 +165,9 @@ class MonitoringOps(StoreCore):
         """Rows per status, counted exactly from each status's partial index while the
         shared budget lasts; a status whose count runs out is a lower bound. Counted
         in the order dead, pending, processing, done (done has no index and is usually
-        the largest: it gets what is left of the budget)."""
+        the largest: it gets what is left of the budget). Pending and processing start
+        where this store's fast claims start while it uses them (see ``stats``)."""
+        bound = bound_params(self.due_cursor.gauge_bounds())
         order = [s for s in ("dead", "pending", "processing", "done") if s in statuses]
         deadline = time.monotonic() + budget_ms / 1000.0
         out: dict[str, Count] = {}
@@ -153,7 +176,7 @@ class MonitoringOps(StoreCore):
                 left_ms = max(1, int((deadline - time.monotonic()) * 1000))
                 out[status] = self._bounded_count(
                     self.sql.query("status_count_upto", status=sql.Literal(status)),
-                    {},
+                    bound,
                     first_upto=first_upto,
                     budget_ms=left_ms,
                     indexed=status in INDEXED_STATUSES,

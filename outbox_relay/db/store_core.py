@@ -185,6 +185,10 @@ class StoreCore:
             leases_from=sql.Placeholder("leases_from"),
             claim_report=sql.SQL(EXECUTABLE["claim_report"]),
         )
+        # A full claim (from the front of both indexes) is the statement with its start
+        # bounds written as NULL: the plan of the claim without bounds, and an entry of
+        # its own in pg_stat_statements, so full and fast claims are measured apart.
+        self._full_claim_statement = self.sql.query("claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]))
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:

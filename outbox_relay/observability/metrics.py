@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +121,24 @@ class RelayMetrics(PublisherObserver):
             ["topic"],
             registry=r,
         )
+        self.producer_errors_total = Counter(
+            "outbox_relay_producer_errors",
+            "Errors the broker client reported, by librdkafka error name (NOT_ENOUGH_REPLICAS, _MSG_TIMED_OUT, "
+            "_TRANSPORT, _ALL_BROKERS_DOWN, ...) and source: delivery (one per failed message, from its delivery "
+            "report) or client (the client's error callback: a broker connection failed, all brokers down).",
+            ["source", "code"],
+            registry=r,
+        )
+        self.unwritable_partitions_gauge = Gauge(
+            "outbox_relay_unwritable_partitions",
+            "Partitions whose last messages failed and that took none since, by cause: no_leader, "
+            "leader_unreachable, not_enough_replicas (fewer in-sync replicas than the topic's "
+            "min.insync.replicas, or a NOT_ENOUGH_REPLICAS refusal), not_acknowledged (the leader answers but "
+            "acknowledged nothing before the delivery timeout), refused (another error code). Kafka only; "
+            "refreshed with librdkafka's statistics.",
+            ["cause"],
+            registry=r,
+        )
         self.stats_refresh_errors_total = Counter(
             "outbox_relay_stats_refresh_errors", "Failed gauge refreshes.", registry=r
         )
@@ -221,6 +239,13 @@ class RelayMetrics(PublisherObserver):
 
     def topic_missing(self, topic: str) -> None:
         self.missing_topic_deferrals_total.labels(topic=topic).inc()
+
+    def producer_errors(self, source: str, code: str, count: int = 1) -> None:
+        self.producer_errors_total.labels(source=source, code=code).inc(count)
+
+    def unwritable_partitions(self, by_cause: Mapping[str, int]) -> None:
+        for cause, count in by_cause.items():
+            self.unwritable_partitions_gauge.labels(cause=cause).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

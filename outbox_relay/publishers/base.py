@@ -98,6 +98,12 @@ def build_message(row: Claimed, topic_template: str | WireFormat, ordering: Orde
     )
 
 
+def not_ready_because(state: str, trouble: str | None) -> str:
+    """The ``/readyz`` text of a target that does not take messages: ``state`` (breaker
+    open, no answer) and, when the publisher knows it, why (``Publisher.trouble``)."""
+    return f"not ready: {state}" if trouble is None else f"not ready: {state} ({trouble})"
+
+
 # --- the contract --------------------------------------------------------------------------
 class PendingBatch(abc.ABC):
     """A submitted batch whose outcomes are collected by ``wait``."""
@@ -177,6 +183,13 @@ class Publisher(abc.ABC):
     def held_back(self) -> str | None:
         """Why some messages wait although the target answers (Kafka: topics whose ACL
         refuses this principal, or missing topics), for ``/readyz``; None when nothing is held back."""
+        return None
+
+    def trouble(self) -> str | None:
+        """Why the target does not take messages, as far as the publisher knows (Kafka:
+        partitions without enough in-sync replicas or without a reachable leader, brokers
+        down), for ``/readyz`` while the circuit breaker is open or the target does not
+        answer. None: nothing known. Never include credentials."""
         return None
 
     def abort(self) -> None:

@@ -29,6 +29,7 @@ from ..errors import BrokerRefused
 from ..model import Defer, Message, NotDelivered, Outcome, PermanentError, RetryableError, SpanAttributes
 from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
 from .base import PendingBatch, Publisher
+from .kafka_diagnosis import KafkaDiagnosis
 from .kafka_isolation import RejectionIsolator  # one bad record must not condemn its whole record batch
 
 if TYPE_CHECKING:
@@ -51,6 +52,10 @@ TRANSPORT_CODES = frozenset(
         E._PURGE_INFLIGHT,
         E._RESOLVE,
         E._DESTROY,
+        # Too few in-sync replicas for acks=all: a state of the cluster, the same for every
+        # message to the partition (the producer retries it until its delivery timeout).
+        E.NOT_ENOUGH_REPLICAS,
+        E.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
         # Authorization and authentication fail for every message alike: usually an ACL or
         # credential mistake during a deploy. Treated as an outage (breaker, attempts
         # refunded) rather than dead-lettering the whole backlog.
@@ -134,8 +139,11 @@ class _ProducerLog:
         self._minimum = SYSLOG_TO_STDLIB.get(forward_level, logging.DEBUG)
 
     def log(self, level: int, msg: str, *args: Any) -> None:
-        if len(args) == 3 and args[0] == "FAIL":
-            self._publisher.connection_failed(str(args[2]))
+        if len(args) == 3:
+            if args[0] == "FAIL":
+                self._publisher.connection_failed(str(args[2]))
+            elif args[0] == "MSGSET":  # debug=msg only: a produce request's refusal, before its retry
+                self._publisher.diagnosis.debug_line(str(args[2]))
         if level >= self._minimum:
             self._logger.log(level, msg, *args)
 
@@ -147,6 +155,15 @@ AUTHORIZATION_RETRY_SECONDS = 15.0
 #: How long /readyz keeps naming a refused topic after its last refusal.
 REFUSED_TOPIC_MEMORY_SECONDS = 3 * AUTHORIZATION_RETRY_SECONDS
 
+
+#: How often librdkafka hands over its statistics (brokers' connection states, partitions'
+#: leaders) for the diagnosis of /readyz; ``kafka.extra`` may set another interval.
+STATISTICS_INTERVAL_MS = 5000
+#: How long a lookup of a topic's min.insync.replicas may take (in its own thread).
+MIN_INSYNC_LOOKUP_SECONDS = 3.0
+# What an admin client for that lookup takes from the producer's configuration.
+_ADMIN_KEYS = ("bootstrap.servers", "client.id", "security.protocol", "client.dns.lookup", "broker.address.family")
+_ADMIN_PREFIXES = ("sasl.", "ssl.", "socket.")
 
 #: At most this many distinct topics of one batch are looked up after delivery
 #: timeouts (each lookup waits up to MISSING_TOPIC_LOOKUP_SECONDS).
@@ -282,11 +299,14 @@ class _BatchWaiter:
         if err is None:
             if owner.refused_topics:
                 owner.topic_accepted(msg.topic())
+            if owner.diagnosis.troubled and owner.diagnosis.delivered(msg.topic(), msg.partition()):
+                owner.report_unwritable()
             if owner.duplicate_sequence_ack(self._generation, msg):
                 self.settle(index, RetryableError(UNPROVEN_ACK))
                 return
             self.settle(index, None, time.time() - self._created[index])
             return
+        owner.delivery_failed(err, msg)
         if err.code() in REPLACE_CODES:
             self._owner.request_replacement(f"delivery error {err.name()}")
         elif err.code() == E.TOPIC_AUTHORIZATION_FAILED:
@@ -326,6 +346,10 @@ class KafkaPublisher(Publisher):
         # Topics the broker refused writes to (TOPIC_AUTHORIZATION_FAILED, or
         # UNKNOWN_TOPIC_OR_PART: not created): topic -> (monotonic time, error name).
         self.refused_topics: dict[str, tuple[float, str]] = {}
+        # Why the cluster does not take messages, for /readyz and the metrics.
+        self.diagnosis = KafkaDiagnosis()
+        self._min_insync_lookup: threading.Thread | None = None
+        self._admin: Any = None
         # Diagnostics (OUTBOX_RELAY_DELIVERY_LOG): every delivery report to a file.
         self.delivery_log = DeliveryLog.from_environment()
         # The messages of a refused record batch are judged one by one: one bad record must not condemn the rest.
@@ -339,6 +363,9 @@ class KafkaPublisher(Publisher):
     def _new_producer(self) -> Producer:
         conf = dict(self._config)
         conf["error_cb"] = self._on_error
+        # Brokers' connection states and partitions' leaders, for the diagnosis.
+        conf["stats_cb"] = self._on_statistics
+        conf.setdefault("statistics.interval.ms", STATISTICS_INTERVAL_MS)
         # librdkafka's own log lines go through the stdlib logger (served by poll()),
         # and from there through structlog: one structured, rate-limited line each.
         # A listener that never answers the TLS ClientHello (a plaintext one) is
@@ -396,6 +423,7 @@ class KafkaPublisher(Publisher):
                     pass
             producer.flush(timeout_seconds)
         self.isolation.close(timeout_seconds, discard_queued=self.aborting.is_set())  # its re-sends too
+        self._admin = None  # the min.insync.replicas lookups' client, if one was made
 
     def duplicate_sequence_ack(self, generation: int, msg: Any) -> bool:
         """True if this successful delivery report came from a DUPLICATE_SEQUENCE_NUMBER
@@ -446,6 +474,8 @@ class KafkaPublisher(Publisher):
     # --- health ----------------------------------------------------------------------
     def _on_error(self, err: KafkaError) -> None:
         code = err.code()
+        self.observer.producer_errors("client", err.name())
+        self.diagnosis.client_error(err.name(), err.str())
         if is_refusal(err):
             # Credentials or certificates: a start-up probe reports this instead of waiting.
             self._refusal = f"{err.name()}: {err.str()}"
@@ -483,6 +513,11 @@ class KafkaPublisher(Publisher):
                 break  # the cluster does not answer: an outage, not a missing topic
             if meta is not None and meta.error is not None and meta.error.code() == E.UNKNOWN_TOPIC_OR_PART:
                 missing.add(topic)
+            elif meta is not None and meta.error is None:
+                self.diagnosis.metadata(topic, meta.partitions)
+                if self.diagnosis.under_replicated(topic) and self.diagnosis.min_insync_wanted(topic):
+                    self._read_min_insync(topic)
+        self.report_unwritable()
         if not missing:
             return outcomes
         result = list(outcomes)
@@ -517,6 +552,63 @@ class KafkaPublisher(Publisher):
                 retry_seconds=AUTHORIZATION_RETRY_SECONDS,
                 suppressed=suppressed,
             )
+
+    # --- why the cluster does not take messages (kafka_diagnosis.py) ----------------------
+    def delivery_failed(self, err: KafkaError, msg: Any) -> None:
+        """A delivery report with an error (poll thread): count it, remember its partition."""
+        self.observer.producer_errors("delivery", err.name())
+        try:
+            topic, partition = msg.topic(), msg.partition()
+        except Exception:  # a report without its message: nothing to place
+            return
+        if topic is not None and partition is not None:
+            self.diagnosis.delivery_failed(topic, partition, err.name())
+
+    def _on_statistics(self, stats_json: str) -> None:
+        self.diagnosis.statistics(stats_json)
+        self.report_unwritable()
+
+    def report_unwritable(self) -> None:
+        self.observer.unwritable_partitions(self.diagnosis.unwritable_partitions())
+
+    def trouble(self) -> str | None:
+        return self.diagnosis.reason()
+
+    def _read_min_insync(self, topic: str) -> None:
+        """Read the topic's min.insync.replicas in a thread of its own (one at a time):
+        the worker that asked has a batch to finalize within its lease."""
+        with self._lock:
+            running = self._min_insync_lookup
+            if running is not None and running.is_alive():
+                return
+            self.diagnosis.min_insync(topic, None)  # asked: not again before it is due
+            thread = threading.Thread(target=self._min_insync_of, args=(topic,), name="kafka-min-insync", daemon=True)
+            self._min_insync_lookup = thread
+        thread.start()
+
+    def _min_insync_of(self, topic: str) -> None:
+        # ConfigResource is public API, only not listed in the package's __all__.
+        from confluent_kafka.admin import AdminClient, ConfigResource  # type: ignore[attr-defined]
+
+        value: int | None = None
+        try:
+            if self._admin is None:
+                conf = {k: v for k, v in self._config.items() if k in _ADMIN_KEYS or k.startswith(_ADMIN_PREFIXES)}
+                # Its connection errors are the producer's too (reported there); a
+                # lookup that fails is logged below, once.
+                conf["log_level"] = 0
+                self._admin = AdminClient(conf)
+            futures = self._admin.describe_configs(
+                [ConfigResource("topic", topic)], request_timeout=MIN_INSYNC_LOOKUP_SECONDS
+            )
+            for future in futures.values():
+                entry = future.result(timeout=MIN_INSYNC_LOOKUP_SECONDS + 1).get("min.insync.replicas")
+                if entry is not None and entry.value is not None:
+                    value = int(entry.value)
+        except Exception as exc:  # no answer (the controller may be gone too): unknown, said so
+            log.info("could not read the topic's min.insync.replicas", topic=topic, error=str(exc))
+        self.diagnosis.min_insync(topic, value)
+        self.report_unwritable()
 
     def topic_accepted(self, topic: str) -> None:
         if self.refused_topics.pop(topic, None) is not None:

@@ -45,7 +45,7 @@ from ..errors import BrokerUnavailable, ConfigError, DatabaseError, DatabaseRefu
 from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..observability.tracing_factory import make_tracing
-from ..publishers.base import Publisher, load_publisher
+from ..publishers.base import Publisher, load_publisher, not_ready_because
 from .heartbeat import LeaseKeeper
 from .relay import make_store, tune_garbage_collector
 from .scheduler import SourceScheduler, SourceState
@@ -658,9 +658,9 @@ class MultiRelay:
         if not self._started:
             return False, f"not ready: {self._waiting_for or 'starting'}"
         if self.breaker is not None and self.breaker.is_open:
-            return False, "not ready: broker circuit breaker open"
+            return False, not_ready_because("broker circuit breaker open", self.publisher.trouble())
         if not self.publisher.healthy():
-            return False, "not ready: broker unreachable"
+            return False, not_ready_because("broker unreachable", self.publisher.trouble())
         sources = self.source_readiness()
         unready = {name: why for name, why in sources.items() if why is not None}
         ready_count = len(sources) - len(unready)

@@ -26,7 +26,7 @@ from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, Schema
 from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..observability.tracing_factory import make_tracing
-from ..publishers.base import Publisher, load_publisher
+from ..publishers.base import Publisher, load_publisher, not_ready_because
 from .heartbeat import LeaseKeeper
 from .submitter import Submitter
 from .wakeup import NotificationListener, Wakeup
@@ -310,9 +310,9 @@ class Relay:
         if not self.store.ping(timeout_seconds=2.0):
             return False, "not ready: database unreachable"
         if self.breaker is not None and self.breaker.is_open:
-            return False, "not ready: broker circuit breaker open"
+            return False, not_ready_because("broker circuit breaker open", self.publisher.trouble())
         if not self.publisher.healthy():
-            return False, "not ready: broker unreachable"
+            return False, not_ready_because("broker unreachable", self.publisher.trouble())
         held_back = self.publisher.held_back()
         if held_back is not None:
             return False, f"not ready: {held_back}"

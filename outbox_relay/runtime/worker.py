@@ -470,7 +470,10 @@ class Worker:
         if self.breaker is not None:
             if outage:
                 failures = sum(1 for o in outcomes if o is not None and not isinstance(o, NotDelivered))
-                self.breaker.trip(f"{failures} transport failures and no delivery in one batch")
+                why = self.publisher.trouble()  # what the target's client knows of the outage
+                self.breaker.trip(
+                    f"{failures} transport failures and no delivery in one batch" + (f": {why}" if why else "")
+                )
             elif any(o is None for o in outcomes):
                 self.breaker.record_delivery()
         trace.finalizing()

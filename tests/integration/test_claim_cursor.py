@@ -26,8 +26,8 @@ INSERT = (
 )
 
 
-def _claim_all(store: OutboxStore, seen: dict[int, int], *, batch: int = 50) -> int:
-    result = store.claim(owner="t", batch=batch, lease_seconds=30, max_attempts=5)
+def _claim_all(store: OutboxStore, seen: dict[int, int], *, batch: int = 50, lease_seconds: float = 30) -> int:
+    result = store.claim(owner="t", batch=batch, lease_seconds=lease_seconds, max_attempts=5)
     for row in result.rows:
         seen[row.id] = seen.get(row.id, 0) + 1
     if result.rows:
@@ -177,6 +177,73 @@ def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, 
         full_buffers = due_scan_buffers(None)
         fast_buffers = due_scan_buffers(start)
         assert fast_buffers * 10 < full_buffers, (fast_buffers, full_buffers)
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def _explain_buffers(dsn: str, query: Any, params: dict[str, Any]) -> int:
+    """Shared buffers (hit + read) of one statement, from EXPLAIN (ANALYZE, BUFFERS)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET enable_bitmapscan = off")  # as the store's stats() runs it
+        (doc,) = conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + query, params).fetchone()  # type: ignore[misc]
+    plan_node = doc[0]["Plan"]
+    return int(plan_node["Shared Hit Blocks"]) + int(plan_node["Shared Read Blocks"])
+
+
+def test_queue_gauges_start_where_fast_claims_start_under_a_held_snapshot(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """While fast claims are in use, the queue gauges read from their starts: the same
+    figures as a read from the front, at a small fraction of the buffers."""
+    holder = psycopg.connect(pg_dsn)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1").fetchone()
+    try:
+        store.due_cursor = DueCursor(
+            lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
+        )
+        seen: dict[int, int] = {}
+        with psycopg.connect(pg_dsn, autocommit=True) as writer:
+            for _ in range(20):
+                for _ in range(100):
+                    _insert(writer, table, "a")
+                # Short leases: the processing index's dead entries (lease_until in the
+                # past) then lie below where the gauges start reading it.
+                while _claim_all(store, seen, batch=100, lease_seconds=0.2):
+                    pass
+            time.sleep(1.5)  # past the cursor's lease margin (1 s)
+            in_flight = [_insert(writer, table, "b") for _ in range(2)]
+            claimed = store.claim(owner="t", batch=10, lease_seconds=30, max_attempts=5)
+            assert sorted(r.id for r in claimed.rows) == in_flight  # processing, not finalized
+            waiting = [_insert(writer, table, "c") for _ in range(3)]
+        bounds = store.due_cursor.gauge_bounds()
+        assert bounds is not None and bounds.leases_from is not None
+        bounded = store.stats()
+        assert bounded.bounded
+        cold = OutboxStore(pg_dsn, table, pool_size=1)  # its cursor never claimed: from the front
+        cold.open()
+        try:
+            front = cold.stats()
+            exact_front = cold.exact_depth(budget_ms=10_000, statuses=["pending", "processing"])
+        finally:
+            cold.close()
+        assert not front.bounded
+        assert bounded.queue_depth["pending"] == front.queue_depth["pending"] == len(waiting)
+        assert bounded.queue_depth["processing"] == front.queue_depth["processing"] == len(in_flight)
+        assert bounded.attempts == front.attempts == {0: len(waiting), 1: len(in_flight)}
+        assert bounded.expired_leases == front.expired_leases == 0
+        assert 0 < bounded.oldest_pending_age_seconds <= front.oldest_pending_age_seconds
+        exact_bounded = store.exact_depth(budget_ms=10_000, statuses=["pending", "processing"])
+        assert {s: c.n for s, c in exact_bounded.items()} == {s: c.n for s, c in exact_front.items()}
+        assert {s: c.n for s, c in exact_front.items()} == {"pending": len(waiting), "processing": len(in_flight)}
+
+        from outbox_relay.db.monitoring import bound_params
+
+        backlog = store.sql.query("stats_backlog")
+        full_buffers = _explain_buffers(pg_dsn, backlog, {"cap": 1000, **bound_params(None)})
+        bounded_buffers = _explain_buffers(pg_dsn, backlog, {"cap": 1000, **bound_params(bounds)})
+        assert bounded_buffers * 5 < full_buffers, (bounded_buffers, full_buffers)
     finally:
         holder.rollback()
         holder.close()

@@ -85,8 +85,24 @@ def test_a_failed_full_claim_is_retried_by_the_next_claim() -> None:
     clock.now += 100
     plan = cursor.begin()
     assert plan.full
-    cursor.failed(plan)
+    cursor.failed(plan, 0.01)  # quickly: a connection lost
     assert cursor.begin().full
+
+
+def test_a_full_claim_that_ran_out_of_time_comes_again_after_its_interval() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=1.0, rescan_max_seconds=30.0, fast_above_seconds=0.1, clock=clock)
+    for _ in range(3):  # three slow full claims: fast claims in use
+        cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 0.5)
+        clock.now += 100
+    plan = cursor.begin()
+    assert plan.full
+    clock.now += 10
+    cursor.failed(plan, 10.0)  # its statement timeout
+    clock.now += 1
+    assert not cursor.begin().full  # not again at once
+    clock.now += 30
+    assert cursor.begin().full  # after the longest interval
 
 
 def test_fast_claims_start_the_processing_index_where_no_live_lease_was_left() -> None:

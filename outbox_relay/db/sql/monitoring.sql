@@ -15,9 +15,18 @@
 -- all, so a large keep-mode table costs nothing here every refresh.
 -- A status that reaches the cap, and done when NULL, is estimated from the planner's
 -- statistics (stats_status_estimate).
-SELECT 'pending' AS status, count(*) AS n FROM (SELECT 1 FROM {table} WHERE status = 'pending' LIMIT %(cap)s) AS p
+-- %(from_at)s / %(from_id)s and %(leases_from)s (NULL: the front): where the pending and
+-- processing counts start their index scans (see stats_backlog).
+SELECT 'pending' AS status, count(*) AS n
+FROM (SELECT 1 FROM {table}
+      WHERE status = 'pending'
+        AND (%(from_at)s::timestamptz IS NULL OR (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint))
+      LIMIT %(cap)s) AS p
 UNION ALL
-SELECT 'processing', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'processing' LIMIT %(cap)s) AS r
+SELECT 'processing', count(*)
+FROM (SELECT 1 FROM {table}
+      WHERE status = 'processing' AND (%(leases_from)s::timestamptz IS NULL OR lease_until >= %(leases_from)s::timestamptz)
+      LIMIT %(cap)s) AS r
 UNION ALL
 SELECT 'dead', count(*) FROM (SELECT 1 FROM {table} WHERE status = 'dead' LIMIT %(cap)s) AS d
 UNION ALL
@@ -42,16 +51,30 @@ WHERE s.schemaname = coalesce(%(schema)s, current_schema()) AND s.tablename = %(
 -- processing rows (by lease expiry, from {idx_processing}) — the indexes the claim
 -- reads anyway, so no index on created_at costs WAL on every insert and claim. Exact
 -- while the backlog is below the cap; beyond it, figures of the rows due first.
+-- While vacuum is held back, both indexes hold a dead entry for every row delivered
+-- since, all at their front; each costs a heap visit, so reading from the front grows
+-- with the age of the horizon. The relay then passes where its fast claims start
+-- (claim_cursor.py GaugeBounds): the pending index from %(from_at)s / %(from_id)s, the
+-- processing index from %(leases_from)s. Below them lie only rows already delivered,
+-- and rows a full claim is about to take (a writer transaction that committed late);
+-- NULL: from the front, exactly.
 WITH backlog AS (
-    (SELECT created_at, attempts FROM {table} WHERE status = 'pending' ORDER BY available_at, id LIMIT %(cap)s)
+    (SELECT created_at, attempts FROM {table}
+     WHERE status = 'pending'
+       AND (%(from_at)s::timestamptz IS NULL OR (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint))
+     ORDER BY available_at, id LIMIT %(cap)s)
     UNION ALL
-    (SELECT created_at, attempts FROM {table} WHERE status = 'processing' ORDER BY lease_until LIMIT %(cap)s)
+    (SELECT created_at, attempts FROM {table}
+     WHERE status = 'processing' AND (%(leases_from)s::timestamptz IS NULL OR lease_until >= %(leases_from)s::timestamptz)
+     ORDER BY lease_until LIMIT %(cap)s)
 )
 SELECT attempts, count(*) AS n, extract(epoch FROM now() - min(created_at))::float8 AS oldest_age_seconds
 FROM backlog GROUP BY attempts ORDER BY attempts
 
 -- name: stats_expired
-SELECT count(*) AS n FROM {table} WHERE status = 'processing' AND lease_until < now()
+-- %(leases_from)s: as in stats_backlog.
+SELECT count(*) AS n FROM {table}
+WHERE status = 'processing' AND lease_until < now() AND (%(leases_from)s::timestamptz IS NULL OR lease_until >= %(leases_from)s::timestamptz)
 
 -- name: stats_blocked
 -- Aggregates whose earliest unfinished ordered row is dead while ordered rows wait
@@ -119,7 +142,14 @@ SELECT now()
 -- Exact count of one status up to %(upto)s rows (NULL: all), read from that status's
 -- partial index (an index-only scan once the visibility map is set). Done rows have
 -- no index: their count reads the table, so it runs under the count's time budget.
-SELECT count(*) FROM (SELECT 1 FROM {table} WHERE status = {status} LIMIT %(upto)s) AS counted
+-- %(from_at)s / %(from_id)s, %(leases_from)s: the bounds of stats_backlog (pending,
+-- processing); {status} is a literal, so the planner drops the other status's bound.
+SELECT count(*) FROM (
+    SELECT 1 FROM {table}
+    WHERE status = {status}
+      AND ({status} <> 'pending' OR (%(from_at)s::timestamptz IS NULL OR (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint)))
+      AND ({status} <> 'processing' OR (%(leases_from)s::timestamptz IS NULL OR lease_until >= %(leases_from)s::timestamptz))
+    LIMIT %(upto)s) AS counted
 
 -- name: published_per_bucket
 -- Rows finalized done in the last %(window_seconds)s, per bucket of %(bucket_seconds)s

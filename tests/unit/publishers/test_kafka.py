@@ -29,6 +29,8 @@ def test_a_topic_the_acl_refuses_defers_its_rows_without_burning_attempts():
         (KafkaError.INVALID_RECORD, PermanentError, False),
         (KafkaError._MSG_TIMED_OUT, RetryableError, True),
         (KafkaError._TRANSPORT, RetryableError, True),
+        (KafkaError.NOT_ENOUGH_REPLICAS, RetryableError, True),
+        (KafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND, RetryableError, True),
         (KafkaError.NOT_LEADER_FOR_PARTITION, RetryableError, False),
         (KafkaError.UNKNOWN_TOPIC_OR_PART, RetryableError, False),
         (KafkaError.SASL_AUTHENTICATION_FAILED, RetryableError, True),
