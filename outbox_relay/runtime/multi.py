@@ -4,7 +4,10 @@
 (``sources.py``). Each source has its own small connection pool, lease keeper and
 gauges (``SourceRuntime``); the worker threads are shared and pick sources through the
 ``SourceScheduler`` (round-robin over sources with due rows, probes with back-off for
-idle and failing ones: scheduler.py states the fairness bound).
+idle and failing ones: scheduler.py states the fairness bound). The workers pipeline
+as a single-source relay's do (claim of the next batch while the previous one is
+acknowledged; one ``Submitter`` thread builds and submits every full batch), and one
+more thread, the lane, claims sources the moment they become due.
 
 Idle sources are found by polling, not LISTEN: a LISTEN needs a session per database
 held open and read by someone, a probe is one indexed ``EXISTS`` per
@@ -457,7 +460,7 @@ class MultiRelay:
 
     def _start_threads(self) -> None:
         s = self.settings
-        targets: list[tuple[str, Any]] = [("source-prober", self._prober)]
+        targets: list[tuple[str, Any]] = [("source-prober", self._prober), ("fresh-lane", self._fresh_lane)]
         targets += [(f"worker-{i}", self._worker_loop) for i in range(s.relay.workers)]
         for name, target in targets:
             args = (int(name.split("-")[1]),) if name.startswith("worker-") else ()
@@ -534,6 +537,34 @@ class MultiRelay:
                 self._finish(in_flight)
                 in_flight = started
         self._finish(in_flight)
+
+    def _fresh_lane(self) -> None:
+        """One more thread beside the worker pool, for sources that have just become
+        due: it claims such a source as soon as its probe has seen a row, and finishes
+        the batch at once (never pipelined). The pool's workers spend most of a busy
+        drain waiting for their previous batch's acknowledgements; without the lane a
+        quiet source's row would wait for one of them to come back for work. A source
+        the lane finds busy (a full batch) stays due and is served by the pool."""
+        index = self.settings.relay.workers  # its batches' owner is <owner>:w<workers>
+        max_batch_bytes = self.settings.relay.max_batch_bytes
+        while not self.stop_event.is_set():
+            if self.breaker is not None and self.breaker.is_open:
+                self.breaker.wait_closed(timeout=0.5)
+                continue
+            pick = self.scheduler.next_fresh(timeout=0.25)
+            if pick is None:
+                continue
+            name, epoch = pick
+            with self._runtimes_lock:
+                runtime = self.runtimes.get(name)
+            if runtime is None or not runtime.opened or runtime.cfg is None:
+                self.scheduler.done(name)
+                continue
+            if not self.budget.try_reserve(max_batch_bytes):
+                self.scheduler.done(name)  # the budget is full: the pool serves it when it can
+                continue
+            started = self._claim_and_start(runtime, runtime.worker(index, self), epoch, max_batch_bytes)
+            self._finish(started)
 
     def _claim_and_start(
         self, runtime: SourceRuntime, worker: Worker, epoch: int, reserved_bytes: int

@@ -17,9 +17,10 @@ Every source is in one of three states:
   alone for a full-jitter back-off (up to ``error_cap_seconds``) and then probed
   again; other sources are never made to wait for it.
 
-The bound this gives a quiet source: once its probe has seen a due row, the next
-worker that ends its current batch claims it (ahead of the sources already in the
-ring; only other sources that became due before it go first). Each worker looks for
+The bound this gives a quiet source: once its probe has seen a due row, the relay's
+lane for just-due sources (``next_fresh``) claims it at once if it is free, else the
+next worker that ends its current batch (ahead of the sources already in the ring;
+only other sources that became due before it go first). Each worker looks for
 work after every batch, so with ``workers`` workers that is at most one batch of the
 busy sources per worker, and usually a fraction of one. The probe adds up to
 ``probe_max_seconds`` of detection delay while the source was idle (less for a source
@@ -57,6 +58,7 @@ class SourceState:
     active: int = 0  # workers claiming or finishing a batch of this source
     retired: bool = False  # removed: never scheduled again
     claims: int = 0  # claims taken (tests and the status of the scheduler)
+    active_until: float = 0.0  # monotonic time until which an idle source counts as recently active
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -85,6 +87,11 @@ class SourceScheduler:
         self._retiring: dict[str, SourceState] = {}
         self._probe_min = probe_min_seconds
         self._probe_max = max(probe_min_seconds, probe_max_seconds)
+        # A source whose claim found rows a moment ago is probed at least every quarter
+        # of probe_max for ten probe_max: its next row is likely soon, and these probes
+        # cost only the sources that actually have traffic (an idle one backs off fully).
+        self._active_probe_max = max(self._probe_min, self._probe_max / 4)
+        self._active_seconds = 10 * self._probe_max
         self._error_cap = error_cap_seconds
         self._clock = clock
         self._closed = False
@@ -176,6 +183,8 @@ class SourceScheduler:
                 return
             state.failures = 0
             state.last_error = None
+            if rows:
+                state.active_until = self._clock() + self._active_seconds
             if rows < batch_size and state.due_epoch == epoch and state.due:
                 # Nothing more to take right now: back to probing, starting soon (rows
                 # may have been held by other workers' claims a moment ago).
@@ -205,6 +214,26 @@ class SourceScheduler:
             if target is not None and target.active > 0:
                 target.active -= 1
             self._cond.notify_all()
+
+    def next_fresh(self, timeout: float) -> tuple[str, int] | None:
+        """A source that has just become due and has not been claimed since (and its
+        epoch), waiting up to ``timeout``; like ``next_due`` it stays in the ring."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while not self._closed:
+                if self._fresh:
+                    name = self._fresh.popleft()
+                    self._ring.remove(name)
+                    self._ring.append(name)
+                    state = self._states[name]
+                    state.active += 1
+                    state.claims += 1
+                    return name, state.due_epoch
+                left = deadline - self._clock()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return None
 
     def active_of(self, name: str) -> SourceState | None:
         with self._cond:
@@ -245,9 +274,12 @@ class SourceScheduler:
             if has_work:
                 self._mark_due(state)
             else:
-                # Idle: back off (doubling, jittered) up to probe_max.
-                state.probe_delay = min(self._probe_max, max(self._probe_min, state.probe_delay * 2))
-                state.probe_at = self._clock() + state.probe_delay * random.uniform(0.75, 1.0)
+                # Idle: back off (doubling, jittered) up to probe_max (a quarter of it
+                # while the source was recently active).
+                now = self._clock()
+                cap = self._active_probe_max if now < state.active_until else self._probe_max
+                state.probe_delay = min(cap, max(self._probe_min, state.probe_delay * 2))
+                state.probe_at = now + state.probe_delay * random.uniform(0.75, 1.0)
 
     def mark_due(self, names: Iterable[str]) -> None:
         """Something says these sources have work (a full claim, a notification)."""

@@ -287,10 +287,17 @@ def test_a_quiet_source_is_not_held_up_by_another_sources_backlog(databases, bro
     # hands out, and when the quiet source became due.
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
-    next_due, probed = relay.scheduler.next_due, relay.scheduler.probed
+    next_due, next_fresh, probed = relay.scheduler.next_due, relay.scheduler.next_fresh, relay.scheduler.probed
 
     def recording_next_due(timeout: float) -> tuple[str, int] | None:
         pick = next_due(timeout)
+        if pick is not None:
+            with lock:
+                events.append(("claim", pick[0]))
+        return pick
+
+    def recording_next_fresh(timeout: float) -> tuple[str, int] | None:  # the lane for just-due sources
+        pick = next_fresh(timeout)
         if pick is not None:
             with lock:
                 events.append(("claim", pick[0]))
@@ -303,6 +310,7 @@ def test_a_quiet_source_is_not_held_up_by_another_sources_backlog(databases, bro
         probed(name, has_work=has_work, error=error)
 
     relay.scheduler.next_due = recording_next_due  # type: ignore[method-assign]
+    relay.scheduler.next_fresh = recording_next_fresh  # type: ignore[method-assign]
     relay.scheduler.probed = recording_probed  # type: ignore[method-assign]
     try:
         relay.start()

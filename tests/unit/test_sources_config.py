@@ -193,3 +193,29 @@ def test_a_retired_source_is_never_handed_out_and_its_batches_are_awaited():
     assert state.active == 1
     s.done("gone")  # by name, as a worker finishing the batch does
     assert s.wait_inactive("gone", state, timeout=0)
+
+
+def test_the_fresh_lane_takes_only_just_due_sources_and_active_sources_are_probed_sooner():
+    clock = Clock()
+    s = SourceScheduler(clock=clock, probe_min_seconds=0.05, probe_max_seconds=1.0)
+    for name in ("busy", "quiet"):
+        s.add(name)
+    s.probes_due()
+    s.probed("busy", has_work=True)
+    assert s.next_due(0)[0] == "busy"  # claimed since: no longer fresh
+    assert s.next_fresh(0) is None
+    s.probed("quiet", has_work=True)
+    name, epoch = s.next_fresh(0)
+    assert name == "quiet" and s.next_fresh(0) is None
+    s.claimed("quiet", epoch, rows=1, batch_size=100)  # a short claim with a row: idle, recently active
+    delays = []
+    for _ in range(5):
+        clock.now += 1.5
+        assert s.probes_due() == ["quiet"]
+        s.probed("quiet", has_work=False)
+        delays.append(s.state("quiet").probe_delay)
+    assert delays == [0.1, 0.2, 0.25, 0.25, 0.25]  # a quarter of probe_max while recently active
+    clock.now += 10
+    s.probes_due()
+    s.probed("quiet", has_work=False)
+    assert s.state("quiet").probe_delay == 0.5  # quiet for long: the full back-off again
