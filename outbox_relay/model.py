@@ -162,9 +162,9 @@ class PublisherObserver:
     def topic_missing(self, topic: str) -> None:
         """Messages for ``topic`` wait because the target has no such topic and does not create it."""
 
-    def producer_errors(self, source: str, code: str, count: int = 1) -> None:
+    def producer_errors(self, reported_by: str, code: str, count: int = 1) -> None:
         """The client reported ``count`` errors ``code`` (Kafka: librdkafka's error name),
-        ``source`` = ``delivery`` (per message, in delivery reports) or ``client`` (the
+        ``reported_by`` = ``delivery`` (per message, in delivery reports) or ``client`` (the
         client's own error callback: connections, brokers down)."""
 
     def unwritable_partitions(self, by_cause: Mapping[str, int]) -> None:

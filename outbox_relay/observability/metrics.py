@@ -124,9 +124,9 @@ class RelayMetrics(PublisherObserver):
         self.producer_errors_total = Counter(
             "outbox_relay_producer_errors",
             "Errors the broker client reported, by librdkafka error name (NOT_ENOUGH_REPLICAS, _MSG_TIMED_OUT, "
-            "_TRANSPORT, _ALL_BROKERS_DOWN, ...) and source: delivery (one per failed message, from its delivery "
+            "_TRANSPORT, _ALL_BROKERS_DOWN, ...) and reported_by: delivery (one per failed message, from its delivery "
             "report) or client (the client's error callback: a broker connection failed, all brokers down).",
-            ["source", "code"],
+            ["reported_by", "code"],
             registry=r,
         )
         self.unwritable_partitions_gauge = Gauge(
@@ -240,8 +240,8 @@ class RelayMetrics(PublisherObserver):
     def topic_missing(self, topic: str) -> None:
         self.missing_topic_deferrals_total.labels(topic=topic).inc()
 
-    def producer_errors(self, source: str, code: str, count: int = 1) -> None:
-        self.producer_errors_total.labels(source=source, code=code).inc(count)
+    def producer_errors(self, reported_by: str, code: str, count: int = 1) -> None:
+        self.producer_errors_total.labels(reported_by=reported_by, code=code).inc(count)
 
     def unwritable_partitions(self, by_cause: Mapping[str, int]) -> None:
         for cause, count in by_cause.items():

@@ -93,7 +93,7 @@ class OutageWatch:
             cause = named["cause"]
             self.unwritable[cause] = max(self.unwritable[cause], int(value))
         elif name == "outbox_relay_producer_errors_total":
-            self.errors[(named["source"], named["code"])] = value
+            self.errors[(named["reported_by"], named["code"])] = value
 
     def said(self, pattern: str) -> list[str]:
         return [reason for reason in self.reasons if re.search(pattern, reason)]
