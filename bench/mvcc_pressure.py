@@ -508,6 +508,18 @@ def summarize(
     ]
     lags = [s["lag_s"] for s in held]
     final = held[-1] if held else (samples[-1] if samples else {})
+    # After the release: how long until a vacuum removed the dead rows (the first sample
+    # with fewer dead tuples than the one before: a vacuum that started before the
+    # release completes after it having removed nothing), and until the lag was back
+    # under 1 s to stay.
+    released = [s for s in samples if s["phase"] == "released"]
+    release_t = args.baseline_seconds + args.minutes * 60
+    first_vacuum = next(
+        (s for prev, s in zip([final, *released], released, strict=False) if s["dead_tuples"] < prev["dead_tuples"]),
+        None,
+    )
+    lagging = [s for s in released if s["lag_s"] >= 1.0]
+    caught_up = [s for s in released if not lagging or s["t"] > lagging[-1]["t"]]
     return {
         "label": args.label,
         "on_done": on_done,
@@ -529,6 +541,11 @@ def summarize(
         "index_mb_end_of_hold": final.get("index_mb"),
         "dead_tuples_end_of_hold": final.get("dead_tuples"),
         "after_release": samples[-1] if samples else None,
+        "dead_tuples_removed_after_release_s": round(first_vacuum["t"] - release_t) if first_vacuum else None,
+        "lag_under_1s_after_release_s": round(caught_up[0]["t"] - release_t) if caught_up else None,
+        "heap_mb_end_of_run": released[-1]["heap_mb"] if released else None,
+        "index_mb_end_of_run": released[-1]["index_mb"] if released else None,
+        "dead_tuples_end_of_run": released[-1]["dead_tuples"] if released else None,
         "status_named_holder_after_s": named_after,
         "gauge_at_least_1s_after_s": gauge_after,
         "relay_exit": code,
@@ -575,6 +592,11 @@ def main() -> int:
             f"{r['backlog_max']!s:>12}"
             f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
             f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}"
+        )
+        lines.append(
+            f"{'':<8}after the release: dead tuples removed after {r['dead_tuples_removed_after_release_s']} s, "
+            f"lag < 1 s after {r['lag_under_1s_after_release_s']} s; end of run: heap {r['heap_mb_end_of_run']} MB, "
+            f"indexes {r['index_mb_end_of_run']} MB, dead tuples {r['dead_tuples_end_of_run']}"
         )
     c.emit(report, lines, args.json)
     return 0

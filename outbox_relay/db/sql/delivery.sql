@@ -379,6 +379,10 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 --   ~10 ms, for the minute until the next ANALYZE: delivery stalled, backlog 109 000).
 --   With it, jit = off: before PostgreSQL 18 a disabled node still costs 1e10, over
 --   jit_above_cost, and JIT-compiling the statement took 1.5 s on every call.
+-- - the finalize joins its batch's arrays to its rows with a hash join
+--   (enable_nestloop = off): with the same statistics the planner expected one outbox
+--   row and put the unnest of the 1 000-element arrays inside a nested loop, run again
+--   for each of the 1 000 rows (2 s per finalize until the next ANALYZE or vacuum).
 -- Also carries the transaction_pooler's statement_timeout when the statement needs
 -- one (pooler.py).
 SELECT set_config(name, value, true) FROM unnest(%s::text[], %s::text[]) AS s(name, value)
