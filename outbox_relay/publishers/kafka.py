@@ -607,6 +607,10 @@ class KafkaPublisher(Publisher):
                     value = int(entry.value)
         except Exception as exc:  # no answer (the controller may be gone too): unknown, said so
             log.info("could not read the topic's min.insync.replicas", topic=topic, error=str(exc))
+            # The client keeps the cluster view it started with, and may keep sending the
+            # request to a node that is down ("waiting for controller"): the next lookup
+            # starts a fresh client, which asks the nodes that answer now.
+            self._admin = None
         self.diagnosis.min_insync(topic, value)
         self.report_unwritable()
 

@@ -39,8 +39,12 @@ E = KafkaError
 #: How long a failed partition stays in the diagnosis without a new failure. Long enough
 #: to span several delivery timeouts of one outage; a delivery to the partition clears it.
 PARTITION_MEMORY_SECONDS = 120.0
-#: How long a topic's ``min.insync.replicas`` (or the failure to read it) is kept.
+#: How long a topic's ``min.insync.replicas`` is kept.
 MIN_INSYNC_MEMORY_SECONDS = 60.0
+#: How soon a lookup that failed (or is still running) may be tried again. Short: the
+#: failure is usually the outage itself (the admin request went to a node that is down),
+#: and the cluster's view of its live nodes changes within seconds.
+MIN_INSYNC_RETRY_SECONDS = 10.0
 #: At most this many partitions and brokers are named in one reason.
 NAMED_AT_MOST = 5
 
@@ -242,7 +246,10 @@ class KafkaDiagnosis:
         """True if ``topic``'s min.insync.replicas is unknown or due to be read again."""
         with self._lock:
             known = self._min_insync.get(topic)
-        return known is None or self._clock() - known[0] > MIN_INSYNC_MEMORY_SECONDS
+        if known is None:
+            return True
+        kept = MIN_INSYNC_MEMORY_SECONDS if known[1] is not None else MIN_INSYNC_RETRY_SECONDS
+        return self._clock() - known[0] > kept
 
     def min_insync(self, topic: str, value: int | None) -> None:
         """The topic's ``min.insync.replicas`` (None: it could not be read)."""

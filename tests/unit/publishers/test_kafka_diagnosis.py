@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from outbox_relay.publishers.kafka_diagnosis import CAUSES, KafkaDiagnosis, code_name_of
+from outbox_relay.publishers.kafka_diagnosis import (
+    CAUSES,
+    MIN_INSYNC_MEMORY_SECONDS,
+    MIN_INSYNC_RETRY_SECONDS,
+    KafkaDiagnosis,
+    code_name_of,
+)
 
 
 class Clock:
@@ -119,6 +125,21 @@ def test_fewer_in_sync_replicas_than_min_insync_is_named_not_enough_replicas():
         "kafka: NOT_ENOUGH_REPLICAS on strict[0]: 2 of 3 replicas in sync, min.insync.replicas=3"
     )
     assert diagnosis.unwritable_partitions()["not_enough_replicas"] == 1
+
+
+def test_a_failed_min_insync_lookup_is_tried_again_sooner_than_a_known_value_is_refreshed():
+    now = [1000.0]
+    diagnosis = KafkaDiagnosis(clock=lambda: now[0])
+    diagnosis.min_insync("strict", None)  # asked, no answer (the node it asked is down)
+    now[0] += MIN_INSYNC_RETRY_SECONDS - 1
+    assert not diagnosis.min_insync_wanted("strict")
+    now[0] += 2
+    assert diagnosis.min_insync_wanted("strict")
+    diagnosis.min_insync("strict", 3)
+    now[0] += MIN_INSYNC_RETRY_SECONDS + 1
+    assert not diagnosis.min_insync_wanted("strict")  # a value read is kept longer
+    now[0] += MIN_INSYNC_MEMORY_SECONDS
+    assert diagnosis.min_insync_wanted("strict")
 
 
 def test_a_refusal_in_the_delivery_report_or_the_debug_log_is_named_as_it_is():
