@@ -427,6 +427,14 @@ class ConsoleSettings(_Section):
     page_size: int = Field(default=50, ge=1, le=500, description="Dead rows / audit entries per page.")
     statement_timeout_ms: int = Field(default=5000, ge=100, description="statement_timeout of every console query.")
     chunk_size: int = Field(default=1000, ge=1, le=10_000, description="Rows per transaction of a bulk retry/skip.")
+    sources_refresh_seconds: float = Field(
+        default=15.0,
+        ge=1,
+        le=3600,
+        description="How old the figures of the list of sources (queue depth, oldest pending age, reachable) may "
+        "get before a request has every source read again, a few at a time in the background; the list is "
+        "answered from the figures held meanwhile.",
+    )
     session_hours: float = Field(default=12.0, gt=0, description="How long a console login lasts.")
     forwarded_allow_ips: list[str] = Field(
         default_factory=list,

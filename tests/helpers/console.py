@@ -80,12 +80,13 @@ def running_console(settings: Settings) -> Iterator[str]:
     """The console app served by uvicorn on a free loopback port; yields its base URL."""
     import uvicorn
 
-    from outbox_relay.operator.console.app import create_app
+    from outbox_relay.operator.console.app import Console
     from outbox_relay.operator.console.server import (
         make_console_store,
         make_source_console_store,
         uvicorn_config,
     )
+    from outbox_relay.operator.console.sources import ConsoleSources
     from outbox_relay.runtime.sources import uses_sources
 
     # Several sources: served whole, each source's store opened on first use (as the
@@ -96,8 +97,9 @@ def running_console(settings: Settings) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    app = create_app(settings, store, store_factory=make_source_console_store)
-    server = uvicorn.Server(uvicorn_config(app))  # configured as `outbox-relay console` does
+    # create_app's parts, so the test can close every store the console opened.
+    console = Console(settings, ConsoleSources(settings, store=store, store_factory=make_source_console_store))
+    server = uvicorn.Server(uvicorn_config(console.app()))  # configured as `outbox-relay console` does
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -111,8 +113,7 @@ def running_console(settings: Settings) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
-        if store is not None:
-            store.close()
+        console.close()  # the sources' stores (and the single store, which it holds)
 
 
 @contextmanager

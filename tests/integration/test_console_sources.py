@@ -94,7 +94,7 @@ def test_pages_carry_their_source_in_every_link_and_form(two_sources):
         sources_page = http.get(url + "/")
         assert sources_page.status_code == 200
         assert 'href="/?source=alpha"' in sources_page.text and 'href="/dead?source=beta">5<' in sources_page.text
-        assert "unreachable" in sources_page.text and GONE_PASSWORD not in sources_page.text
+        assert "unready" in sources_page.text and GONE_PASSWORD not in sources_page.text
 
         overview = http.get(url + "/", params={"source": "alpha"})
         assert overview.status_code == 200 and 'id="depth-dead">3<' in overview.text

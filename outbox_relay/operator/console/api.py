@@ -1,6 +1,7 @@
-"""The console's JSON API: ``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``,
-``GET /api/dead/{id}``, ``POST /api/dead/retry|skip``, ``GET /api/audit``; every call
-but the first takes ``?source=NAME`` (required when the console serves several)."""
+"""The console's JSON API: ``GET /api/sources`` (filtered, sorted and paged:
+source_list.py), ``GET /api/status``, ``GET /api/dead``, ``GET /api/dead/{id}``,
+``POST /api/dead/retry|skip``, ``GET /api/audit``; every call but the first takes
+``?source=NAME`` (required when the console serves several)."""
 
 from __future__ import annotations
 
@@ -33,21 +34,26 @@ class ConsoleApi(ConsoleSecurity):
     """The JSON API handlers (each behind ``Console._api``)."""
 
     async def api_sources(self, request: Request, who: Principal) -> Response:
-        listed = await run_in_threadpool(self._sources_overview)
+        params = {k: request.query_params.getlist(k) for k in request.query_params}
+        listed = await run_in_threadpool(self._source_list, params)
+        query = listed["query"]
+        now = listed["now"]
+        oldest = listed["oldest_read_at"]
         return JSONResponse(
             {
-                "sources": [
-                    {
-                        "source": item["name"],
-                        "table": item["table"],
-                        "queue_depth": {k: c.n for k, c in item["depth"].items()} if item["depth"] else None,
-                        "queue_depth_estimated": [k for k, c in item["depth"].items() if not c.exact]
-                        if item["depth"]
-                        else None,
-                        "problem": item["problem"],
-                    }
-                    for item in listed
-                ]
+                "sources": [item.as_json(now) for item in listed["items"]],
+                "total": listed["matched"],
+                "served": listed["served"],
+                "page": query.page,
+                "pages": listed["pages"],
+                "limit": query.limit,
+                "q": query.q,
+                "state": list(query.states),
+                "sort": query.sort,
+                "order": query.order,
+                "figures_read_at": oldest.isoformat() if oldest is not None else None,
+                "refresh_seconds": listed["refresh_seconds"],
+                "refreshing": listed["refreshing"],
             }
         )
 
@@ -176,6 +182,7 @@ class ConsoleApi(ConsoleSecurity):
                 chunk_size=self.settings.console.chunk_size,
                 budget_ms=budget_ms,
             )
+            self.board.refresh_source(src.name)  # the list of sources shows the change at once
             return {
                 "matched": result.matched.n,
                 "matched_exact": result.matched.exact,

@@ -42,6 +42,7 @@ from .api import ConsoleApi
 from .auth import LoginThrottle, Principal, Sessions
 from .base import BadRequest, NoSuchSource
 from .pages import ConsolePages
+from .source_list import SourceBoard
 from .sources import ConsoleSources, StoreFactory
 
 HERE = Path(__file__).resolve().parent
@@ -71,6 +72,20 @@ def _utc(value: dt.datetime | None) -> str:
     if value is None:
         return ""
     return value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _age(seconds: float | None) -> str:
+    """An age for people: 42 s, 3 min 5 s, 2 h 10 min, 3 d 4 h."""
+    if seconds is None:
+        return "?"
+    whole = int(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60} s"
+    if whole < 86_400:
+        return f"{whole // 3600} h {whole % 3600 // 60} min"
+    return f"{whole // 86_400} d {whole % 86_400 // 3600} h"
 
 
 def _num(value: int | Count | None) -> str:
@@ -130,6 +145,9 @@ class Console(ConsolePages, ConsoleApi):
     def __init__(self, settings: Settings, sources: ConsoleSources) -> None:
         self.settings = settings
         self.sources = sources
+        self.board = SourceBoard(
+            sources.names, self._read_source, refresh_seconds=settings.console.sources_refresh_seconds
+        )
         token = settings.console.token.get_secret_value() if settings.console.token else None
         self.sessions = Sessions(token or None, lifetime_seconds=settings.console.session_hours * 3600)
         self.throttle = LoginThrottle(settings.console.login_max_failures, settings.console.login_lockout_seconds)
@@ -144,8 +162,14 @@ class Console(ConsolePages, ConsoleApi):
         )
         self.env.filters["utc"] = _utc
         self.env.filters["num"] = _num
+        self.env.filters["age"] = _age
         self.env.filters["quote"] = lambda text: urllib.parse.quote(str(text), safe="")
         self.env.globals["qs"] = _query
+
+    def close(self) -> None:
+        """Stop reading figures and close every source's store."""
+        self.board.close()
+        self.sources.close()
 
     # --- plumbing ------------------------------------------------------------------------
     def app(self) -> ASGIApp:

@@ -8,9 +8,9 @@ The handlers themselves are mixed in on top of :class:`ConsoleBase` by concern
 
 from __future__ import annotations
 
+import datetime as dt
 import urllib.parse
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from jinja2 import Environment
@@ -20,14 +20,13 @@ from starlette.responses import HTMLResponse, JSONResponse
 
 from ...config import Settings
 from ...core.filters import DeadFilter, parse_filter
-from ...db.store import STATUSES
+from ...db.store import STATUSES, Count
 from ...errors import OutboxRelayError
 from .auth import LoginThrottle, Principal, Sessions, retry_after_header
+from .source_list import LISTED_STATUSES, SourceBoard, SourceFigures, SourceQuery
 from .sources import ConsoleSource, ConsoleSources, SourceNotNamed, SourceUnknown
 
 MAX_BODY_BYTES = 1_000_000
-# The statuses the list of sources shows (done has no index: counting it reads the table).
-LISTED_STATUSES = ("pending", "processing", "dead")
 MAX_IDS = 100_000
 
 
@@ -45,6 +44,7 @@ class ConsoleBase:
 
     settings: Settings
     sources: ConsoleSources
+    board: SourceBoard
     sessions: Sessions
     throttle: LoginThrottle
     count_budget_ms: int
@@ -162,26 +162,46 @@ class ConsoleBase:
             "statuses": STATUSES,
         }
 
-    def _sources_overview(self) -> list[dict[str, Any]]:
-        """Every source with its pending, processing and dead rows (counted from their
-        indexes within the console's count budget), or why it could not be read. Read
-        a few sources at a time: a database that does not answer holds one thread for
-        its connect timeout, not the whole list."""
-        names = self.sources.names()
-        cap = self.settings.metrics.exact_count_limit
+    def _read_source(self, name: str) -> SourceFigures:
+        """One source's figures for the list of sources: one read-only snapshot (the
+        relay's own gauge query: depth per status, counted up to the exact-count cap,
+        and the oldest pending row's age), or why its database did not answer."""
+        now = dt.datetime.now(dt.UTC)
+        try:
+            src = self.sources.get(name)
+        except SourceUnknown as exc:  # a discovered database dropped since it was listed
+            return SourceFigures(name, None, None, None, str(exc), now)
+        except OutboxRelayError as exc:
+            return SourceFigures(name, None, None, None, str(exc), now)
+        try:
+            stats = src.store.stats(
+                include_depth=True,
+                count_cap=self.settings.metrics.exact_count_limit,
+                timeout_ms=self.settings.console.statement_timeout_ms,
+            )
+        except OutboxRelayError as exc:
+            return SourceFigures(name, src.table, None, None, src.store.redact(str(exc)), now)
+        depth = {s: Count(stats.queue_depth[s], s not in stats.estimated_statuses) for s in LISTED_STATUSES}
+        return SourceFigures(name, src.table, depth, stats.oldest_pending_age_seconds, None, now)
 
-        def one(name: str) -> dict[str, Any]:
-            try:
-                src = self.sources.get(name)
-            except SourceUnknown as exc:  # a discovered database dropped since it was listed
-                return {"name": name, "table": None, "depth": None, "problem": str(exc)}
-            try:
-                depth = src.store.exact_depth(budget_ms=self.count_budget_ms, statuses=LISTED_STATUSES, first_upto=cap)
-            except OutboxRelayError as exc:
-                return {"name": name, "table": src.table, "depth": None, "problem": src.store.redact(str(exc))}
-            return {"name": name, "table": src.table, "depth": depth, "problem": None}
-
-        if not names:
-            return []
-        with ThreadPoolExecutor(max_workers=min(8, len(names)), thread_name_prefix="console-sources") as pool:
-            return list(pool.map(one, names))
+    def _source_list(self, params: Mapping[str, list[str]], *, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The page of the list of sources ``params`` ask for (blocking: the first call
+        waits for the first round of figures)."""
+        try:
+            query = SourceQuery.parse(params, allowed_extra=extra)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        view = self.board.view()
+        items, matched = query.select(view.items)
+        pages = max(1, -(-matched // query.limit))
+        return {
+            "query": query,
+            "items": items,
+            "matched": matched,
+            "served": len(view.items),
+            "pages": pages,
+            "oldest_read_at": view.oldest_read_at,
+            "refreshing": view.refreshing,
+            "refresh_seconds": self.board.refresh_seconds,
+            "now": dt.datetime.now(dt.UTC),
+        }

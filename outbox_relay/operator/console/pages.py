@@ -36,8 +36,9 @@ class ConsolePages(ConsoleSecurity):
 
     async def overview(self, request: Request, who: Principal) -> Response:
         if self.sources.multi and not request.query_params.get("source"):
-            listed = await run_in_threadpool(self._sources_overview)
-            return self.render(request, who, "sources.html", {"sources": listed})
+            params = {k: request.query_params.getlist(k) for k in request.query_params if k != "source"}
+            listed = await run_in_threadpool(self._source_list, params)
+            return self.render(request, who, "sources.html", listed)
         src = await self._source(request)
         data = await run_in_threadpool(self._status_data, src)
         return self.render(request, who, "overview.html", data, src=src)
@@ -191,6 +192,7 @@ class ConsolePages(ConsoleSecurity):
                 chunk_size=self.settings.console.chunk_size,
                 budget_ms=self.count_budget_ms,
             )
+            self.board.refresh_source(src.name)  # the list of sources shows the change at once
             return result.audit_id
 
         audit_id = await run_in_threadpool(apply)
