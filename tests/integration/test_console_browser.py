@@ -2,7 +2,8 @@
 chromium-driver, driven by Selenium), served by the real `outbox-relay console`
 command: log in, filter the dead rows, preview and retry by filter, see the audit
 entry, and check in PostgreSQL that exactly those rows changed; with several sources,
-pick one from the list of sources and retry in it (and only in it).
+pick one from the list of sources and retry in it (and only in it); with many, sort,
+page and filter the list and find a source whose name is HTML.
 
 Skipped with a note where Chromium or its driver is not installed (`./dev test`
 installs them). Set OUTBOX_RELAY_SCREENSHOTS=docs/images to save screenshots of the main
@@ -242,3 +243,89 @@ def test_operator_picks_a_source_and_retries_in_it_in_the_browser(browser, datab
             for r in b.find_elements(By.CSS_SELECTOR, "#sources tbody tr")
         }
         assert rows == {"alpha": "2", "beta": "0"}
+
+
+def test_operator_finds_the_worst_of_many_sources_in_the_browser(browser, databases, pg_dsn):
+    """A console of 12 sources (an outbox table each in one database) and a discovered
+    database named with HTML: sort by dead rows, page through 5 at a time, filter by
+    state, find the hostile one from the header's search, see its name as plain text
+    (no script ran) and open its overview."""
+    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select
+
+    from outbox_relay.db.store import OutboxStore
+    from tests.helpers.db import ON_DONE
+
+    schema = "browse_" + databases.prefix[4:]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    hostile = "<img src=x onerror=alert(1)>"
+    hostile_dsn = databases(hostile)
+    seed_dead(hostile_dsn, "public.outbox", 1)
+    env = {
+        "OUTBOX_RELAY_CONSOLE__TOKEN": TOKEN,
+        "OUTBOX_RELAY_DISCOVERY__DSN": pg_dsn,
+        "OUTBOX_RELAY_DISCOVERY__DATABASE_PATTERN": databases.prefix + "%",
+    }
+    dead_of = {}
+    try:
+        for i in range(12):
+            table = f"{schema}.outbox_{i:02d}"
+            with OutboxStore(pg_dsn, table, pool_size=1) as store:
+                store.migrate(on_done=ON_DONE)
+            dead_of[f"tenant_{i:02d}"] = (i * 5) % 7
+            if dead_of[f"tenant_{i:02d}"]:
+                seed_dead(pg_dsn, table, dead_of[f"tenant_{i:02d}"])
+            env[f"OUTBOX_RELAY_SOURCES__TENANT_{i:02d}__DSN"] = pg_dsn
+            env[f"OUTBOX_RELAY_SOURCES__TENANT_{i:02d}__TABLE"] = table
+        hostile_name = f"{databases.prefix}_{hostile}"
+        dead_of[hostile_name] = 1
+        worst = [name for name, _ in sorted(dead_of.items(), key=lambda item: (-item[1], item[0]))]
+        with running_console_process(None, None, **env) as (url, _lines):
+            b = browser
+            b.get(url + "/")
+            b.find_element(By.ID, "name").send_keys("carol")
+            b.find_element(By.ID, "token").send_keys(TOKEN)
+            navigate(b, b.find_element(By.ID, "login").click, to=url + "/", exact=True)
+            assert b.find_element(By.ID, "source-count").text == "13"
+
+            # Worst first by dead rows, five a page.
+            Select(b.find_element(By.ID, "filter-sort")).select_by_value("dead")
+            limit = b.find_element(By.NAME, "limit")
+            limit.clear()
+            limit.send_keys("5")
+            navigate(b, b.find_element(By.ID, "apply-source-filter").click, to="sort=dead")
+
+            def listed() -> list[str]:
+                return [e.text for e in b.find_elements(By.CSS_SELECTOR, "#sources a.source-link")]
+
+            assert listed() == worst[:5] and b.find_element(By.ID, "page-count").text == "3"
+            shoot(b, "many-sources")
+            navigate(b, b.find_element(By.ID, "next-page").click, to="page=2")
+            assert listed() == worst[5:10]
+
+            # Only the sources with dead rows (back to the first page, still five a page).
+            Select(b.find_element(By.ID, "filter-state")).select_by_value("dead")
+            navigate(b, b.find_element(By.ID, "apply-source-filter").click, to="state=dead")
+            with_dead = [n for n in worst if dead_of[n]]
+            assert 0 < len(with_dead) < 13 and b.find_element(By.ID, "matched-count").text == str(len(with_dead))
+            assert listed() == with_dead[:5]
+
+            # The header's search finds the hostile database; its name is text, no script ran.
+            search = b.find_element(By.ID, "source-search")
+            search.send_keys("onerror")
+            navigate(b, lambda: search.send_keys(Keys.ENTER), to="q=onerror")
+            assert listed() == [hostile_name]
+            try:
+                b.switch_to.alert
+                raise AssertionError("a script in a source name ran")
+            except NoAlertPresentException:
+                pass
+            navigate(b, b.find_element(By.LINK_TEXT, hostile_name).click, to="/?source=")
+            assert b.find_element(By.ID, "source-name").text == hostile_name
+            assert b.find_element(By.ID, "depth-dead").text == "1"
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{schema}" CASCADE')
