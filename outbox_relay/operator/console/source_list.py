@@ -10,7 +10,8 @@ time (``READ_WORKERS``, so a database that does not answer holds one thread for 
 connect timeout, not the list) and starts when a request finds the figures older than
 ``console.sources_refresh_seconds``; that request and the ones after it are answered
 from the figures held (a round runs in the background), only the very first request
-waits for the first round. An idle console therefore reads nothing. A retry or skip
+waits for the first round (at most ``FIRST_ROUND_WAIT_SECONDS``; sources not read by
+then are listed as such). An idle console therefore reads nothing. A retry or skip
 made through the console reads its source again at once.
 """
 
@@ -28,6 +29,10 @@ from ...db.store import Count
 
 # Sources read at the same time by one round.
 READ_WORKERS = 8
+# How long the very first request waits for the first round: a source whose database
+# does not answer holds its reader for the pool's timeout, and an operator should see
+# the list (the sources not read yet marked so) rather than a page that never loads.
+FIRST_ROUND_WAIT_SECONDS = 10.0
 # The statuses the list shows (done has no index: counting it reads the table).
 LISTED_STATUSES = ("pending", "processing", "dead")
 
@@ -229,11 +234,13 @@ class SourceBoard:
         *,
         refresh_seconds: float,
         workers: int = READ_WORKERS,
+        first_wait_seconds: float = FIRST_ROUND_WAIT_SECONDS,
     ) -> None:
         self._names = names
         self._read_one = read_one
         self.refresh_seconds = refresh_seconds
         self._workers = workers
+        self._first_wait_seconds = first_wait_seconds
         self._lock = threading.Lock()
         self._held: dict[str, SourceFigures] = {}
         self._round_started: float | None = None  # monotonic start of the last round
@@ -243,10 +250,10 @@ class SourceBoard:
 
     def view(self) -> BoardView:
         """Every source's figures as held now; starts a round when they are stale and
-        waits only for the very first one."""
+        waits only for the very first one (at most ``first_wait_seconds``)."""
         names = self._names()
         self._maybe_refresh(names)
-        self._first_round.wait()
+        self._first_round.wait(self._first_wait_seconds)
         with self._lock:
             items = [self._held.get(name) or not_read_yet(name) for name in names]
             refreshing = self._round is not None and self._round.is_alive()
