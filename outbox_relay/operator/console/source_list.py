@@ -277,11 +277,13 @@ class SourceBoard:
                 return
             self._round_started = now
             self._round = threading.Thread(
-                target=self._read_all, args=(names,), name="console-source-figures", daemon=True
+                target=self.read_all, args=(names,), name="console-source-figures", daemon=True
             )
             self._round.start()
 
-    def _read_all(self, names: list[str]) -> None:
+    def read_all(self, names: list[str]) -> None:
+        """One round: read every named source, a few at a time (what the background
+        round runs; blocking)."""
         try:
             if not names:
                 return
