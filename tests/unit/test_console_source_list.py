@@ -56,6 +56,12 @@ def test_each_sort_and_ascending_puts_the_unknown_last():
     assert names(parse(sort="name", order="desc")) == ["e", "d", "c", "b", "a"]
 
 
+def test_sources_not_read_yet_come_last_either_way():
+    with_unread = [*LIST, SourceFigures("0-new", None, None, None, "not read yet", None)]
+    assert [i.name for i in parse().select(with_unread)[0]] == ["d", "a", "e", "c", "b", "0-new"]
+    assert [i.name for i in parse(order="asc").select(with_unread)[0]] == ["b", "c", "a", "e", "d", "0-new"]
+
+
 def test_filters_by_name_and_states_together():
     assert names(parse(q="C")) == ["c"]
     assert names(parse(state="unready")) == ["d"]

@@ -160,15 +160,18 @@ class SourceQuery:
         else:
             figure = _SORT_FIGURES[self.sort]
             known = [item for item in matched if figure(item) is not None]
-            unknown = sorted((item for item in matched if figure(item) is None), key=lambda item: item.name)
-            # Worst first: the largest figure, ties by name; a source whose figures are
-            # unknown (its database did not answer) is worse than any figure.
+            by_name = sorted((item for item in matched if figure(item) is None), key=lambda item: item.name)
+            failed = [item for item in by_name if item.read_at is not None]
+            not_read = [item for item in by_name if item.read_at is None]
+            # Worst first: the largest figure, ties by name; a source whose database did
+            # not answer is worse than any figure. Sources not read yet (the console has
+            # just started) come last either way: nothing is known of them.
             if self.order == "desc":
                 known.sort(key=lambda item: (-(figure(item) or 0), item.name))
-                matched = unknown + known
+                matched = failed + known + not_read
             else:
                 known.sort(key=lambda item: (figure(item) or 0, item.name))
-                matched = known + unknown
+                matched = known + failed + not_read
         start = (self.page - 1) * self.limit
         return matched[start : start + self.limit], len(matched)
 
