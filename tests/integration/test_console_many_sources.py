@@ -91,9 +91,19 @@ def many_settings(many: dict[str, Any], **console: Any) -> Settings:
     )
 
 
+def every_source_read(url: str) -> None:
+    """Wait until the console has read every source once (the first request waits for
+    the first round only so long: on a slow machine it may answer before the end)."""
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/api/sources", headers=BEARER, timeout=60).json()["figures_read_at"] is None:
+        assert time.monotonic() < deadline, "the console never read every source"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def console_url(many: dict[str, Any]) -> Iterator[str]:
     with running_console(many_settings(many, sources_refresh_seconds=3600)) as url:
+        every_source_read(url)
         yield url
 
 
@@ -260,6 +270,7 @@ def test_stale_figures_are_read_again_in_the_background(many):
         running_console(many_settings(many, sources_refresh_seconds=1)) as url,
         httpx.Client(base_url=url, headers=BEARER, timeout=60) as http,
     ):
+        every_source_read(url)
         first = http.get("/api/sources", params={"q": tenant(5)}).json()["sources"][0]
         seed_dead(many["dsn"], table, 3)
         deadline = time.monotonic() + 60
