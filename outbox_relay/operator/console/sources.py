@@ -6,9 +6,10 @@ A console started without ``--source`` on a configuration with ``[sources.<name>
 source (today's ``[database]``, named ``default``, or the one ``--source`` named) and
 ``?source=`` is optional.
 
-A source's store is opened on first use, with a small pool bounded by the console's
-statement timeout; a discovered database is looked up in the cluster's list, which is
-read again at most every ``discovery.refresh_interval_seconds``.
+A source's store is opened on first use (one connection attempt, failing at once for
+a database that is down), with a small pool bounded by the console's statement
+timeout; a discovered database is looked up in the cluster's list, which is read
+again at most every ``discovery.refresh_interval_seconds``.
 """
 
 from __future__ import annotations
@@ -147,9 +148,13 @@ class ConsoleSources:
         if self._store_factory is None:
             raise ValueError("a console of several sources needs a store factory")
         store = self._store_factory(settings)
-        # Not waiting: a source whose database is down still gets its page (saying so)
-        # when its first statement fails, instead of holding the request for the pool.
-        store.open(wait=False)
+        # One connection attempt first: a source whose database is down fails at once
+        # with its reason (its page says so, the list of sources marks it unready, the
+        # next use tries again) instead of holding a request or a round for the pool's
+        # timeout. Then waiting for the pool's first connection, so the first statement
+        # uses it: not waiting made the pool open a second one for it, two connections
+        # per source for every source the list reads.
+        store.open(wait=True, fail_fast=True)
         return store
 
     def close(self) -> None:
