@@ -166,9 +166,43 @@ _ADMIN_KEYS = ("bootstrap.servers", "client.id", "security.protocol", "client.dn
 _ADMIN_PREFIXES = ("sasl.", "ssl.", "socket.")
 
 #: At most this many distinct topics of one batch are looked up after delivery
-#: timeouts (each lookup waits up to MISSING_TOPIC_LOOKUP_SECONDS).
+#: timeouts or unknown-topic refusals (each lookup waits up to MISSING_TOPIC_LOOKUP_SECONDS).
 MISSING_TOPIC_LOOKUPS = 4
 MISSING_TOPIC_LOOKUP_SECONDS = 2.0
+#: Failures that name no reason the topic's metadata may hold: a delivery timeout
+#: (librdkafka waited for a topic the cluster does not have), or produce() refusing a
+#: message at once with _UNKNOWN_TOPIC because this producer already learned the topic
+#: does not exist or has an invalid name (a metadata answer that came in before the
+#: message was queued: a first produce can get it too). Waiting cannot fix the second
+#: case on this producer: every later produce() of the topic is refused the same way.
+TOPIC_LOOKUP_CODES = frozenset({E._MSG_TIMED_OUT, E._UNKNOWN_TOPIC})
+
+
+def topic_metadata_outcome(topic: str, metadata_error: KafkaError | None) -> Outcome | None:
+    """The outcome of a message to ``topic`` (one that timed out, or that produce()
+    refused as an unknown topic) from the error of the topic's metadata; None when the
+    metadata holds nothing against the topic (the failure stays what it was).
+
+    - ``TOPIC_EXCEPTION``: the cluster refuses the topic's name (Kafka: 1 to 249 of
+      ``[a-zA-Z0-9._-]``, not ``.`` or ``..``): no wait can fix it, the row goes dead
+      with the broker's reason.
+    - ``UNKNOWN_TOPIC_OR_PART``: no such topic and the cluster does not create it, an
+      operator has yet to: the rows wait (Defer, attempt refunded).
+    """
+    if metadata_error is None:
+        return None
+    code = metadata_error.code()
+    if code == E.TOPIC_EXCEPTION:
+        return PermanentError(
+            f"kafka: {metadata_error.name()}: {metadata_error.str()}: the cluster refuses the topic name {topic!r}"
+        )
+    if code == E.UNKNOWN_TOPIC_OR_PART:
+        return Defer(
+            AUTHORIZATION_RETRY_SECONDS,
+            f"kafka: UNKNOWN_TOPIC_OR_PART: topic {topic!r} does not exist and the cluster "
+            "does not create it: the rows wait until it is created",
+        )
+    return None
 
 
 def classify(err: KafkaError) -> Outcome:
@@ -487,48 +521,52 @@ class KafkaPublisher(Publisher):
             if allowed:
                 log.warning("kafka producer error", error=err.str(), code=err.name(), suppressed=suppressed)
 
-    def defer_missing_topics(
+    def judge_topics(
         self, messages: Sequence[Message], outcomes: list[Outcome], errors: Sequence[KafkaError | None]
     ) -> list[Outcome]:
-        """Messages that timed out waiting for a topic the cluster does not have (its
-        automatic creation is off): a topic an operator has yet to create, not a fault
-        of the rows, so they wait (Defer, attempt refunded) like those of a topic the
-        ACL refuses. librdkafka reports them only as timed out; the topic's metadata
-        says why. Looked up only after a timeout, a few topics per batch."""
-        timed_out = [
+        """Messages that failed on their topic without a reason (``TOPIC_LOOKUP_CODES``:
+        timed out waiting for it, or refused by produce() as unknown) get the one the
+        topic's metadata gives (``topic_metadata_outcome``): an invalid name goes dead
+        with the broker's reason; a topic the cluster does not have (its automatic
+        creation is off) is one an operator has yet to create, not a fault of the rows,
+        so they wait (Defer, attempt refunded) like those of a topic the ACL refuses.
+        Looked up only after such a failure, a few topics per batch."""
+        failed = [
             i
             for i, err in enumerate(errors)
-            if err is not None and err.code() == E._MSG_TIMED_OUT and isinstance(outcomes[i], RetryableError)
+            if err is not None and err.code() in TOPIC_LOOKUP_CODES and isinstance(outcomes[i], RetryableError)
         ]
-        if not timed_out:
+        if not failed:
             return outcomes
         producer = self._producer
-        missing: set[str] = set()
-        for topic in list(dict.fromkeys(messages[i].topic for i in timed_out))[:MISSING_TOPIC_LOOKUPS]:
+        verdicts: dict[str, Outcome] = {}
+        missing: list[str] = []
+        for topic in list(dict.fromkeys(messages[i].topic for i in failed))[:MISSING_TOPIC_LOOKUPS]:
             if producer is None:
                 break
             try:
                 meta = producer.list_topics(topic, timeout=MISSING_TOPIC_LOOKUP_SECONDS).topics.get(topic)
             except KafkaException:
                 break  # the cluster does not answer: an outage, not a missing topic
-            if meta is not None and meta.error is not None and meta.error.code() == E.UNKNOWN_TOPIC_OR_PART:
-                missing.add(topic)
-            elif meta is not None and meta.error is None:
+            if meta is None:
+                continue
+            verdict = topic_metadata_outcome(topic, meta.error)
+            if verdict is not None:
+                verdicts[topic] = verdict
+                if isinstance(verdict, Defer):
+                    missing.append(topic)
+            elif meta.error is None:
                 self.diagnosis.metadata(topic, meta.partitions)
                 if self.diagnosis.under_replicated(topic) and self.diagnosis.min_insync_wanted(topic):
                     self._read_min_insync(topic)
         self.report_unwritable()
-        if not missing:
+        if not verdicts:
             return outcomes
         result = list(outcomes)
-        for i in timed_out:
-            topic = messages[i].topic
-            if topic in missing:
-                result[i] = Defer(
-                    AUTHORIZATION_RETRY_SECONDS,
-                    f"kafka: UNKNOWN_TOPIC_OR_PART: topic {topic!r} does not exist and the cluster "
-                    "does not create it: the rows wait until it is created",
-                )
+        for i in failed:
+            verdict = verdicts.get(messages[i].topic)
+            if verdict is not None:
+                result[i] = verdict
         for topic in missing:
             self.topic_refused(topic, KafkaError(E.UNKNOWN_TOPIC_OR_PART, "topic does not exist"))
         return result
@@ -780,7 +818,10 @@ class KafkaPublisher(Publisher):
                         break
                     time.sleep(0.005)
                 except KafkaException as exc:
-                    waiter.settle(index, classify(exc.args[0]))
+                    error = exc.args[0]
+                    if error.code() in TOPIC_LOOKUP_CODES:
+                        waiter.errors[index] = error  # judge_topics asks the topic's metadata why
+                    waiter.settle(index, classify(error))
                     runs.record(message.order_key, failed=True)
                     break
                 except (TypeError, ValueError) as exc:
@@ -849,7 +890,7 @@ class InFlightBatch(PendingBatch):
                 cancel=cancel,
                 abort=publisher.aborting,
             )
-            outcomes = publisher.defer_missing_topics(self._messages, outcomes, waiter.errors)
+            outcomes = publisher.judge_topics(self._messages, outcomes, waiter.errors)
         # --- end of the re-sends ---
         return outcomes
 

@@ -141,6 +141,27 @@ def test_topic_the_broker_rejects_goes_dead_alone(make_settings, store, pg_dsn, 
     assert all(by_id[i][1] == "done" for i in good)
 
 
+def test_a_topic_the_producer_already_knows_is_invalid_sends_its_next_row_dead_at_once(
+    make_settings, store, pg_dsn, table, broker
+):
+    """Once the producer learned a topic name is invalid, produce() refuses the topic's
+    next messages at once (_UNKNOWN_TOPIC, no delivery report): a row produced then
+    must still go dead on its first attempt, with the broker's reason."""
+    settings = make_settings()
+    relay = Relay(settings)
+    relay.start()
+    try:
+        first = insert_rows(pg_dsn, table, 1, topic="not a valid topic!")[0]
+        wait_for(lambda: statuses(pg_dsn, table) == {"dead": 1}, message="first bad row dead")
+        second = insert_rows(pg_dsn, table, 1, topic="not a valid topic!")[0]
+        wait_for(lambda: statuses(pg_dsn, table) == {"dead": 2}, message="second bad row dead")
+    finally:
+        relay.stop()
+    by_id = {r[0]: r for r in rows(pg_dsn, table)}
+    for row_id in (first, second):
+        assert "TOPIC_EXCEPTION" in by_id[row_id][4] and by_id[row_id][2] == 1, by_id[row_id]
+
+
 def test_reserved_header_names_are_refused(store, pg_dsn, table):
     from outbox_relay import enqueue
 
