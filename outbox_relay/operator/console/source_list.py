@@ -21,7 +21,7 @@ import datetime as dt
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -266,7 +266,7 @@ class SourceBoard:
 
     def refresh_source(self, name: str) -> None:
         """Read one source again now (after a change made through the console)."""
-        figures = self._read_one(name)
+        figures = self._read_safely(name)  # never fails the change it follows
         with self._lock:
             self._held[name] = figures
 
@@ -293,7 +293,10 @@ class SourceBoard:
             with ThreadPoolExecutor(
                 max_workers=min(self._workers, len(names)), thread_name_prefix="console-sources"
             ) as pool:
-                for figures in pool.map(self._read_safely, names):
+                # Held as each one is read, not in list order: a source that does not
+                # answer must not keep the ones after it from the list meanwhile.
+                for done in as_completed([pool.submit(self._read_safely, name) for name in names]):
+                    figures = done.result()
                     with self._lock:
                         self._held[figures.name] = figures
             with self._lock:
@@ -303,6 +306,8 @@ class SourceBoard:
             self._first_round.set()
 
     def _read_safely(self, name: str) -> SourceFigures:
+        if self._closed:  # the console is stopping: the rest of the round is not read
+            return not_read_yet(name)
         try:
             return self._read_one(name)
         except Exception as exc:  # one source's surprise must not end the round for the others
