@@ -43,6 +43,22 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# The due window: a fast claim starts at the lowest key claimed in the last
+# LAG_SECONDS, and so walks the dead entries of the rows claimed in that time (the
+# write rate times LAG_SECONDS). Rows of a writer transaction still open when a claim
+# runs are covered beyond it where the relay may read other sessions (claim statement,
+# "writers_since"); the rest of the late rows wait for a full claim.
+LAG_SECONDS = 0.25
+# An open writer transaction older than this no longer holds fast claims back (one
+# left open for minutes would make every fast claim walk the dead entries since its
+# start); its rows are found by a full claim.
+WRITERS_WITHIN_SECONDS = 5.0
+# How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
+# a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS.
+WRITERS_CHECK_INTERVAL_SECONDS = 0.1
+# How often a fast claim also looks for expired leases and poison rows.
+LEASE_SCAN_INTERVAL_SECONDS = 1.0
+
 # A full claim that fails faster than this (or than fast_above_seconds) is tried again
 # by the next claim; a slower one waits for its interval (DueCursor.failed).
 QUICK_FAILURE_SECONDS = 1.0
@@ -56,6 +72,8 @@ class ClaimPlan:
     start: Key | None  # None: from the front of the due index (a full claim)
     leases_from: dt.datetime | None = None  # None: from the front of the processing index
     measured: bool = True  # a full claim whose duration feeds the average (one at a time)
+    lease_scan: bool = True  # look for expired leases and poison rows (always in a full claim)
+    writers_check: bool = False  # a fast claim that looks for open writer transactions
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +82,7 @@ class ClaimOutcome:
 
     lowest: Key | None = None  # the lowest due key it claimed
     database_now: dt.datetime | None = None  # the statement's now()
-    leases_exhausted: bool = False  # its expired-lease scan did not stop at its LIMIT
+    leases_exhausted: bool = False  # its expired-lease scan ran and did not stop at its LIMIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +99,20 @@ class DueCursor:
     def __init__(
         self,
         *,
-        lag_seconds: float = 2.0,
+        lag_seconds: float = LAG_SECONDS,
         rescan_min_seconds: float = 0.0,
         rescan_max_seconds: float = 30.0,
         full_cost_share: float = 0.1,
         lease_margin_seconds: float = 1.0,
+        lease_scan_interval_seconds: float = LEASE_SCAN_INTERVAL_SECONDS,
         fast_above_seconds: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._lease_scan_interval = lease_scan_interval_seconds
+        self._writers_check_interval = min(WRITERS_CHECK_INTERVAL_SECONDS, lag_seconds)
+        self._last_writers_check_at = float("-inf")
+        self._last_lease_scan_at = float("-inf")
+        self._leases_left = False  # the last lease scan was cut by its LIMIT: more are waiting
         self._fast_above = fast_above_seconds
         self._full_costs: deque[float] = deque(maxlen=3)  # the last full claims' durations
         self._full_cost = 0.0  # the least of them (0 until there are three)
@@ -120,11 +144,29 @@ class DueCursor:
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
+                    self._last_lease_scan_at = now
                     self.full_claims += 1
                     return ClaimPlan(full=True, start=None)
                 return ClaimPlan(full=True, start=None, measured=False)
             self.fast_claims += 1
-            return ClaimPlan(full=False, start=start, leases_from=self._leases_from)
+            # Expired leases are rare (a relay died or hung): a fast claim looks for
+            # them once per interval, or at once while the last look found more than
+            # its LIMIT, instead of walking the processing index's dead entries each time.
+            lease_scan = self._leases_left or now - self._last_lease_scan_at >= self._lease_scan_interval
+            if lease_scan:
+                self._last_lease_scan_at = now
+            # Open writers are looked for more often than the window is long, so what
+            # one look saw is still in the window when the next look comes.
+            writers_check = now - self._last_writers_check_at >= self._writers_check_interval
+            if writers_check:
+                self._last_writers_check_at = now
+            return ClaimPlan(
+                full=False,
+                start=start,
+                leases_from=self._leases_from,
+                lease_scan=lease_scan,
+                writers_check=writers_check,
+            )
 
     def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
         """Record what a claim's statements saw and, for a full claim, its cost."""
@@ -140,6 +182,8 @@ class DueCursor:
             keys = [o.lowest for o in outcomes if o.lowest is not None]
             if keys:
                 self._window.append((now, min(keys)))
+            if plan.lease_scan:
+                self._leases_left = any(not o.leases_exhausted for o in outcomes)
             for outcome in outcomes:
                 # Every lease that expired before this statement's clock was reclaimed
                 # (or is being changed by another transaction right now): later claims

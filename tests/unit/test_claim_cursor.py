@@ -118,3 +118,41 @@ def test_fast_claims_start_the_processing_index_where_no_live_lease_was_left() -
     # A scan cut by its LIMIT leaves expired leases behind: the start stays.
     cursor.end(fast, [ClaimOutcome(database_now=T0 + dt.timedelta(seconds=60), leases_exhausted=False)], 0.001)
     assert cursor.begin().leases_from == T0 + dt.timedelta(seconds=49)
+
+
+def test_fast_claims_look_for_expired_leases_once_per_interval_and_at_once_while_some_are_left() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=3600, lease_scan_interval_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    first = cursor.begin()
+    assert first.full and first.lease_scan  # a full claim always looks
+    cursor.end(first, [ClaimOutcome(lowest=key(0, 1), leases_exhausted=True)], 0.001)
+    clock.now += 0.1
+    plans = []
+    for _ in range(5):  # within the interval: no lease scan
+        plan = cursor.begin()
+        plans.append(plan.lease_scan)
+        cursor.end(plan, [ClaimOutcome(lowest=key(1, 2))], 0.001)
+        clock.now += 0.1
+    assert plans == [False] * 5
+    clock.now += 0.5  # the interval has passed: one claim looks, the next does not
+    looking = cursor.begin()
+    assert looking.lease_scan and not cursor.begin().lease_scan
+    # It found more expired leases than its LIMIT: the next claims look too, until one
+    # finds fewer.
+    cursor.end(looking, [ClaimOutcome(lowest=key(2, 3), leases_exhausted=False)], 0.001)
+    again = cursor.begin()
+    assert again.lease_scan
+    cursor.end(again, [ClaimOutcome(lowest=key(2, 4), leases_exhausted=True)], 0.001)
+    assert not cursor.begin().lease_scan
+
+
+def test_a_claim_without_a_lease_scan_never_moves_the_processing_index_start() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=3600, lease_margin_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1), database_now=T0, leases_exhausted=True)], 0.001)
+    clock.now += 0.1
+    plan = cursor.begin()
+    assert not plan.lease_scan
+    # The store reports leases_exhausted only for a statement whose lease scan ran.
+    cursor.end(plan, [ClaimOutcome(lowest=key(1, 2), database_now=T0 + dt.timedelta(seconds=50))], 0.001)
+    assert cursor.begin().leases_from == T0 - dt.timedelta(seconds=1)
