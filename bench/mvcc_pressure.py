@@ -41,8 +41,7 @@ import _common as c
 import psycopg
 from psycopg import sql
 
-CLAIM_PREFIX = "WITH writers AS"  # the plain claim (reap + claim in one statement)
-OLD_CLAIM_PREFIX = "WITH victims AS"  # the same, before it looked for open writer transactions
+CLAIM_PREFIX = "WITH victims AS"  # the plain claim (reap + claim in one statement)
 FINALIZE_PREFIX = "WITH decided AS"
 # The CLI of the relay under test, in either package layout (--relay-root may be older).
 CLI_MAIN = (
@@ -313,8 +312,8 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, floa
     """(calls, total ms) of the claim (all, full, fast) and finalize statements since the last reset."""
     out = {"claim": (0, 0.0), "claim_full": (0, 0.0), "claim_fast": (0, 0.0), "finalize": (0, 0.0)}
     rows = conn.execute(
-        "SELECT query, calls, total_exec_time FROM pg_stat_statements WHERE query LIKE ANY (%s)",
-        ([CLAIM_PREFIX + "%", OLD_CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"],),
+        "SELECT query, calls, total_exec_time FROM pg_stat_statements WHERE query LIKE %s OR query LIKE %s",
+        (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"),
     ).fetchall()
     for text, calls, total in rows:
         if text.startswith(FINALIZE_PREFIX):

@@ -61,9 +61,7 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- (their available_at defaults to its start); NULL elsewhere. The claim reports it, and
 -- the cursor keeps it like a claimed key: the claims after that transaction's commit,
 -- which no longer see its lock, still start at or below its rows.
-WITH writers AS MATERIALIZED (
-    SELECT {writers_since} AS since
-), victims AS (
+WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
       AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
@@ -78,6 +76,8 @@ WITH writers AS MATERIALIZED (
     FROM victims
     WHERE o.id = victims.id
     RETURNING o.id, o.lease_version, victims.lease_owner
+), writers AS MATERIALIZED (
+    SELECT {writers_since} AS since
 ), expired AS (
     SELECT id, 0 AS part, lease_until AS sort_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
