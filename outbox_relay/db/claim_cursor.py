@@ -56,6 +56,8 @@ WRITERS_WITHIN_SECONDS = 5.0
 # How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
 # a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS.
 WRITERS_CHECK_INTERVAL_SECONDS = 0.1
+# The longest interval between full claims while they find nothing below the fast start.
+RESCAN_QUIET_MAX_SECONDS = 300.0
 # How often a fast claim also looks for expired leases and poison rows.
 LEASE_SCAN_INTERVAL_SECONDS = 1.0
 
@@ -74,6 +76,7 @@ class ClaimPlan:
     measured: bool = True  # a full claim whose duration feeds the average (one at a time)
     lease_scan: bool = True  # look for expired leases and poison rows (always in a full claim)
     writers_check: bool = False  # a fast claim that looks for open writer transactions
+    fast_start: Key | None = None  # a full claim: where a fast claim would have started
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,7 @@ class DueCursor:
         lag_seconds: float = LAG_SECONDS,
         rescan_min_seconds: float = 0.0,
         rescan_max_seconds: float = 30.0,
+        rescan_quiet_max_seconds: float = RESCAN_QUIET_MAX_SECONDS,
         full_cost_share: float = 0.1,
         lease_margin_seconds: float = 1.0,
         lease_scan_interval_seconds: float = LEASE_SCAN_INTERVAL_SECONDS,
@@ -120,6 +124,8 @@ class DueCursor:
         self._lease_margin = lease_margin_seconds
         self._rescan_min = rescan_min_seconds
         self._rescan_max = rescan_max_seconds
+        self._rescan_quiet_max = max(rescan_quiet_max_seconds, rescan_max_seconds)
+        self._quiet_full_claims = 0  # full claims in a row that found nothing below the fast start
         self._cost_share = full_cost_share
         self._clock = clock
         self._lock = threading.Lock()
@@ -139,14 +145,14 @@ class DueCursor:
             self._expire(now)
             start = self._start()
             cheap = self._full_cost < self._fast_above  # nothing to save: every claim is full
-            interval = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
+            interval = self._full_interval()
             if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
                     self._last_lease_scan_at = now
                     self.full_claims += 1
-                    return ClaimPlan(full=True, start=None)
+                    return ClaimPlan(full=True, start=None, fast_start=start)
                 return ClaimPlan(full=True, start=None, measured=False)
             self.fast_claims += 1
             # Expired leases are rare (a relay died or hung): a fast claim looks for
@@ -179,6 +185,12 @@ class DueCursor:
                 # horizon held back long enough to slow every full claim does.
                 self._full_costs.append(elapsed_seconds)
                 self._full_cost = min(self._full_costs) if len(self._full_costs) == self._full_costs.maxlen else 0.0
+                claimed = [o.lowest for o in outcomes if o.lowest is not None]
+                found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
+                if found_below or self._full_cost < self._fast_above:
+                    self._quiet_full_claims = 0
+                else:
+                    self._quiet_full_claims += 1
             keys = [o.lowest for o in outcomes if o.lowest is not None]
             if keys:
                 self._window.append((now, min(keys)))
@@ -229,6 +241,17 @@ class DueCursor:
             if start is None or self._full_cost < self._fast_above:
                 return None
             return GaugeBounds(due_from=start, leases_from=self._leases_from)
+
+    def _full_interval(self) -> float:
+        """Seconds between full claims while they are expensive: a share of the time
+        (their cost / full_cost_share, within rescan_min..rescan_max), doubled for each
+        full claim in a row that found nothing below where fast claims start (up to
+        rescan_quiet_max): a full claim reads every dead entry since the horizon was
+        taken, so while late rows do not come (the look for open writers covers the
+        usual ones) it comes round less and less often; one that finds a late row
+        brings the interval back at once."""
+        base = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
+        return min(base * 2.0 ** min(self._quiet_full_claims, 16), max(base, self._rescan_quiet_max))
 
     def _expire(self, now: float) -> None:
         while self._window and now - self._window[0][0] > self._lag:

@@ -45,7 +45,11 @@ def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
 
 def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str, store: OutboxStore) -> None:
     store.due_cursor = DueCursor(
-        lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0
+        lag_seconds=0.2,
+        rescan_min_seconds=1.0,
+        rescan_max_seconds=1.0,
+        rescan_quiet_max_seconds=1.0,
+        fast_above_seconds=0.0,
     )
     seen: dict[int, int] = {}
     # A writer transaction that begins (available_at = its start) and inserts only
@@ -80,7 +84,11 @@ def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
     store.due_cursor = DueCursor(
-        lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5, fast_above_seconds=0.0
+        lag_seconds=0.1,
+        rescan_min_seconds=0.5,
+        rescan_max_seconds=0.5,
+        rescan_quiet_max_seconds=0.5,
+        fast_above_seconds=0.0,
     )
     inserted: set[int] = set()
     lock = threading.Lock()

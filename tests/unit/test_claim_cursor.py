@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from outbox_relay.db.claim_cursor import ClaimOutcome, DueCursor
+from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -65,11 +65,11 @@ def test_full_claims_come_round_less_often_when_they_are_expensive() -> None:
     plan = cursor.begin()
     assert plan.full
     cursor.end(plan, [], 0.004)
-    for _ in range(3):  # three in a row take 0.8 s: the next full one after 8 s
+    for i in range(3):  # three in a row take 0.8 s: the next full one after 8 s
         clock.now += 100
         plan = cursor.begin()
         assert plan.full
-        cursor.end(plan, [ClaimOutcome(lowest=key(0, 1))], 0.8)
+        cursor.end(plan, [ClaimOutcome(lowest=key(-1 - i, 1))], 0.8)  # each found a late row
     clock.now += 5
     assert not cursor.begin().full
     clock.now += 3.5
@@ -156,3 +156,40 @@ def test_a_claim_without_a_lease_scan_never_moves_the_processing_index_start() -
     # The store reports leases_exhausted only for a statement whose lease scan ran.
     cursor.end(plan, [ClaimOutcome(lowest=key(1, 2), database_now=T0 + dt.timedelta(seconds=50))], 0.001)
     assert cursor.begin().leases_from == T0 - dt.timedelta(seconds=1)
+
+
+def test_full_claims_that_find_nothing_below_the_fast_start_come_round_less_and_less_often() -> None:
+    clock = Clock()
+    cursor = DueCursor(
+        lag_seconds=0.25,
+        rescan_min_seconds=1.0,
+        rescan_max_seconds=30.0,
+        rescan_quiet_max_seconds=300.0,
+        full_cost_share=0.1,
+        clock=clock,
+    )
+
+    def next_full_claim() -> tuple[float, ClaimPlan]:
+        """Fast claims a second apart until a full one comes: (seconds waited, its plan)."""
+        waited = 0.0
+        while not (plan := cursor.begin()).full:
+            cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 2))], 0.001)
+            clock.now += 1
+            waited += 1
+        return waited, plan
+
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 1.0)
+    for i in range(2):  # expensive full claims (1 s: an interval of 10 s) that find a late row
+        _, plan = next_full_claim()
+        cursor.end(plan, [ClaimOutcome(lowest=key(-1000 * (i + 1), 1))], 1.0)
+    waits = []
+    for _ in range(8):  # full claims that find nothing below the fast start
+        waited, plan = next_full_claim()
+        waits.append(waited)
+        assert plan.fast_start is not None
+        cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 3))], 1.0)
+    assert waits[:6] == [10, 20, 40, 80, 160, 300], waits  # doubled, up to the quiet maximum
+    assert waits[6:] == [300, 300]
+    _, plan = next_full_claim()
+    cursor.end(plan, [ClaimOutcome(lowest=key(-10_000, 4))], 1.0)  # a late row: back to 10 s at once
+    assert next_full_claim()[0] == 10
