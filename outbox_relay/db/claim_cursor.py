@@ -225,6 +225,12 @@ class DueCursor:
                     full = len(self._full_costs) == self._full_costs.maxlen
                     self._full_cost = min(self._full_costs) if full else 0.0
 
+    def fast_claims_in_use(self) -> bool:
+        """Full claims are slow (the least of the last three took fast_above_seconds or
+        more): vacuum is being held back and dead entries pile up."""
+        with self._lock:
+            return self._full_cost >= self._fast_above and len(self._full_costs) == self._full_costs.maxlen
+
     def start_key(self) -> Key | None:
         """Where a fast claim would start now (None: from the front)."""
         with self._lock:
