@@ -56,6 +56,9 @@ WRITERS_WITHIN_SECONDS = 5.0
 # How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
 # a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS.
 WRITERS_CHECK_INTERVAL_SECONDS = 0.1
+# Full claims count as slow (fast claims take over) from this many seconds per row
+# claimed (+ 10): 0.5 ms against some 0.02-0.05 ms without MVCC pressure.
+FAST_ABOVE_SECONDS_PER_ROW = 0.0005
 # The longest interval between full claims while they find nothing below the fast start.
 RESCAN_QUIET_MAX_SECONDS = 300.0
 # How often a fast claim also looks for expired leases and poison rows.
@@ -110,6 +113,7 @@ class DueCursor:
         lease_margin_seconds: float = 1.0,
         lease_scan_interval_seconds: float = LEASE_SCAN_INTERVAL_SECONDS,
         fast_above_seconds: float = 0.1,
+        fast_above_seconds_per_row: float = FAST_ABOVE_SECONDS_PER_ROW,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lease_scan_interval = lease_scan_interval_seconds
@@ -118,8 +122,11 @@ class DueCursor:
         self._last_lease_scan_at = float("-inf")
         self._leases_left = False  # the last lease scan was cut by its LIMIT: more are waiting
         self._fast_above = fast_above_seconds
+        self._fast_above_per_row = fast_above_seconds_per_row
         self._full_costs: deque[float] = deque(maxlen=3)  # the last full claims' durations
         self._full_cost = 0.0  # the least of them (0 until there are three)
+        self._full_row_costs: deque[float] = deque(maxlen=3)  # their durations / (rows claimed + 10)
+        self._slow = fast_above_seconds <= 0  # full claims are slow: fast claims in use
         self._lag = lag_seconds
         self._lease_margin = lease_margin_seconds
         self._rescan_min = rescan_min_seconds
@@ -144,7 +151,7 @@ class DueCursor:
         with self._lock:
             self._expire(now)
             start = self._start()
-            cheap = self._full_cost < self._fast_above  # nothing to save: every claim is full
+            cheap = not self._slow  # nothing to save: every claim is full
             interval = self._full_interval()
             if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
                 if not self._full_running:
@@ -174,20 +181,16 @@ class DueCursor:
                 writers_check=writers_check,
             )
 
-    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
+    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
         """Record what a claim's statements saw and, for a full claim, its cost."""
         now = self._clock()
         with self._lock:
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
-                # The least of the last three: a slow claim or two on a busy machine (or
-                # a new connection's first) do not switch the relay to fast claims, a
-                # horizon held back long enough to slow every full claim does.
-                self._full_costs.append(elapsed_seconds)
-                self._full_cost = min(self._full_costs) if len(self._full_costs) == self._full_costs.maxlen else 0.0
+                self._record_full_cost(elapsed_seconds, claimed_rows)
                 claimed = [o.lowest for o in outcomes if o.lowest is not None]
                 found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
-                if found_below or self._full_cost < self._fast_above:
+                if found_below or not self._slow:
                     self._quiet_full_claims = 0
                 else:
                     self._quiet_full_claims += 1
@@ -221,15 +224,13 @@ class DueCursor:
                     self._last_full_at = float("-inf")
                 else:  # its interval counts from its end
                     self._last_full_at = self._clock()
-                    self._full_costs.append(elapsed_seconds)
-                    full = len(self._full_costs) == self._full_costs.maxlen
-                    self._full_cost = min(self._full_costs) if full else 0.0
+                    self._record_full_cost(elapsed_seconds, 0)
 
     def fast_claims_in_use(self) -> bool:
-        """Full claims are slow (the least of the last three took fast_above_seconds or
-        more): vacuum is being held back and dead entries pile up."""
+        """Full claims are slow (see _record_full_cost): vacuum is being held back and
+        dead entries pile up."""
         with self._lock:
-            return self._full_cost >= self._fast_above and len(self._full_costs) == self._full_costs.maxlen
+            return self._slow
 
     def start_key(self) -> Key | None:
         """Where a fast claim would start now (None: from the front)."""
@@ -244,9 +245,25 @@ class DueCursor:
         with self._lock:
             self._expire(self._clock())
             start = self._start()
-            if start is None or self._full_cost < self._fast_above:
+            if start is None or not self._slow:
                 return None
             return GaugeBounds(due_from=start, leases_from=self._leases_from)
+
+    def _record_full_cost(self, elapsed_seconds: float, claimed_rows: int) -> None:
+        """Full claims are slow when the least of the last three took fast_above_seconds
+        or more, or fast_above_seconds_per_row or more per row claimed (+ 10, so an
+        empty claim is judged too): a small batch that takes tens of milliseconds is
+        walking dead entries, a large one may just be large. The least of three: a
+        slow claim or two on a busy machine (or a new connection's first) do not switch
+        the relay to fast claims, a horizon held back long enough to slow every full
+        claim does."""
+        self._full_costs.append(elapsed_seconds)
+        self._full_row_costs.append(elapsed_seconds / (claimed_rows + 10))
+        if len(self._full_costs) < self._full_costs.maxlen:
+            self._full_cost, self._slow = 0.0, self._fast_above <= 0
+            return
+        self._full_cost = min(self._full_costs)
+        self._slow = self._full_cost >= self._fast_above or min(self._full_row_costs) >= self._fast_above_per_row
 
     def _full_interval(self) -> float:
         """Seconds between full claims while they are expensive: a share of the time

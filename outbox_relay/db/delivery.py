@@ -127,7 +127,7 @@ class DeliveryOps(StoreCore):
         except BaseException:
             self.due_cursor.failed(plan, time.monotonic() - started)
             raise
-        self.due_cursor.end(plan, outcomes, time.monotonic() - started)
+        self.due_cursor.end(plan, outcomes, time.monotonic() - started, claimed_rows=len(result.rows))
         return result
 
     def _claim(
