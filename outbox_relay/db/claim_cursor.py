@@ -259,7 +259,7 @@ class DueCursor:
         claim does."""
         self._full_costs.append(elapsed_seconds)
         self._full_row_costs.append(elapsed_seconds / (claimed_rows + 10))
-        if len(self._full_costs) < self._full_costs.maxlen:
+        if len(self._full_costs) < 3:  # the deques keep three
             self._full_cost, self._slow = 0.0, self._fast_above <= 0
             return
         self._full_cost = min(self._full_costs)
