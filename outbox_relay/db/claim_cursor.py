@@ -89,6 +89,7 @@ class ClaimOutcome:
     lowest: Key | None = None  # the lowest due key it claimed
     database_now: dt.datetime | None = None  # the statement's now()
     leases_exhausted: bool = False  # its expired-lease scan ran and did not stop at its LIMIT
+    server_seconds: float | None = None  # how long the statement ran in the server
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +188,8 @@ class DueCursor:
         with self._lock:
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
-                self._record_full_cost(elapsed_seconds, claimed_rows)
+                server = [o.server_seconds for o in outcomes if o.server_seconds is not None]
+                self._record_full_cost(elapsed_seconds, claimed_rows, sum(server) if server else None)
                 claimed = [o.lowest for o in outcomes if o.lowest is not None]
                 found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
                 if found_below or not self._slow:
@@ -224,7 +226,7 @@ class DueCursor:
                     self._last_full_at = float("-inf")
                 else:  # its interval counts from its end
                     self._last_full_at = self._clock()
-                    self._record_full_cost(elapsed_seconds, 0)
+                    self._record_full_cost(elapsed_seconds, 0, None)
 
     def fast_claims_in_use(self) -> bool:
         """Full claims are slow (see _record_full_cost): vacuum is being held back and
@@ -249,16 +251,18 @@ class DueCursor:
                 return None
             return GaugeBounds(due_from=start, leases_from=self._leases_from)
 
-    def _record_full_cost(self, elapsed_seconds: float, claimed_rows: int) -> None:
+    def _record_full_cost(self, elapsed_seconds: float, claimed_rows: int, server_seconds: float | None) -> None:
         """Full claims are slow when the least of the last three took fast_above_seconds
-        or more, or fast_above_seconds_per_row or more per row claimed (+ 10, so an
-        empty claim is judged too): a small batch that takes tens of milliseconds is
-        walking dead entries, a large one may just be large. The least of three: a
-        slow claim or two on a busy machine (or a new connection's first) do not switch
-        the relay to fast claims, a horizon held back long enough to slow every full
-        claim does."""
+        or more, or ran in the server fast_above_seconds_per_row or more per row
+        claimed (+ 10, so an empty claim is judged too): a small batch that takes tens
+        of milliseconds in the server is walking dead entries, a large one may just be
+        large (the server's time, so that a busy client machine does not count). The
+        least of three: a slow claim or two (or a new connection's first) do not
+        switch the relay to fast claims, a horizon held back long enough to slow every
+        full claim does."""
         self._full_costs.append(elapsed_seconds)
-        self._full_row_costs.append(elapsed_seconds / (claimed_rows + 10))
+        server = elapsed_seconds if server_seconds is None else server_seconds
+        self._full_row_costs.append(server / (claimed_rows + 10))
         if len(self._full_costs) < 3:  # the deques keep three
             self._full_cost, self._slow = 0.0, self._fast_above <= 0
             return

@@ -240,10 +240,13 @@ class DeliveryOps(StoreCore):
         execute_with_settings(cur, statement, params, CLAIM_SETTINGS)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
+        server_seconds: float | None = None
         expired_seen = 0
         for record in cur.fetchall():
             if record[0] is None:  # the statement's clock, expired leases looked at, open writers
                 expired_seen, database_now = int(record[1]), record[13]
+                if record[2] is not None:
+                    server_seconds = int(record[2]) / 1_000_000
                 if record[10] is not None:  # rows an open writer will commit start at or after this key
                     keys.append((record[10], 0))
             elif record[0]:
@@ -257,6 +260,7 @@ class DeliveryOps(StoreCore):
                 lowest=min(keys) if keys else None,
                 database_now=database_now,
                 leases_exhausted=bool(params.get("lease_scan", True)) and expired_seen < int(params["candidates"]),
+                server_seconds=server_seconds,
             )
         )
         return reaped

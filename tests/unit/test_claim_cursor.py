@@ -196,14 +196,15 @@ def test_full_claims_that_find_nothing_below_the_fast_start_come_round_less_and_
 
 
 def test_small_full_claims_that_take_tens_of_milliseconds_switch_to_fast_claims_large_ones_do_not() -> None:
-    def after_three(elapsed: float, rows: int) -> bool:
+    def after_three(elapsed: float, rows: int, server_seconds: float | None = None) -> bool:
         clock = Clock()
         cursor = DueCursor(rescan_min_seconds=1.0, fast_above_seconds=0.1, clock=clock)
         for _ in range(3):
             clock.now += 100
             plan = cursor.begin()
             assert plan.full
-            cursor.end(plan, [ClaimOutcome(lowest=key(0, 1))], elapsed, claimed_rows=rows)
+            outcome = ClaimOutcome(lowest=key(0, 1), server_seconds=server_seconds)
+            cursor.end(plan, [outcome], elapsed, claimed_rows=rows)
         return cursor.fast_claims_in_use()
 
     assert after_three(0.040, 40)  # 40 rows in 40 ms: walking dead entries
@@ -211,3 +212,7 @@ def test_small_full_claims_that_take_tens_of_milliseconds_switch_to_fast_claims_
     assert not after_three(0.030, 1000)  # 1 000 rows in 30 ms: a large batch, no pressure
     assert not after_three(0.002, 40)  # the usual small claim
     assert after_three(0.150, 1000)  # anything over fast_above_seconds
+    # Judged by the statement's time in the server when known: a busy client machine
+    # (40 ms from call to answer, 1 ms in the server) is no sign of dead entries.
+    assert not after_three(0.040, 40, server_seconds=0.001)
+    assert after_three(0.045, 40, server_seconds=0.040)

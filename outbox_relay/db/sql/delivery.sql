@@ -154,10 +154,14 @@ FROM reaped
 
 -- name: claim_report
 -- Appended to "claim" by the store (claim_cursor.py): one more row (reaped = NULL)
--- with how many expired leases the statement looked at, the start of the oldest open
+-- with how many expired leases the statement looked at, how long it ran in the server
+-- (microseconds, in the lease_version column: evaluated after the other parts, so it
+-- covers the scans and the UPDATE, not the network), the start of the oldest open
 -- writer transaction it saw (outbox_writers_since; in the created_at column) and its clock.
 UNION ALL
-SELECT NULL, (SELECT count(*) FROM expired), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+SELECT NULL, (SELECT count(*) FROM expired),
+       (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        (SELECT since FROM writers), NULL, NULL, now()
 
 -- name: claim_ordered_heads
