@@ -48,14 +48,15 @@ from dataclasses import dataclass
 # write rate times LAG_SECONDS). Rows of a writer transaction still open when a claim
 # runs are covered beyond it where the relay may read other sessions (claim statement,
 # "writers_since"); the rest of the late rows wait for a full claim.
-LAG_SECONDS = 0.25
+LAG_SECONDS = 0.1
 # An open writer transaction older than this no longer holds fast claims back (one
 # left open for minutes would make every fast claim walk the dead entries since its
 # start); its rows are found by a full claim.
 WRITERS_WITHIN_SECONDS = 5.0
 # How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
-# a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS.
-WRITERS_CHECK_INTERVAL_SECONDS = 0.1
+# a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS, so
+# looks come at least twice per window.
+WRITERS_CHECK_INTERVAL_SECONDS = 0.04
 # Full claims count as slow (fast claims take over) from this many seconds per row
 # claimed (+ 10): 0.5 ms against some 0.02-0.05 ms without MVCC pressure.
 FAST_ABOVE_SECONDS_PER_ROW = 0.0005
@@ -118,7 +119,7 @@ class DueCursor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lease_scan_interval = lease_scan_interval_seconds
-        self._writers_check_interval = min(WRITERS_CHECK_INTERVAL_SECONDS, lag_seconds)
+        self._writers_check_interval = min(WRITERS_CHECK_INTERVAL_SECONDS, lag_seconds * 0.4)
         self._last_writers_check_at = float("-inf")
         self._last_lease_scan_at = float("-inf")
         self._leases_left = False  # the last lease scan was cut by its LIMIT: more are waiting
