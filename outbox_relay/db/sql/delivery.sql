@@ -54,7 +54,7 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- store fills them with parameters, anything else gets NULL: the whole claim from the
 -- front. due_at: a claimed due row's key, where later claims start.
 -- {lease_scan}: false in most fast claims (the cursor looks for expired leases once a
--- second); true otherwise. {writers_since}: in a fast claim (that looks: ten times a
+-- second); true otherwise. {writers_since}: in a fast claim (that looks: 25 times a
 -- second), when the oldest
 -- transaction that holds a write lock on the outbox began (outbox_writers_since), so
 -- that the due scan starts no later than the rows such a transaction will commit
