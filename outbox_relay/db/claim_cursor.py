@@ -43,6 +43,28 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+# The due window: a fast claim starts at the lowest key claimed in the last
+# LAG_SECONDS, and so walks the dead entries of the rows claimed in that time (the
+# write rate times LAG_SECONDS). Rows of a writer transaction still open when a claim
+# runs are covered beyond it where the relay may read other sessions (claim statement,
+# "writers_since"); the rest of the late rows wait for a full claim.
+LAG_SECONDS = 0.1
+# An open writer transaction older than this no longer holds fast claims back (one
+# left open for minutes would make every fast claim walk the dead entries since its
+# start); its rows are found by a full claim.
+WRITERS_WITHIN_SECONDS = 5.0
+# How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
+# a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS, so
+# looks come at least twice per window.
+WRITERS_CHECK_INTERVAL_SECONDS = 0.04
+# Full claims count as slow (fast claims take over) from this many seconds per row
+# claimed (+ 10): 0.5 ms against some 0.02-0.05 ms without MVCC pressure.
+FAST_ABOVE_SECONDS_PER_ROW = 0.0005
+# The longest interval between full claims while they find nothing below the fast start.
+RESCAN_QUIET_MAX_SECONDS = 300.0
+# How often a fast claim also looks for expired leases and poison rows.
+LEASE_SCAN_INTERVAL_SECONDS = 1.0
+
 # A full claim that fails faster than this (or than fast_above_seconds) is tried again
 # by the next claim; a slower one waits for its interval (DueCursor.failed).
 QUICK_FAILURE_SECONDS = 1.0
@@ -56,6 +78,9 @@ class ClaimPlan:
     start: Key | None  # None: from the front of the due index (a full claim)
     leases_from: dt.datetime | None = None  # None: from the front of the processing index
     measured: bool = True  # a full claim whose duration feeds the average (one at a time)
+    lease_scan: bool = True  # look for expired leases and poison rows (always in a full claim)
+    writers_check: bool = False  # a fast claim that looks for open writer transactions
+    fast_start: Key | None = None  # a full claim: where a fast claim would have started
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +89,8 @@ class ClaimOutcome:
 
     lowest: Key | None = None  # the lowest due key it claimed
     database_now: dt.datetime | None = None  # the statement's now()
-    leases_exhausted: bool = False  # its expired-lease scan did not stop at its LIMIT
+    leases_exhausted: bool = False  # its expired-lease scan ran and did not stop at its LIMIT
+    server_seconds: float | None = None  # how long the statement ran in the server
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +107,34 @@ class DueCursor:
     def __init__(
         self,
         *,
-        lag_seconds: float = 2.0,
+        lag_seconds: float = LAG_SECONDS,
         rescan_min_seconds: float = 0.0,
         rescan_max_seconds: float = 30.0,
+        rescan_quiet_max_seconds: float = RESCAN_QUIET_MAX_SECONDS,
         full_cost_share: float = 0.1,
         lease_margin_seconds: float = 1.0,
+        lease_scan_interval_seconds: float = LEASE_SCAN_INTERVAL_SECONDS,
         fast_above_seconds: float = 0.1,
+        fast_above_seconds_per_row: float = FAST_ABOVE_SECONDS_PER_ROW,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._lease_scan_interval = lease_scan_interval_seconds
+        self._writers_check_interval = min(WRITERS_CHECK_INTERVAL_SECONDS, lag_seconds * 0.4)
+        self._last_writers_check_at = float("-inf")
+        self._last_lease_scan_at = float("-inf")
+        self._leases_left = False  # the last lease scan was cut by its LIMIT: more are waiting
         self._fast_above = fast_above_seconds
+        self._fast_above_per_row = fast_above_seconds_per_row
         self._full_costs: deque[float] = deque(maxlen=3)  # the last full claims' durations
         self._full_cost = 0.0  # the least of them (0 until there are three)
+        self._full_row_costs: deque[float] = deque(maxlen=3)  # their durations / (rows claimed + 10)
+        self._slow = fast_above_seconds <= 0  # full claims are slow: fast claims in use
         self._lag = lag_seconds
         self._lease_margin = lease_margin_seconds
         self._rescan_min = rescan_min_seconds
         self._rescan_max = rescan_max_seconds
+        self._rescan_quiet_max = max(rescan_quiet_max_seconds, rescan_max_seconds)
+        self._quiet_full_claims = 0  # full claims in a row that found nothing below the fast start
         self._cost_share = full_cost_share
         self._clock = clock
         self._lock = threading.Lock()
@@ -114,32 +153,55 @@ class DueCursor:
         with self._lock:
             self._expire(now)
             start = self._start()
-            cheap = self._full_cost < self._fast_above  # nothing to save: every claim is full
-            interval = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
+            cheap = not self._slow  # nothing to save: every claim is full
+            interval = self._full_interval()
             if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
+                    self._last_lease_scan_at = now
                     self.full_claims += 1
-                    return ClaimPlan(full=True, start=None)
+                    return ClaimPlan(full=True, start=None, fast_start=start)
                 return ClaimPlan(full=True, start=None, measured=False)
             self.fast_claims += 1
-            return ClaimPlan(full=False, start=start, leases_from=self._leases_from)
+            # Expired leases are rare (a relay died or hung): a fast claim looks for
+            # them once per interval, or at once while the last look found more than
+            # its LIMIT, instead of walking the processing index's dead entries each time.
+            lease_scan = self._leases_left or now - self._last_lease_scan_at >= self._lease_scan_interval
+            if lease_scan:
+                self._last_lease_scan_at = now
+            # Open writers are looked for more often than the window is long, so what
+            # one look saw is still in the window when the next look comes.
+            writers_check = now - self._last_writers_check_at >= self._writers_check_interval
+            if writers_check:
+                self._last_writers_check_at = now
+            return ClaimPlan(
+                full=False,
+                start=start,
+                leases_from=self._leases_from,
+                lease_scan=lease_scan,
+                writers_check=writers_check,
+            )
 
-    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
+    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
         """Record what a claim's statements saw and, for a full claim, its cost."""
         now = self._clock()
         with self._lock:
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
-                # The least of the last three: a slow claim or two on a busy machine (or
-                # a new connection's first) do not switch the relay to fast claims, a
-                # horizon held back long enough to slow every full claim does.
-                self._full_costs.append(elapsed_seconds)
-                self._full_cost = min(self._full_costs) if len(self._full_costs) == self._full_costs.maxlen else 0.0
+                server = [o.server_seconds for o in outcomes if o.server_seconds is not None]
+                self._record_full_cost(elapsed_seconds, claimed_rows, sum(server) if server else None)
+                claimed = [o.lowest for o in outcomes if o.lowest is not None]
+                found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
+                if found_below or not self._slow:
+                    self._quiet_full_claims = 0
+                else:
+                    self._quiet_full_claims += 1
             keys = [o.lowest for o in outcomes if o.lowest is not None]
             if keys:
                 self._window.append((now, min(keys)))
+            if plan.lease_scan:
+                self._leases_left = any(not o.leases_exhausted for o in outcomes)
             for outcome in outcomes:
                 # Every lease that expired before this statement's clock was reclaimed
                 # (or is being changed by another transaction right now): later claims
@@ -165,9 +227,13 @@ class DueCursor:
                     self._last_full_at = float("-inf")
                 else:  # its interval counts from its end
                     self._last_full_at = self._clock()
-                    self._full_costs.append(elapsed_seconds)
-                    full = len(self._full_costs) == self._full_costs.maxlen
-                    self._full_cost = min(self._full_costs) if full else 0.0
+                    self._record_full_cost(elapsed_seconds, 0, None)
+
+    def fast_claims_in_use(self) -> bool:
+        """Full claims are slow (see _record_full_cost): vacuum is being held back and
+        dead entries pile up."""
+        with self._lock:
+            return self._slow
 
     def start_key(self) -> Key | None:
         """Where a fast claim would start now (None: from the front)."""
@@ -182,9 +248,38 @@ class DueCursor:
         with self._lock:
             self._expire(self._clock())
             start = self._start()
-            if start is None or self._full_cost < self._fast_above:
+            if start is None or not self._slow:
                 return None
             return GaugeBounds(due_from=start, leases_from=self._leases_from)
+
+    def _record_full_cost(self, elapsed_seconds: float, claimed_rows: int, server_seconds: float | None) -> None:
+        """Full claims are slow when the least of the last three took fast_above_seconds
+        or more, or ran in the server fast_above_seconds_per_row or more per row
+        claimed (+ 10, so an empty claim is judged too): a small batch that takes tens
+        of milliseconds in the server is walking dead entries, a large one may just be
+        large (the server's time, so that a busy client machine does not count). The
+        least of three: a slow claim or two (or a new connection's first) do not
+        switch the relay to fast claims, a horizon held back long enough to slow every
+        full claim does."""
+        self._full_costs.append(elapsed_seconds)
+        server = elapsed_seconds if server_seconds is None else server_seconds
+        self._full_row_costs.append(server / (claimed_rows + 10))
+        if len(self._full_costs) < 3:  # the deques keep three
+            self._full_cost, self._slow = 0.0, self._fast_above <= 0
+            return
+        self._full_cost = min(self._full_costs)
+        self._slow = self._full_cost >= self._fast_above or min(self._full_row_costs) >= self._fast_above_per_row
+
+    def _full_interval(self) -> float:
+        """Seconds between full claims while they are expensive: a share of the time
+        (their cost / full_cost_share, within rescan_min..rescan_max), doubled for each
+        full claim in a row that found nothing below where fast claims start (up to
+        rescan_quiet_max): a full claim reads every dead entry since the horizon was
+        taken, so while late rows do not come (the look for open writers covers the
+        usual ones) it comes round less and less often; one that finds a late row
+        brings the interval back at once."""
+        base = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
+        return min(base * 2.0 ** min(self._quiet_full_claims, 16), max(base, self._rescan_quiet_max))
 
     def _expire(self, now: float) -> None:
         while self._window and now - self._window[0][0] > self._lag:

@@ -127,7 +127,7 @@ class DeliveryOps(StoreCore):
         except BaseException:
             self.due_cursor.failed(plan, time.monotonic() - started)
             raise
-        self.due_cursor.end(plan, outcomes, time.monotonic() - started)
+        self.due_cursor.end(plan, outcomes, time.monotonic() - started, claimed_rows=len(result.rows))
         return result
 
     def _claim(
@@ -146,7 +146,15 @@ class DeliveryOps(StoreCore):
         batch = int(params["batch"])
         max_batch_bytes = int(params["max_batch_bytes"])
         start_at, start_id = plan.start if plan.start is not None else (None, None)
-        params = dict(params, from_at=start_at, from_id=start_id, leases_from=plan.leases_from)
+        params = dict(
+            params,
+            from_at=start_at,
+            from_id=start_id,
+            leases_from=plan.leases_from,
+            lease_scan=plan.lease_scan,
+            writers_check=plan.writers_check,
+            full_claim=plan.full,
+        )
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
@@ -227,15 +235,20 @@ class DeliveryOps(StoreCore):
         saw to ``outcomes``, for the claim cursor), return reaped ones."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
-        fast = any(params.get(name) is not None for name in ("from_at", "leases_from"))
-        statement = self._claim_statement if fast else self._full_claim_statement
+        full = params.pop("full_claim", True)
+        statement = self._full_claim_statement if full else self._claim_statement
         execute_with_settings(cur, statement, params, CLAIM_SETTINGS)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
+        server_seconds: float | None = None
         expired_seen = 0
         for record in cur.fetchall():
-            if record[0] is None:  # the statement's clock and expired leases looked at
+            if record[0] is None:  # the statement's clock, expired leases looked at, open writers
                 expired_seen, database_now = int(record[1]), record[13]
+                if record[2] is not None:
+                    server_seconds = int(record[2]) / 1_000_000
+                if record[10] is not None:  # rows an open writer will commit start at or after this key
+                    keys.append((record[10], 0))
             elif record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:
@@ -246,7 +259,8 @@ class DeliveryOps(StoreCore):
             ClaimOutcome(
                 lowest=min(keys) if keys else None,
                 database_now=database_now,
-                leases_exhausted=expired_seen < int(params["candidates"]),
+                leases_exhausted=bool(params.get("lease_scan", True)) and expired_seen < int(params["candidates"]),
+                server_seconds=server_seconds,
             )
         )
         return reaped

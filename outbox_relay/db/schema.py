@@ -160,6 +160,8 @@ class TableSql:
             "due_from_at": sql.SQL("NULL"),
             "due_from_id": sql.SQL("NULL"),
             "leases_from": sql.SQL("NULL"),
+            "lease_scan": sql.SQL("true"),
+            "writers_since": sql.SQL("NULL::timestamptz"),
             "claim_report": sql.SQL(""),
         }
 

@@ -30,7 +30,7 @@ from ..errors import (
     DatabaseUnavailable,
     SchemaMissing,
 )
-from .claim_cursor import DueCursor
+from .claim_cursor import WRITERS_WITHIN_SECONDS, DueCursor
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
 
@@ -183,6 +183,15 @@ class StoreCore:
             due_from_at=sql.Placeholder("from_at"),
             due_from_id=sql.Placeholder("from_id"),
             leases_from=sql.Placeholder("leases_from"),
+            lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
+            writers_since=sql.SQL("CASE WHEN {}::boolean THEN {} END").format(
+                sql.Placeholder("writers_check"),
+                self.sql.query(
+                    "outbox_writers_since",
+                    table_oid=sql.Literal(self.sql.regclass_text),
+                    writers_within_seconds=sql.Literal(WRITERS_WITHIN_SECONDS),
+                ),
+            ),
             claim_report=sql.SQL(EXECUTABLE["claim_report"]),
         )
         # A full claim (from the front of both indexes) is the statement with its start

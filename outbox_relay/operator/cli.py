@@ -780,7 +780,9 @@ def grants(
             lines.append(
                 f"-- {kind} role {role}: read other sessions' transaction start, so the xmin horizon "
                 "gauge and `status` can name what holds vacuum back (without it they say what they "
-                "cannot see); needs a superuser, or ADMIN on pg_read_all_stats"
+                "cannot see)"
+                + (", and claims under MVCC pressure take a late writer's rows at once" if kind == "relay" else "")
+                + "; needs a superuser, or ADMIN on pg_read_all_stats"
             )
             lines += [
                 " ".join(statement.as_string(None).split()) + ";"

@@ -100,8 +100,13 @@ class NotificationListener:
                     if listener.wait(timeout_seconds=1.0):
                         self._wakeup.wake_one()
                         # A worker is awake: inserts can stop notifying until a worker
-                        # finds nothing to claim and marks the relays idle again.
-                        self._wakeup.mark_relays_busy(listener)
+                        # finds nothing to claim and marks the relays idle again. Not
+                        # while vacuum is held back: each flip of the flag leaves a dead
+                        # version of the state row that nothing can remove, and every
+                        # insert's trigger reads them all (tens of thousands after a
+                        # few minutes of a steady writer); writers notify meanwhile.
+                        if not self._store.due_cursor.fast_claims_in_use():
+                            self._wakeup.mark_relays_busy(listener)
             except Exception as exc:  # the listener must survive anything; polling covers the gap
                 failures += 1
                 if not self._stop.is_set():

@@ -1,8 +1,9 @@
 """Claims that start past the dead entries of the due index never skip a row.
 
-Fast claims start at a recent key of the due index (claim_cursor.py); a row that
-becomes due below it (its writer's transaction began before rows that were claimed
-already, and committed after) must still be delivered, by the next full claim.
+Fast claims start at a recent key of the due index (claim_cursor.py), or at the start
+of a writer transaction they saw open; a row that becomes due below it (its writer's
+transaction began before rows that were claimed already, and wrote and committed after)
+must still be delivered, by the next full claim.
 Real PostgreSQL, concurrent writers whose transactions commit out of id order.
 """
 
@@ -44,21 +45,26 @@ def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
 
 def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str, store: OutboxStore) -> None:
     store.due_cursor = DueCursor(
-        lag_seconds=0.2, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0
+        lag_seconds=0.2,
+        rescan_min_seconds=1.0,
+        rescan_max_seconds=1.0,
+        rescan_quiet_max_seconds=1.0,
+        fast_above_seconds=0.0,
     )
     seen: dict[int, int] = {}
-    # A writer transaction that begins (available_at = its start), inserts, and stays open.
+    # A writer transaction that begins (available_at = its start) and inserts only
+    # later, after the claims below: no claim sees it holding a write lock on the outbox.
     late = psycopg.connect(pg_dsn)
     late.execute("SELECT now()")
-    late_id = _insert(late, table, "late")
     time.sleep(0.05)
-    # Meanwhile other rows are written (higher available_at, higher ids) and claimed.
+    # Meanwhile other rows are written (higher available_at) and claimed.
     with psycopg.connect(pg_dsn, autocommit=True) as writer:
         for _ in range(3):
             ids = [_insert(writer, table, "quick") for _ in range(5)]
-            assert ids and min(ids) > late_id
+            assert ids
             _claim_all(store, seen)
             time.sleep(0.3)  # the fast claims' start moves past the late row's key
+    late_id = _insert(late, table, "late")
     late.commit()  # now due, with a key below where fast claims start
     late.close()
     [(late_key_at,)] = run_sql(pg_dsn, table, "SELECT available_at FROM {t} WHERE id = %s", (late_id,))
@@ -78,7 +84,11 @@ def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
     store.due_cursor = DueCursor(
-        lag_seconds=0.1, rescan_min_seconds=0.5, rescan_max_seconds=0.5, fast_above_seconds=0.0
+        lag_seconds=0.1,
+        rescan_min_seconds=0.5,
+        rescan_max_seconds=0.5,
+        rescan_quiet_max_seconds=0.5,
+        fast_above_seconds=0.0,
     )
     inserted: set[int] = set()
     lock = threading.Lock()
@@ -321,6 +331,107 @@ def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_
         claim_plan = plan_text(store.sql.query("claim"), claim_params, CLAIM_SETTINGS)
         assert not whole_table.search(claim_plan), claim_plan
         assert store.mark_done([(r.id, r.lease_version) for r in claimed.rows]) == {r.id for r in claimed.rows}
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+def test_a_fast_claim_waits_for_an_open_writer_transaction_without_a_full_claim(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """A writer transaction that has inserted into the outbox and is still open holds a
+    write lock on it: fast claims start no later than its start, so its rows (keyed by
+    that start) are delivered by the fast claims that follow its commit, without
+    waiting for a full claim."""
+    store.due_cursor = DueCursor(
+        lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
+    )
+    seen: dict[int, int] = {}
+    late = psycopg.connect(pg_dsn)
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as writer:
+            _insert(writer, table, "first")
+            assert _claim_all(store, seen) == 1  # the one full claim; every later claim is fast
+            late.execute("SELECT now()")
+            late_id = _insert(late, table, "late")
+            time.sleep(0.05)
+            for _ in range(3):
+                ids = [_insert(writer, table, "quick") for _ in range(5)]
+                assert min(ids) > late_id
+                assert _claim_all(store, seen) == 5
+                time.sleep(0.1)
+        start = store.due_cursor.start_key()
+        row = late.execute(
+            sql.SQL("SELECT available_at FROM {} WHERE id = %s").format(sql.Identifier(*table.split("."))), (late_id,)
+        ).fetchone()
+        assert row is not None
+        # Every claimed row's key is above the late row's; the start was held at the
+        # open writer's start (its rows' available_at), not moved past it.
+        assert start == (row[0], 0)
+        late.commit()
+    finally:
+        late.close()
+    fulls = store.due_cursor.full_claims
+    assert _claim_all(store, seen) == 1 and seen.get(late_id) == 1, "the late row was not claimed"
+    assert store.due_cursor.full_claims == fulls == 1  # by a fast claim
+
+
+def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """The claim statement itself, as the relay sends it: under a held snapshot the fast
+    one (window start, no lease scan this time) reads a small fraction of the buffers
+    of the full one, whose scans walk every delivered row's dead entries."""
+    from outbox_relay.db.delivery import CLAIM_SETTINGS
+
+    holder = psycopg.connect(pg_dsn)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1").fetchone()
+    try:
+        store.due_cursor = DueCursor(
+            lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
+        )
+        seen: dict[int, int] = {}
+        insert = (
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'order', 'a', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, 1000)"
+        )
+        for _ in range(10):
+            run_sql(pg_dsn, table, insert)
+            while _claim_all(store, seen, batch=1000):
+                pass
+        run_sql(pg_dsn, table, insert)
+        while _claim_all(store, seen, batch=100):  # the window: the last claim's 100 rows
+            pass
+        run_sql(pg_dsn, table, insert)
+        start = store.due_cursor.start_key()
+        assert start is not None
+        params = {
+            "owner": "t", "batch": 10, "lease_seconds": 30.0, "max_attempts": 5, "max_batch_bytes": 2**62,
+            "candidates": 10, "max_message_bytes": None, "excluded_types": [],
+        }  # fmt: skip
+
+        def claim_buffers(statement: Any, extra: dict[str, Any]) -> int:
+            with psycopg.connect(pg_dsn) as conn:  # a transaction: rolled back, nothing claimed
+                for name, value in CLAIM_SETTINGS.items():
+                    conn.execute("SELECT set_config(%s, %s, true)", (name, value))
+                query = sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + statement
+                (doc,) = conn.execute(query, {**params, **extra}).fetchone()  # type: ignore[misc]
+                conn.rollback()
+            # The index scans' buffers (the CTEs that read the indexes), not the
+            # UPDATE's, which writes the same claimed rows in both.
+            return sum(
+                int(node["Shared Hit Blocks"]) + int(node["Shared Read Blocks"])
+                for node in doc[0]["Plan"]["Plans"]
+                if node.get("Subplan Name") in ("CTE victims", "CTE expired", "CTE due")
+            )
+
+        full = claim_buffers(store._full_claim_statement, {})
+        fast = claim_buffers(
+            store._claim_statement,
+            {"from_at": start[0], "from_id": start[1], "leases_from": None, "lease_scan": False, "writers_check": True},
+        )
+        assert fast * 10 < full, (fast, full)
     finally:
         holder.rollback()
         holder.close()

@@ -49,3 +49,43 @@ def test_busy_flag_means_inserts_do_not_notify(store, pg_dsn, table):
             conn.execute(store.sql.query("mark_idle"))
         insert_rows(pg_dsn, table, 3)  # one statement per row, one transaction: folded
         assert len(list(listener.notifies(timeout=2.0, stop_after=1))) == 1
+
+
+def _state_row_version(dsn, table):
+    schema, name = table.split(".")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(f'SELECT xmin::text FROM "{schema}"."{name}_relay_state"').fetchone()[0]
+
+
+def test_while_vacuum_is_held_back_the_idle_flag_stays_set(make_settings, store, pg_dsn, table, broker):
+    """Under MVCC pressure (the claim cursor's full claims are slow) a notification
+    wakes a worker but does not clear the idle flag: no flip, no new dead version of
+    the state row that every insert's trigger would read."""
+    from outbox_relay.db.claim_cursor import DueCursor
+
+    settings = make_settings(relay={"poll_interval_seconds": 600, "workers": 2})
+    relay = Relay(settings)
+    # Every full claim counts as slow: fast claims are in use after the first three.
+    relay.store.due_cursor = DueCursor(fast_above_seconds=0.0)
+    relay.start()
+    try:
+        wait_for(lambda: _flag(pg_dsn, table) is True, message="relays marked idle")
+        rounds_before_pressure = 0
+        while not relay.store.due_cursor.fast_claims_in_use():
+            rounds_before_pressure += 1
+            insert_rows(pg_dsn, table, 1)
+            wait_for(lambda n=rounds_before_pressure: statuses(pg_dsn, table).get("done") == n, timeout=60)
+            wait_for(lambda: _flag(pg_dsn, table) is True, message="idle again")
+        version = _state_row_version(pg_dsn, table)
+        for round_number in range(1, 4):
+            insert_rows(pg_dsn, table, 5)
+            # Only a notification can get these done (the poll interval is 10 minutes).
+            wait_for(
+                lambda n=round_number: statuses(pg_dsn, table).get("done") == rounds_before_pressure + 5 * n,
+                timeout=60,
+                message=f"round {round_number} done",
+            )
+            assert _flag(pg_dsn, table) is True
+        assert _state_row_version(pg_dsn, table) == version  # the state row was not updated
+    finally:
+        relay.stop()

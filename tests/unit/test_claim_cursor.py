@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from outbox_relay.db.claim_cursor import ClaimOutcome, DueCursor
+from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -65,11 +65,11 @@ def test_full_claims_come_round_less_often_when_they_are_expensive() -> None:
     plan = cursor.begin()
     assert plan.full
     cursor.end(plan, [], 0.004)
-    for _ in range(3):  # three in a row take 0.8 s: the next full one after 8 s
+    for i in range(3):  # three in a row take 0.8 s: the next full one after 8 s
         clock.now += 100
         plan = cursor.begin()
         assert plan.full
-        cursor.end(plan, [ClaimOutcome(lowest=key(0, 1))], 0.8)
+        cursor.end(plan, [ClaimOutcome(lowest=key(-1 - i, 1))], 0.8)  # each found a late row
     clock.now += 5
     assert not cursor.begin().full
     clock.now += 3.5
@@ -118,3 +118,101 @@ def test_fast_claims_start_the_processing_index_where_no_live_lease_was_left() -
     # A scan cut by its LIMIT leaves expired leases behind: the start stays.
     cursor.end(fast, [ClaimOutcome(database_now=T0 + dt.timedelta(seconds=60), leases_exhausted=False)], 0.001)
     assert cursor.begin().leases_from == T0 + dt.timedelta(seconds=49)
+
+
+def test_fast_claims_look_for_expired_leases_once_per_interval_and_at_once_while_some_are_left() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=3600, lease_scan_interval_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    first = cursor.begin()
+    assert first.full and first.lease_scan  # a full claim always looks
+    cursor.end(first, [ClaimOutcome(lowest=key(0, 1), leases_exhausted=True)], 0.001)
+    clock.now += 0.1
+    plans = []
+    for _ in range(5):  # within the interval: no lease scan
+        plan = cursor.begin()
+        plans.append(plan.lease_scan)
+        cursor.end(plan, [ClaimOutcome(lowest=key(1, 2))], 0.001)
+        clock.now += 0.1
+    assert plans == [False] * 5
+    clock.now += 0.5  # the interval has passed: one claim looks, the next does not
+    looking = cursor.begin()
+    assert looking.lease_scan and not cursor.begin().lease_scan
+    # It found more expired leases than its LIMIT: the next claims look too, until one
+    # finds fewer.
+    cursor.end(looking, [ClaimOutcome(lowest=key(2, 3), leases_exhausted=False)], 0.001)
+    again = cursor.begin()
+    assert again.lease_scan
+    cursor.end(again, [ClaimOutcome(lowest=key(2, 4), leases_exhausted=True)], 0.001)
+    assert not cursor.begin().lease_scan
+
+
+def test_a_claim_without_a_lease_scan_never_moves_the_processing_index_start() -> None:
+    clock = Clock()
+    cursor = DueCursor(rescan_min_seconds=3600, lease_margin_seconds=1.0, fast_above_seconds=0.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1), database_now=T0, leases_exhausted=True)], 0.001)
+    clock.now += 0.1
+    plan = cursor.begin()
+    assert not plan.lease_scan
+    # The store reports leases_exhausted only for a statement whose lease scan ran.
+    cursor.end(plan, [ClaimOutcome(lowest=key(1, 2), database_now=T0 + dt.timedelta(seconds=50))], 0.001)
+    assert cursor.begin().leases_from == T0 - dt.timedelta(seconds=1)
+
+
+def test_full_claims_that_find_nothing_below_the_fast_start_come_round_less_and_less_often() -> None:
+    clock = Clock()
+    cursor = DueCursor(
+        lag_seconds=0.25,
+        rescan_min_seconds=1.0,
+        rescan_max_seconds=30.0,
+        rescan_quiet_max_seconds=300.0,
+        full_cost_share=0.1,
+        clock=clock,
+    )
+
+    def next_full_claim() -> tuple[float, ClaimPlan]:
+        """Fast claims a second apart until a full one comes: (seconds waited, its plan)."""
+        waited = 0.0
+        while not (plan := cursor.begin()).full:
+            cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 2))], 0.001)
+            clock.now += 1
+            waited += 1
+        return waited, plan
+
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 1.0)
+    for i in range(2):  # expensive full claims (1 s: an interval of 10 s) that find a late row
+        _, plan = next_full_claim()
+        cursor.end(plan, [ClaimOutcome(lowest=key(-1000 * (i + 1), 1))], 1.0)
+    waits = []
+    for _ in range(8):  # full claims that find nothing below the fast start
+        waited, plan = next_full_claim()
+        waits.append(waited)
+        assert plan.fast_start is not None
+        cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 3))], 1.0)
+    assert waits[:6] == [10, 20, 40, 80, 160, 300], waits  # doubled, up to the quiet maximum
+    assert waits[6:] == [300, 300]
+    _, plan = next_full_claim()
+    cursor.end(plan, [ClaimOutcome(lowest=key(-10_000, 4))], 1.0)  # a late row: back to 10 s at once
+    assert next_full_claim()[0] == 10
+
+
+def test_small_full_claims_that_take_tens_of_milliseconds_switch_to_fast_claims_large_ones_do_not() -> None:
+    def after_three(elapsed: float, rows: int, server_seconds: float | None = None) -> bool:
+        clock = Clock()
+        cursor = DueCursor(rescan_min_seconds=1.0, fast_above_seconds=0.1, clock=clock)
+        for _ in range(3):
+            clock.now += 100
+            plan = cursor.begin()
+            assert plan.full
+            outcome = ClaimOutcome(lowest=key(0, 1), server_seconds=server_seconds)
+            cursor.end(plan, [outcome], elapsed, claimed_rows=rows)
+        return cursor.fast_claims_in_use()
+
+    assert after_three(0.040, 40)  # 40 rows in 40 ms: walking dead entries
+    assert after_three(0.030, 0)  # an empty claim of 30 ms
+    assert not after_three(0.030, 1000)  # 1 000 rows in 30 ms: a large batch, no pressure
+    assert not after_three(0.002, 40)  # the usual small claim
+    assert after_three(0.150, 1000)  # anything over fast_above_seconds
+    # Judged by the statement's time in the server when known: a busy client machine
+    # (40 ms from call to answer, 1 ms in the server) is no sign of dead entries.
+    assert not after_three(0.040, 40, server_seconds=0.001)
+    assert after_three(0.045, 40, server_seconds=0.040)

@@ -17,8 +17,10 @@ EXTRA = {
     "role": sql.Identifier("some_role"),
     "database": sql.Identifier("some_db"),  # grant_* sections
     "parameter": sql.SQL("autovacuum_vacuum_threshold"),
-    "value": sql.Literal("1000"),
-}  # *_storage_parameter
+    "value": sql.Literal("1000"),  # *_storage_parameter
+    "table_oid": sql.Literal('"app"."outbox"'),
+    "writers_within_seconds": sql.Literal(5.0),  # outbox_writers_since
+}
 
 
 @pytest.mark.parametrize("name", sorted(n for n in QUERIES if n != "dead_filter"))  # a fragment, not a statement

@@ -53,10 +53,19 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- last claims; the due index at {due_from_at} / {due_from_id} (NULL: the front). The
 -- store fills them with parameters, anything else gets NULL: the whole claim from the
 -- front. due_at: a claimed due row's key, where later claims start.
+-- {lease_scan}: false in most fast claims (the cursor looks for expired leases once a
+-- second); true otherwise. {writers_since}: in a fast claim (that looks: 25 times a
+-- second), when the oldest
+-- transaction that holds a write lock on the outbox began (outbox_writers_since), so
+-- that the due scan starts no later than the rows such a transaction will commit
+-- (their available_at defaults to its start); NULL elsewhere. The claim reports it, and
+-- the cursor keeps it like a claimed key: the claims after that transaction's commit,
+-- which no longer see its lock, still start at or below its rows.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
       AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
+      AND {lease_scan}
     FOR UPDATE SKIP LOCKED
 ), reaped AS (
     UPDATE {table} AS o
@@ -67,12 +76,15 @@ WITH victims AS (
     FROM victims
     WHERE o.id = victims.id
     RETURNING o.id, o.lease_version, victims.lease_owner
+), writers AS MATERIALIZED (
+    SELECT {writers_since} AS since
 ), expired AS (
     SELECT id, 0 AS part, lease_until AS sort_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
       AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
+      AND {lease_scan}
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY lease_until
     LIMIT %(candidates)s
@@ -83,7 +95,9 @@ WITH victims AS (
     FROM {table}
     WHERE status = 'pending' AND available_at <= now()
       AND ({due_from_at}::timestamptz IS NULL
-           OR (available_at, id) >= ({due_from_at}::timestamptz, {due_from_id}::bigint))
+           OR (available_at, id) >= (least({due_from_at}::timestamptz, (SELECT since FROM writers)),
+                                     CASE WHEN (SELECT since FROM writers) < {due_from_at}::timestamptz
+                                          THEN 0 ELSE {due_from_id}::bigint END))
       AND NOT (event_type = ANY(%(excluded_types)s))
     ORDER BY available_at, id
     LIMIT %(candidates)s
@@ -122,12 +136,33 @@ SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text,
 FROM reaped
 {claim_report}
 
+-- name: outbox_writers_since
+-- The start of the oldest other transaction that has written to the outbox and not yet
+-- ended (its RowExclusiveLock is held until then), leaving out this relay's own
+-- sessions (same application_name: their claims and finalizes never commit new rows).
+-- Only transactions younger than {writers_within_seconds}: one left open for longer (a
+-- forgotten BEGIN that wrote a row) would otherwise pin every fast claim to its start;
+-- its rows are found by a full claim. Another role's session shows its xact_start only to a role with pg_read_all_stats
+-- (pg_monitor); without it this is NULL and only the cursor's window covers such rows.
+(SELECT min(a.xact_start)
+ FROM pg_catalog.pg_locks AS l
+ JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+ WHERE l.locktype = 'relation' AND l.relation = {table_oid}::regclass AND l.mode = 'RowExclusiveLock'
+   AND l.granted AND l.pid <> pg_backend_pid()
+   AND a.application_name IS DISTINCT FROM current_setting('application_name')
+   AND a.xact_start >= now() - make_interval(secs => {writers_within_seconds}))
+
 -- name: claim_report
 -- Appended to "claim" by the store (claim_cursor.py): one more row (reaped = NULL)
--- with how many expired leases the statement looked at and its clock.
+-- with how many expired leases the statement looked at, how long it ran in the server
+-- (microseconds, in the lease_version column: evaluated after the other parts, so it
+-- covers the scans and the UPDATE, not the network), the start of the oldest open
+-- writer transaction it saw (outbox_writers_since; in the created_at column) and its clock.
 UNION ALL
-SELECT NULL, (SELECT count(*) FROM expired), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       now()
+SELECT NULL, (SELECT count(*) FROM expired),
+       (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       (SELECT since FROM writers), NULL, NULL, now()
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first

@@ -53,7 +53,9 @@ GRANT SELECT ON {state_table} TO {role}
 -- vacuum is keeping up (vacuum_health.py).
 
 -- name: grant_read_all_stats
--- The relay's xmin horizon gauge and `status` name the session that holds vacuum back:
+-- The relay's xmin horizon gauge and `status` name the session that holds vacuum back,
+-- and its fast claims see when an open writer transaction began (delivery.sql
+-- outbox_writers_since):
 -- PostgreSQL shows another role's transaction start only to members of
 -- pg_read_all_stats (or pg_monitor, which includes it). Granting a predefined role
 -- needs a superuser (or, from PostgreSQL 16, a role with ADMIN on it).
