@@ -122,8 +122,9 @@ def postgres_pids(dsn: str) -> list[int]:
         row = conn.execute("SELECT pg_postmaster_start_time(), pg_backend_pid()").fetchone()
         assert row is not None
         backend = int(row[1])
-    # The postmaster is the backend's parent; every server process is one of its children.
-    ppid = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        # The postmaster is the backend's parent (read while the backend lives: it
+        # exits with this connection); every server process is one of its children.
+        ppid = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
     pids = [ppid]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
