@@ -33,6 +33,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -97,13 +101,20 @@ def relay_connections(dsn: str, prefix: str) -> int:
 
 
 def xact_commits(dsn: str, prefix: str) -> int:
+    return database_counters(dsn, prefix)[0]
+
+
+def database_counters(dsn: str, prefix: str) -> tuple[int, int]:
+    """(transactions committed or rolled back, sessions established) in the databases
+    named ``prefix%`` so far (pg_stat_database)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SELECT pg_stat_clear_snapshot()")
         row = conn.execute(
-            "SELECT coalesce(sum(xact_commit + xact_rollback), 0) FROM pg_stat_database WHERE datname LIKE %s",
+            "SELECT coalesce(sum(xact_commit + xact_rollback), 0), coalesce(sum(sessions), 0) "
+            "FROM pg_stat_database WHERE datname LIKE %s",
             (prefix + "%",),
         ).fetchone()
-        return int(row[0]) if row else 0
+        return (int(row[0]), int(row[1])) if row else (0, 0)
 
 
 def postgres_pids(dsn: str) -> list[int]:
@@ -111,8 +122,9 @@ def postgres_pids(dsn: str) -> list[int]:
         row = conn.execute("SELECT pg_postmaster_start_time(), pg_backend_pid()").fetchone()
         assert row is not None
         backend = int(row[1])
-    # The postmaster is the backend's parent; every server process is one of its children.
-    ppid = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        # The postmaster is the backend's parent (read while the backend lives: it
+        # exits with this connection); every server process is one of its children.
+        ppid = int(Path(f"/proc/{backend}/stat").read_text().rsplit(")", 1)[1].split()[1])
     pids = [ppid]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -239,51 +251,145 @@ def fill(dsn: str, name: str, rows: int, aggregate_type: str = "bench", *, not_b
 
 
 def release_and_drain(
-    dsn: str, names: list[str], relay: RelayProcess, rows_held: int, timeout: float = 3600
-) -> tuple[float, float]:
+    dsn: str,
+    names: list[str],
+    relay: RelayProcess,
+    rows_held: int,
+    timeout: float = 3600,
+    *,
+    profile: Path | None = None,
+    statements: bool = False,
+) -> dict[str, Any]:
     """Make the held-back rows due at one instant in every database, then measure the
     steady rate: rows finalized per second from that instant until 90 % of all rows
     are done (what the relay sustains with every source busy, not the time the script
-    takes to reach 200 databases). The rows of every database get the same
-    ``available_at``, a moment after the last UPDATE will have ended, so no source
-    starts early. Returns (rows/s, transactions the relay made the databases run per
-    1 000 rows finalized in that window: claims, finalizes, lease extensions, probes
-    and gauge queries together).
+    takes to reach 200 databases). Every database's rows are made due by an UPDATE in
+    a transaction of its own, left open; once every UPDATE has run, the transactions
+    are committed one after the other (a COMMIT takes milliseconds, an UPDATE of
+    200 000 rows seconds on a loaded machine), and the window starts at the first
+    COMMIT, so no source starts early and the single-source relay does not wait inside
+    the window for its one big UPDATE. Returns the figures of that window:
+    ``rows_per_second``; ``xacts_per_1000_rows``, the transactions the relay made the
+    databases run (claims, finalizes, lease extensions, probes and gauge queries
+    together); ``sessions_opened`` (each a backend forked, authenticated and warming its
+    catalog caches); ``postgres_cpu_ms_per_1000_rows`` and ``relay_cpu_ms_per_1000_rows``
+    (/proc: every PostgreSQL process, the relay's threads); with ``statements``, the
+    statements' calls, execution and planning time per kind (pg_stat_statements).
+
+    ``profile``: a py-spy profile of the relay process over the window (``py-spy
+    record --nonblocking``, raw collapsed stacks) written there.
 
     The relay's counter is read every 0.5 s, not more often: rendering /metrics for
     many sources is work for the relay process, and the rate is computed from the
     counter's value at the moment it was read, so a coarser poll does not bias it."""
     port = metrics_port(relay)
     prefix = names[0][: names[0].rindex("_") + 1] if len(names) > 1 else names[0]
-    started = time.time()
-    due_at = started + 2.0 + 0.1 * len(names)  # after the last UPDATE (measured: ~20-60 ms each)
-    for name in names:
-        with psycopg.connect(db_dsn(dsn, name), autocommit=True) as conn:
-            conn.execute("UPDATE outbox SET available_at = to_timestamp(%s) WHERE status = 'pending'", (due_at,))
-    if time.time() > due_at:
-        say(f"  note: releasing took {time.time() - started:.1f}s, past the common instant; rate measured from it")
-    x1 = xact_commits(dsn, prefix)
-    time.sleep(max(0.0, due_at - time.time()))
-    t1 = time.monotonic() - max(0.0, time.time() - due_at)
     d1 = published_done(port)
+    held: list[psycopg.Connection[Any]] = []
+    try:
+        for name in names:
+            conn = psycopg.connect(db_dsn(dsn, name))  # not autocommit: due at its COMMIT
+            held.append(conn)
+            conn.execute("UPDATE outbox SET available_at = now() WHERE status = 'pending'")
+        x1, s1 = database_counters(dsn, prefix)
+        if statements:
+            reset_statements(dsn)
+        pg_pids = postgres_pids(dsn)
+        pg_cpu1, relay_cpu1 = cpu_seconds(pg_pids), relay.cpu_seconds() or 0.0
+        t1 = time.monotonic()
+        for conn in held:
+            conn.commit()
+        committing = time.monotonic() - t1
+    finally:
+        for conn in held:
+            conn.close()
+    say(f"  {len(names)} releases committed in {committing:.3f}s")
+    spy = start_profile(relay.pid, profile) if profile is not None else None
     target = 0.9 * rows_held
-    while (done := published_done(port)) < target:
-        if time.monotonic() - t1 > timeout:
-            raise TimeoutError(f"not drained within {timeout:.0f}s")
-        if relay.proc.poll() is not None:
-            raise RuntimeError(f"relay exited:\n{relay.log_text()[-3000:]}")
-        time.sleep(0.5)
-    rate = (done - d1) / (time.monotonic() - t1)
+    try:
+        while (done := published_done(port)) < target:
+            if time.monotonic() - t1 > timeout:
+                raise TimeoutError(f"not drained within {timeout:.0f}s")
+            if relay.proc.poll() is not None:
+                raise RuntimeError(f"relay exited:\n{relay.log_text()[-3000:]}")
+            time.sleep(0.5)
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+            spy.wait(timeout=60)
+    elapsed = time.monotonic() - t1
+    relay_cpu2 = relay.cpu_seconds() or 0.0
+    pg_pids2 = postgres_pids(dsn)
+    pg_cpu2 = cpu_seconds(pg_pids) + cpu_seconds([pid for pid in pg_pids2 if pid not in set(pg_pids)])
+    window = statement_figures(dsn) if statements else None
+    rows = max(1.0, done - d1)
     time.sleep(1.1)  # the statistics are flushed at most once a second
-    xacts = xact_commits(dsn, prefix) - x1
-    return rate, 1000 * xacts / max(1.0, published_done(port) - d1)
+    x2, s2 = database_counters(dsn, prefix)
+    relay_xacts = x2 - x1 - len(names)  # less the script's own COMMITs
+    figures: dict[str, Any] = {
+        "rows_per_second": (done - d1) / elapsed,
+        "xacts_per_1000_rows": 1000 * relay_xacts / max(1.0, published_done(port) - d1),
+        "sessions_opened": s2 - s1,
+        "postgres_cpu_ms_per_1000_rows": 1e6 * (pg_cpu2 - pg_cpu1) / rows,
+        "relay_cpu_ms_per_1000_rows": 1e6 * (relay_cpu2 - relay_cpu1) / rows,
+    }
+    if window is not None:
+        figures["statements"] = window
+    return figures
+
+
+def reset_statements(dsn: str) -> None:
+    """Forget the statements so far (pg_stat_statements must be preloaded: --statements)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        conn.execute("SELECT pg_stat_statements_reset()")
+
+
+def statement_figures(dsn: str) -> list[dict[str, Any]]:
+    """The statements run since the last reset (every database), most total time first:
+    calls, execution and planning milliseconds, the first 70 characters of the text."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 70) AS head, sum(calls), "
+            "sum(total_exec_time), sum(total_plan_time) FROM pg_stat_statements "
+            "GROUP BY head ORDER BY sum(total_exec_time) + sum(total_plan_time) DESC LIMIT 25"
+        ).fetchall()
+    return [
+        {"statement": head, "calls": int(calls), "exec_ms": round(float(ex), 1), "plan_ms": round(float(plan), 1)}
+        for head, calls, ex, plan in rows
+    ]
+
+
+def profile_path(directory: Path | None, name: str) -> Path | None:
+    if directory is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory / f"many-sources-{RUN_ID}-{name}.txt"
+
+
+def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy (``pip install py-spy``) sampling every thread of ``pid`` until SIGINT."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    say(f"  profiling the relay (pid {pid}) into {out}")
+    return subprocess.Popen(
+        [spy, "record", "--nonblocking", "--idle", "--threads", "-p", str(pid), "-o", str(out), "--format", "raw"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+#: The scrape that reads the done counter: only its samples (``name[]``). A full
+#: /metrics of 50 sources is ~3 000 series, 60-80 ms of the relay's Python time (the
+#: GIL its workers need), which read twice a second slowed the relay it measured
+#: (``--scrape-all`` reads the whole page, as the script did before).
+DONE_SCRAPE = "/metrics?name[]=outbox_relay_published_total"
 
 
 def published_done(port: int) -> float:
     """Rows finalized as done so far, over every source (the relay's own counter)."""
     for attempt in range(5):  # a relay busy with 200 sources on a loaded machine can be slow to answer
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{DONE_SCRAPE}", timeout=30) as resp:
                 text = resp.read().decode()
             break
         except OSError:
@@ -334,6 +440,22 @@ def main() -> None:
         help="how long the quiet source writes while the backlog drains (60)",
     )
     parser.add_argument("--skip", default="", help="comma-separated phases to skip (1-5)")
+    parser.add_argument(
+        "--scrape-all",
+        action="store_true",
+        help="read the relays' whole /metrics page for the done counter (default: only that counter's samples)",
+    )
+    parser.add_argument(
+        "--statements",
+        action="store_true",
+        help="phase 4: preload pg_stat_statements (planning tracked) in the embedded PostgreSQL and report "
+        "each relay's statements: calls, execution and planning time",
+    )
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="phase 4: py-spy profiles of both relays over their windows, written here (needs py-spy)",
+    )
     args = parser.parse_args()
     skip = {int(p) for p in args.skip.split(",") if p.strip()}
     report: dict[str, Any] = {"sources": args.sources, "workers": args.workers}
@@ -350,6 +472,9 @@ def main() -> None:
         own_pg = EmbeddedPostgres(base_dir=Path(tempfile.mkdtemp(prefix="outbox-relay-msb-"))).start()
         with psycopg.connect(own_pg.dsn, autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET max_connections = 1500")
+            if args.statements:
+                conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+                conn.execute("ALTER SYSTEM SET pg_stat_statements.track_planning = on")
         own_pg.stop_server()
         own_pg.start_server()
         args.dsn = own_pg.dsn
@@ -364,6 +489,9 @@ def main() -> None:
 def run(
     args: argparse.Namespace, skip: set[int], report: dict[str, Any], lines: list[str], prefix: str, names: list[str]
 ) -> None:
+    global DONE_SCRAPE
+    if args.scrape_all:
+        DONE_SCRAPE = "/metrics"
     with servers(args) as (dsn, bootstrap):
         assert bootstrap is not None
         raise_max_connections(dsn, args.sources * 2 + args.per_process_sample * (args.workers + 5) + 50)
@@ -484,7 +612,14 @@ def run(
                 try:
                     relay.wait_started(120)
                     wait_sources_ready(metrics_port(relay), args.sources, timeout=300)
-                    multi_rate, multi_xacts = release_and_drain(dsn, names, relay, total)
+                    multi = release_and_drain(
+                        dsn,
+                        names,
+                        relay,
+                        total,
+                        profile=profile_path(args.profile_dir, "multi"),
+                        statements=args.statements,
+                    )
                 finally:
                     relay.stop()
                     relay.cleanup()
@@ -497,24 +632,40 @@ def run(
                 try:
                     single.wait_started(120)
                     time.sleep(2)
-                    single_rate, single_xacts = release_and_drain(dsn, names[:1], single, total)
+                    single_figures = release_and_drain(
+                        dsn,
+                        names[:1],
+                        single,
+                        total,
+                        profile=profile_path(args.profile_dir, "single"),
+                        statements=args.statements,
+                    )
                 finally:
                     single.stop()
                     single.cleanup()
                 reset(dsn, names[:1])
+                multi_rate, single_rate = multi["rows_per_second"], single_figures["rows_per_second"]
                 report["throughput"] = {
                     "rows": total,
                     "multi_rows_per_second": multi_rate,
                     "single_rows_per_second": single_rate,
                     "ratio": multi_rate / single_rate,
-                    "multi_xacts_per_1000_rows": multi_xacts,
-                    "single_xacts_per_1000_rows": single_xacts,
+                    "multi_xacts_per_1000_rows": multi["xacts_per_1000_rows"],
+                    "single_xacts_per_1000_rows": single_figures["xacts_per_1000_rows"],
+                    "multi": multi,
+                    "single": single_figures,
                 }
                 lines.append(
                     f"throughput, {total} rows: one process over {args.sources} sources "
                     f"{multi_rate:,.0f} rows/s, one single-source relay over one database "
-                    f"{single_rate:,.0f} rows/s: ratio {multi_rate / single_rate:.2f} "
-                    f"(database transactions per 1 000 rows: {multi_xacts:.0f} vs {single_xacts:.0f})"
+                    f"{single_rate:,.0f} rows/s: ratio {multi_rate / single_rate:.2f}; per 1 000 rows, "
+                    f"multi vs single: database transactions {multi['xacts_per_1000_rows']:.1f} vs "
+                    f"{single_figures['xacts_per_1000_rows']:.1f}, PostgreSQL CPU "
+                    f"{multi['postgres_cpu_ms_per_1000_rows']:.0f} vs "
+                    f"{single_figures['postgres_cpu_ms_per_1000_rows']:.0f} ms, relay CPU "
+                    f"{multi['relay_cpu_ms_per_1000_rows']:.0f} vs "
+                    f"{single_figures['relay_cpu_ms_per_1000_rows']:.0f} ms; "
+                    f"sessions opened while draining {multi['sessions_opened']} vs {single_figures['sessions_opened']}"
                 )
                 say("  " + lines[-1])
             if 5 not in skip:

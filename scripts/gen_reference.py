@@ -348,8 +348,9 @@ def metrics_reference() -> str:
         "`outbox-relay run` serves these on `GET /metrics` at `metrics.host:metrics.port` (default "
         "`0.0.0.0:9464`), beside `/healthz` and `/readyz`. Counters are counted in the process; the "
         "gauges that describe the table are read from the database every "
-        "`metrics.refresh_interval_seconds`. What to do when one looks wrong: "
-        "[monitor the relay](../how-to/monitor.md).",
+        "`metrics.refresh_interval_seconds`. `GET /metrics?name[]=NAME` (repeatable) returns "
+        "only the samples of those names, e.g. `name[]=outbox_relay_published_total`. What to "
+        "do when one looks wrong: [monitor the relay](../how-to/monitor.md).",
         "",
         "A process that serves several sources (`[sources]` or `[discovery]`) labels every "
         "metric that describes one outbox with `source` (marked `(+ source)` below); a relay "

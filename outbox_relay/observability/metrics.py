@@ -14,9 +14,10 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -247,8 +248,10 @@ class RelayMetrics(PublisherObserver):
         for cause, count in by_cause.items():
             self.unwritable_partitions_gauge.labels(cause=cause).set(count)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, names: Collection[str] | None = None) -> bytes:
+        """The exposition text; with ``names`` only the samples of those names (the
+        ``name[]`` parameters of a scrape, as prometheus_client's own handler takes them)."""
+        return generate_latest(self.registry if names is None else self.registry.restricted_registry(names))
 
 
 class _SlowExactCount:
@@ -439,9 +442,12 @@ class MetricsServer:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
+                path, _, query = self.path.partition("?")
                 if path == "/metrics":
-                    self._send(200, outer._metrics.render(), CONTENT_TYPE_LATEST)
+                    # /metrics?name[]=outbox_relay_published_total: only those samples (a
+                    # frequent reader of one counter need not pay for every series).
+                    names = parse_qs(query).get("name[]")
+                    self._send(200, outer._metrics.render(names), CONTENT_TYPE_LATEST)
                 elif path == "/healthz":
                     ok, why = healthy()
                     self._send(200 if ok else 503, (why + "\n").encode(), "text/plain; charset=utf-8")

@@ -153,27 +153,7 @@ class SourceScheduler:
         """The next due source in round-robin order (and its epoch), waiting up to
         ``timeout`` for one; it stays in the ring (at the tail) so other workers may
         take it too once every other due source had its turn."""
-        deadline = self._clock() + timeout
-        with self._cond:
-            while not self._closed:
-                if self._fresh:
-                    name = self._fresh.popleft()
-                    self._ring.remove(name)
-                elif self._ring:
-                    name = self._ring.popleft()
-                else:
-                    name = None
-                if name is not None:
-                    state = self._states[name]
-                    self._ring.append(name)
-                    state.active += 1
-                    state.claims += 1
-                    return name, state.due_epoch
-                left = deadline - self._clock()
-                if left <= 0:
-                    return None
-                self._cond.wait(left)
-            return None
+        return self._take(timeout, fresh_only=False)
 
     def claimed(self, name: str, epoch: int, *, rows: int, batch_size: int) -> None:
         """A claim of ``name`` (taken at ``epoch``) returned ``rows`` rows."""
@@ -218,12 +198,22 @@ class SourceScheduler:
     def next_fresh(self, timeout: float) -> tuple[str, int] | None:
         """A source that has just become due and has not been claimed since (and its
         epoch), waiting up to ``timeout``; like ``next_due`` it stays in the ring."""
+        return self._take(timeout, fresh_only=True)
+
+    def _take(self, timeout: float, *, fresh_only: bool) -> tuple[str, int] | None:
+        """Take a source for one claim: a just-due one first, else (unless
+        ``fresh_only``) the head of the ring; it goes (back) to the ring's tail and
+        counts as active until ``done``. Waits up to ``timeout`` for one."""
         deadline = self._clock() + timeout
         with self._cond:
             while not self._closed:
+                name: str | None = None
                 if self._fresh:
                     name = self._fresh.popleft()
                     self._ring.remove(name)
+                elif self._ring and not fresh_only:
+                    name = self._ring.popleft()
+                if name is not None:
                     self._ring.append(name)
                     state = self._states[name]
                     state.active += 1

@@ -276,6 +276,12 @@ def test_empty_table_exposes_every_status_as_zero(make_settings, store):
         assert value(samples, "outbox_relay_oldest_pending_age_seconds") == 0
         assert value(samples, "outbox_relay_expired_leases") == 0
         check_contract_exposition(text)
+        # name[] narrows the scrape to those samples (as prometheus_client's own handler)
+        code, narrow = http_get(port, "/metrics?name[]=outbox_relay_queue_depth")
+        assert code == 200
+        _families, narrow_samples = parse_exposition(narrow)
+        assert {name for name, _labels in narrow_samples} == {"outbox_relay_queue_depth"}, narrow
+        assert depth(narrow_samples) == dict.fromkeys(STATUSES, 0)
     finally:
         relay.stop(timeout_seconds=10)
 

@@ -176,6 +176,13 @@ def test_two_static_sources_deliver_to_their_own_topics(databases, broker, topic
     assert metric(text, "outbox_relay_source_up", source="b") == 1
     assert 'outbox_relay_queue_depth{status="pending"}' not in text
     assert "outbox_relay_in_flight_bytes " in text
+    # name[] narrows a scrape to those samples, every source's and the process's alike
+    narrow = fetch(port, "/metrics?name[]=outbox_relay_published_total&name[]=outbox_relay_source_up")[1]
+    assert metric(narrow, "outbox_relay_published_total", outcome="done", source="a") == 7
+    assert metric(narrow, "outbox_relay_published_total", outcome="done", source="b") == 5
+    assert metric(narrow, "outbox_relay_source_up", source="a") == 1
+    series = {line.split("{")[0].split(" ")[0] for line in narrow.splitlines() if not line.startswith("#")}
+    assert series == {"outbox_relay_published_total", "outbox_relay_source_up"}, narrow
     code, body = fetch(port, "/readyz")
     assert code == 200 and "2/2 sources ready" in body
 
