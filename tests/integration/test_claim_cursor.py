@@ -9,10 +9,12 @@ Real PostgreSQL, concurrent writers whose transactions commit out of id order.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -41,6 +43,35 @@ def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
     row = conn.execute(sql.SQL(INSERT).format(sql.Identifier(*table.split("."))), (aggregate,)).fetchone()
     assert row is not None
     return int(row[0])
+
+
+@contextlib.contextmanager
+def _held_snapshot(dsn: str) -> Iterator[None]:
+    """A REPEATABLE READ transaction that has taken its snapshot: nothing deleted or
+    updated after it is removable, nor marked dead in an index, until it ends."""
+    holder = psycopg.connect(dsn)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1").fetchone()
+    try:
+        yield
+    finally:
+        holder.rollback()
+        holder.close()
+
+
+BULK_INSERT = (
+    "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+    "SELECT 'order', 'a', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, 1000)"
+)
+
+
+def _deliver_thousands(dsn: str, table: str, store: OutboxStore, seen: dict[int, int], *, rounds: int) -> None:
+    """Insert and deliver ``rounds`` x 1 000 rows: under a held snapshot, each leaves its
+    dead entries at the front of the claim's indexes."""
+    for _ in range(rounds):
+        run_sql(dsn, table, BULK_INSERT)
+        while _claim_all(store, seen, batch=1000):
+            pass
 
 
 def test_a_row_committed_below_the_fast_claims_start_is_delivered(pg_dsn: str, table: str, store: OutboxStore) -> None:
@@ -152,10 +183,7 @@ def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(
 def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, table: str, store: OutboxStore) -> None:
     """Under a held snapshot the full claim's due scan visits every delivered row's dead
     entry; the fast claim's scan starts past them (buffers read, not time)."""
-    holder = psycopg.connect(pg_dsn)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT 1").fetchone()
-    try:
+    with _held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )
@@ -188,9 +216,6 @@ def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, 
         full_buffers = due_scan_buffers(None)
         fast_buffers = due_scan_buffers(start)
         assert fast_buffers * 10 < full_buffers, (fast_buffers, full_buffers)
-    finally:
-        holder.rollback()
-        holder.close()
 
 
 def _explain_buffers(dsn: str, query: Any, params: dict[str, Any]) -> int:
@@ -207,10 +232,7 @@ def test_queue_gauges_start_where_fast_claims_start_under_a_held_snapshot(
 ) -> None:
     """While fast claims are in use, the queue gauges read from their starts: the same
     figures as a read from the front, at a small fraction of the buffers."""
-    holder = psycopg.connect(pg_dsn)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT 1").fetchone()
-    try:
+    with _held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )
@@ -255,9 +277,6 @@ def test_queue_gauges_start_where_fast_claims_start_under_a_held_snapshot(
         full_buffers = _explain_buffers(pg_dsn, backlog, {"cap": 1000, **bound_params(None)})
         bounded_buffers = _explain_buffers(pg_dsn, backlog, {"cap": 1000, **bound_params(bounds)})
         assert bounded_buffers * 5 < full_buffers, (bounded_buffers, full_buffers)
-    finally:
-        holder.rollback()
-        holder.close()
 
 
 def _arrays_rescanned_per_row(node: dict[str, Any]) -> bool:
@@ -285,20 +304,10 @@ def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_
     from outbox_relay.db.delivery import CLAIM_SETTINGS, FINALIZE_SETTINGS, finalize_params
     from outbox_relay.model import FinalizeItem
 
-    holder = psycopg.connect(pg_dsn)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT 1").fetchone()
-    try:
+    with _held_snapshot(pg_dsn):
         seen: dict[int, int] = {}
-        insert = (
-            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
-            "SELECT 'order', 'a', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, 1000)"
-        )
-        for _ in range(15):
-            run_sql(pg_dsn, table, insert)
-            while _claim_all(store, seen, batch=1000):
-                pass
-        run_sql(pg_dsn, table, insert)
+        _deliver_thousands(pg_dsn, table, store, seen, rounds=15)
+        run_sql(pg_dsn, table, BULK_INSERT)
         run_sql(pg_dsn, table, "ANALYZE {t}")
         claimed = store.claim(owner="t", batch=1000, lease_seconds=30, max_attempts=5)
         assert len(claimed.rows) == 1000
@@ -331,9 +340,6 @@ def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_
         claim_plan = plan_text(store.sql.query("claim"), claim_params, CLAIM_SETTINGS)
         assert not whole_table.search(claim_plan), claim_plan
         assert store.mark_done([(r.id, r.lease_version) for r in claimed.rows]) == {r.id for r in claimed.rows}
-    finally:
-        holder.rollback()
-        holder.close()
 
 
 def test_a_fast_claim_waits_for_an_open_writer_transaction_without_a_full_claim(
@@ -384,26 +390,16 @@ def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot
     of the full one, whose scans walk every delivered row's dead entries."""
     from outbox_relay.db.delivery import CLAIM_SETTINGS
 
-    holder = psycopg.connect(pg_dsn)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT 1").fetchone()
-    try:
+    with _held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )
         seen: dict[int, int] = {}
-        insert = (
-            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
-            "SELECT 'order', 'a', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, 1000)"
-        )
-        for _ in range(10):
-            run_sql(pg_dsn, table, insert)
-            while _claim_all(store, seen, batch=1000):
-                pass
-        run_sql(pg_dsn, table, insert)
+        _deliver_thousands(pg_dsn, table, store, seen, rounds=10)
+        run_sql(pg_dsn, table, BULK_INSERT)
         while _claim_all(store, seen, batch=100):  # the window: the last claim's 100 rows
             pass
-        run_sql(pg_dsn, table, insert)
+        run_sql(pg_dsn, table, BULK_INSERT)
         start = store.due_cursor.start_key()
         assert start is not None
         params = {
@@ -432,6 +428,3 @@ def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot
             {"from_at": start[0], "from_id": start[1], "leases_from": None, "lease_scan": False, "writers_check": True},
         )
         assert fast * 10 < full, (fast, full)
-    finally:
-        holder.rollback()
-        holder.close()
