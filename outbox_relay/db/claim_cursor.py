@@ -15,23 +15,28 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
 - the due index at the lowest key any claim of this process claimed in the last
   ``lag_seconds`` (or, when none did, at the lowest key of the newest claim before):
   a fast claim walks only the dead entries of rows claimed since then (rate x lag);
-- the processing index at the clock of the last claim whose expired-lease scan was
-  not cut by its LIMIT, less ``lease_margin_seconds``: every lease that had expired
-  by then was reclaimed, so an expired lease is still reclaimed by the next claim.
+  every WRITERS_CHECK_INTERVAL_SECONDS one also looks for open writer transactions on
+  the outbox and reports the oldest one's start, kept in the window like a claimed
+  key, so that transaction's rows (keyed by its start) are taken after its commit;
+- the processing index, once per ``lease_scan_interval_seconds`` (at once again while
+  the last look was cut by its LIMIT), at the clock of the last claim whose
+  expired-lease scan was not cut by its LIMIT, less ``lease_margin_seconds``: every
+  lease that had expired by then was reclaimed. The other fast claims skip it.
 
 A row that becomes due below the fast start is never skipped: a "full" claim, the
-statement from the front of both indexes, comes round at least every
-``rescan_max_seconds``, more often when it is cheaper (its duration /
-``full_cost_share``, at least ``rescan_min_seconds``). Such rows are those of a writer
-transaction that committed more than ``lag_seconds`` after it began (available_at
-defaults to the transaction's start, the id is taken at the insert), of an explicit
-available_at in the past, or a row whose claim rolled back. The key of what a full
-claim finds enters the window like any other, so the fast claims that follow start
-from it and drain all such rows at once.
+statement from the front of both indexes, comes round every (its duration /
+``full_cost_share``) seconds within ``rescan_min_seconds``..``rescan_max_seconds``,
+doubled for each full claim in a row that found nothing below the fast start (up to
+``rescan_quiet_max_seconds``). Such rows are those of a writer transaction the look
+for open writers did not see (it wrote only after the claims moved past its start,
+it is older than WRITERS_WITHIN_SECONDS, or the relay may not read its start), of an
+explicit available_at in the past, or a row whose claim rolled back. The key of what
+a full claim finds enters the window like any other, so the fast claims that follow
+start from it and drain all such rows at once.
 
-While full claims are cheap (the least of the last three took less than
-``fast_above_seconds``) every claim is a full one: without MVCC pressure the claim is
-exactly what it always was, oldest due row first.
+While full claims are cheap (see DueCursor._record_full_cost) every claim is a full
+one: without MVCC pressure the claim is exactly what it always was, oldest due row
+first.
 """
 
 from __future__ import annotations
