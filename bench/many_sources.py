@@ -32,6 +32,7 @@ Phases, each printed as it ends:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -189,8 +190,6 @@ def wait_sources_ready(port: int, n: int, timeout: float) -> float:
 
 
 def metrics_port(relay: RelayProcess, timeout: float = 30) -> int:
-    import json
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in relay.log_text().splitlines():
@@ -258,6 +257,7 @@ def release_and_drain(
     timeout: float = 3600,
     *,
     profile: Path | None = None,
+    profile_gil: bool = False,
     statements: bool = False,
 ) -> dict[str, Any]:
     """Make the held-back rows due at one instant in every database, then measure the
@@ -285,6 +285,7 @@ def release_and_drain(
     port = metrics_port(relay)
     prefix = names[0][: names[0].rindex("_") + 1] if len(names) > 1 else names[0]
     d1 = published_done(port)
+    c1 = claimed_rows(port)
     held: list[psycopg.Connection[Any]] = []
     try:
         for name in names:
@@ -296,6 +297,7 @@ def release_and_drain(
             reset_statements(dsn)
         pg_pids = postgres_pids(dsn)
         pg_cpu1, relay_cpu1 = cpu_seconds(pg_pids), relay.cpu_seconds() or 0.0
+        threads1 = thread_cpu(relay.pid)
         t1 = time.monotonic()
         for conn in held:
             conn.commit()
@@ -304,21 +306,34 @@ def release_and_drain(
         for conn in held:
             conn.close()
     say(f"  {len(names)} releases committed in {committing:.3f}s")
-    spy = start_profile(relay.pid, profile) if profile is not None else None
+    spy = start_profile(relay.pid, profile, gil=profile_gil) if profile is not None else None
     target = 0.9 * rows_held
+    first_claim = first_done = None
+    busy_from: tuple[float, float] | None = None  # (seconds, done) at the first reading past 10 %
     try:
         while (done := published_done(port)) < target:
-            if time.monotonic() - t1 > timeout:
+            now = time.monotonic() - t1
+            if now > timeout:
                 raise TimeoutError(f"not drained within {timeout:.0f}s")
             if relay.proc.poll() is not None:
                 raise RuntimeError(f"relay exited:\n{relay.log_text()[-3000:]}")
-            time.sleep(0.5)
+            if first_claim is None and claimed_rows(port) > c1:
+                first_claim = now
+            if first_done is None and done > d1:
+                first_done = now
+            if busy_from is None and done - d1 >= 0.1 * rows_held:
+                busy_from = (now, done)
+            # Until the first batch is done the counter is read every 20 ms (the start is
+            # timed), then every 0.5 s.
+            time.sleep(0.5 if first_done is not None else 0.02)
     finally:
         if spy is not None:
             spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
             spy.wait(timeout=60)
     elapsed = time.monotonic() - t1
     relay_cpu2 = relay.cpu_seconds() or 0.0
+    threads2 = thread_cpu(relay.pid)
+    names_by_tid = python_thread_names(relay.pid)
     pg_pids2 = postgres_pids(dsn)
     pg_cpu2 = cpu_seconds(pg_pids) + cpu_seconds([pid for pid in pg_pids2 if pid not in set(pg_pids)])
     window = statement_figures(dsn) if statements else None
@@ -328,6 +343,14 @@ def release_and_drain(
     relay_xacts = x2 - x1 - len(names)  # less the script's own COMMITs
     figures: dict[str, Any] = {
         "rows_per_second": (done - d1) / elapsed,
+        # From the first reading past 10 % of the rows to the last one (past 90 %):
+        # the rate with every source busy, without the start (the release found by a
+        # probe or a poll, the first claims on cold connections).
+        "busy_rows_per_second": (
+            (done - busy_from[1]) / (elapsed - busy_from[0]) if busy_from and elapsed > busy_from[0] else None
+        ),
+        "seconds_to_first_claim": first_claim,
+        "seconds_to_first_done": first_done,
         "xacts_per_1000_rows": 1000 * relay_xacts / max(1.0, published_done(port) - d1),
         "sessions_opened": s2 - s1,
         "postgres_cpu_ms_per_1000_rows": 1e6 * (pg_cpu2 - pg_cpu1) / rows,
@@ -335,6 +358,7 @@ def release_and_drain(
     }
     if window is not None:
         figures["statements"] = window
+    figures["relay_threads_per_1000_rows"] = thread_figures(threads1, threads2, names_by_tid, rows)
     return figures
 
 
@@ -360,6 +384,59 @@ def statement_figures(dsn: str) -> list[dict[str, Any]]:
     ]
 
 
+ThreadTimes = dict[int, tuple[str, float, float, int]]
+
+
+def thread_cpu(pid: int) -> ThreadTimes:
+    """Per thread of ``pid`` (/proc/PID/task): its OS name, user and system CPU
+    seconds, and context switches (voluntary + involuntary)."""
+    out: ThreadTimes = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat.rsplit(")", 1)[1].split()
+        switches = sum(int(line.split()[1]) for line in status.splitlines() if "ctxt_switches:" in line)
+        out[int(task.name)] = (name, int(fields[11]) / tick, int(fields[12]) / tick, switches)
+    return out
+
+
+def python_thread_names(pid: int) -> dict[int, str]:
+    """The Python names of ``pid``'s threads by OS thread id (``py-spy dump``, when
+    py-spy is installed: Python does not give its threads OS names, librdkafka does)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        return {}
+    dump = subprocess.run([spy, "dump", "--json", "--nonblocking", "-p", str(pid)], capture_output=True, text=True)
+    try:
+        threads = json.loads(dump.stdout or "[]")
+    except ValueError:
+        return {}
+    return {int(t["os_thread_id"]): t.get("thread_name") or "?" for t in threads if t.get("os_thread_id")}
+
+
+def thread_figures(before: ThreadTimes, after: ThreadTimes, names: dict[int, str], rows: float) -> dict[str, Any]:
+    """CPU ms and context switches per 1 000 rows, per group of threads (the name
+    without its digits: worker-0..3 are one group, the 50 lease keepers another)."""
+    groups: dict[str, list[float]] = {}
+    for tid, (os_name, user, system, switches) in after.items():
+        name = names.get(tid, os_name)
+        group = "".join(ch for ch in name if not ch.isdigit()).rstrip("/:#-_") or "?"
+        _, user0, system0, switches0 = before.get(tid, (name, 0.0, 0.0, 0))
+        total = groups.setdefault(group, [0.0, 0.0, 0.0])
+        total[0] += 1e6 * (user - user0) / rows
+        total[1] += 1e6 * (system - system0) / rows
+        total[2] += 1000 * (switches - switches0) / rows
+    return {
+        group: {"user_ms": round(v[0], 1), "system_ms": round(v[1], 1), "context_switches": round(v[2], 1)}
+        for group, v in sorted(groups.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))
+    }
+
+
 def profile_path(directory: Path | None, name: str) -> Path | None:
     if directory is None:
         return None
@@ -367,12 +444,17 @@ def profile_path(directory: Path | None, name: str) -> Path | None:
     return directory / f"many-sources-{RUN_ID}-{name}.txt"
 
 
-def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
-    """py-spy (``pip install py-spy``) sampling every thread of ``pid`` until SIGINT."""
+def start_profile(pid: int, out: Path, *, gil: bool = False) -> subprocess.Popen[bytes]:
+    """py-spy (``pip install py-spy``) sampling every thread of ``pid`` until SIGINT:
+    every thread, waiting or not (``--idle``), or with ``gil`` only the thread holding
+    the GIL (what the relay's Python spends its one interpreter on)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     say(f"  profiling the relay (pid {pid}) into {out}")
     return subprocess.Popen(
-        [spy, "record", "--nonblocking", "--idle", "--threads", "-p", str(pid), "-o", str(out), "--format", "raw"],
+        [
+            *(spy, "record", "--nonblocking", "--gil" if gil else "--idle", "--threads", "-r", "50"),
+            *("-p", str(pid), "-o", str(out), "--format", "raw"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -383,6 +465,18 @@ def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
 #: GIL its workers need), which read twice a second slowed the relay it measured
 #: (``--scrape-all`` reads the whole page, as the script did before).
 DONE_SCRAPE = "/metrics?name[]=outbox_relay_published_total"
+
+
+def claimed_rows(port: int) -> float:
+    """Rows claimed so far, over every source (the claim batch size histogram's sum)."""
+    url = f"http://127.0.0.1:{port}/metrics?name[]=outbox_relay_claim_batch_size_sum"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("outbox_relay_claim_batch_size_sum")
+    )
 
 
 def published_done(port: int) -> float:
@@ -455,6 +549,11 @@ def main() -> None:
         "--profile-dir",
         type=Path,
         help="phase 4: py-spy profiles of both relays over their windows, written here (needs py-spy)",
+    )
+    parser.add_argument(
+        "--profile-gil",
+        action="store_true",
+        help="with --profile-dir: sample only the thread holding the GIL (default: every thread, idle or not)",
     )
     args = parser.parse_args()
     skip = {int(p) for p in args.skip.split(",") if p.strip()}
@@ -618,6 +717,7 @@ def run(
                         relay,
                         total,
                         profile=profile_path(args.profile_dir, "multi"),
+                        profile_gil=args.profile_gil,
                         statements=args.statements,
                     )
                 finally:
@@ -638,6 +738,7 @@ def run(
                         single,
                         total,
                         profile=profile_path(args.profile_dir, "single"),
+                        profile_gil=args.profile_gil,
                         statements=args.statements,
                     )
                 finally:
@@ -645,20 +746,29 @@ def run(
                     single.cleanup()
                 reset(dsn, names[:1])
                 multi_rate, single_rate = multi["rows_per_second"], single_figures["rows_per_second"]
+                multi_busy, single_busy = multi["busy_rows_per_second"], single_figures["busy_rows_per_second"]
+                busy_ratio = multi_busy / single_busy if multi_busy and single_busy else None
                 report["throughput"] = {
                     "rows": total,
                     "multi_rows_per_second": multi_rate,
                     "single_rows_per_second": single_rate,
                     "ratio": multi_rate / single_rate,
+                    "multi_busy_rows_per_second": multi_busy,
+                    "single_busy_rows_per_second": single_busy,
+                    "busy_ratio": busy_ratio,
                     "multi_xacts_per_1000_rows": multi["xacts_per_1000_rows"],
                     "single_xacts_per_1000_rows": single_figures["xacts_per_1000_rows"],
                     "multi": multi,
                     "single": single_figures,
                 }
                 lines.append(
-                    f"throughput, {total} rows: one process over {args.sources} sources "
-                    f"{multi_rate:,.0f} rows/s, one single-source relay over one database "
-                    f"{single_rate:,.0f} rows/s: ratio {multi_rate / single_rate:.2f}; per 1 000 rows, "
+                    f"throughput, {total} rows, every source busy (10 % to 90 % of the rows): one process "
+                    f"over {args.sources} sources {multi_busy or 0:,.0f} rows/s, one single-source relay over "
+                    f"one database {single_busy or 0:,.0f} rows/s: ratio {busy_ratio or 0:.2f}; from the "
+                    f"release to 90 %: {multi_rate:,.0f} vs {single_rate:,.0f} rows/s, ratio "
+                    f"{multi_rate / single_rate:.2f} (first rows claimed after "
+                    f"{multi['seconds_to_first_claim'] or 0:.2f} vs "
+                    f"{single_figures['seconds_to_first_claim'] or 0:.2f} s); per 1 000 rows, "
                     f"multi vs single: database transactions {multi['xacts_per_1000_rows']:.1f} vs "
                     f"{single_figures['xacts_per_1000_rows']:.1f}, PostgreSQL CPU "
                     f"{multi['postgres_cpu_ms_per_1000_rows']:.0f} vs "

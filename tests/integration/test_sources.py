@@ -14,11 +14,13 @@ broker: every source in a database of its own.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -197,9 +199,22 @@ def test_discovery_serves_a_new_database_and_lets_a_dropped_one_go(databases, pg
         discovery={"dsn": pg_dsn, "database_pattern": prefix + r"\_%", "refresh_interval_seconds": 0.3},
     )
     relay = running(settings)
+    # As `run` does: what start-up made, and what each source makes as it opens, is
+    # kept out of the cyclic collector's reach; a source let go is collected.
+    relay.freeze_long_lived()
     first_name = f"{prefix}_one"
     wait_for(lambda: first_name in relay.runtimes and relay.runtimes[first_name].opened, timeout=30)
+    try:
+        discovery_serves_and_lets_go(relay, databases, prefix, first, pg_dsn, broker, topic_prefix)
+    finally:
+        gc.unfreeze()
 
+
+def collected_generations_hold(obj: object) -> bool:
+    return any(o is obj for o in gc.get_objects())
+
+
+def discovery_serves_and_lets_go(relay, databases, prefix, first, pg_dsn, broker, topic_prefix):
     # A database created while the relay runs, its table made afterwards: served then.
     second = databases("two", migrate=False)
     second_name = f"{prefix}_two"
@@ -210,12 +225,22 @@ def test_discovery_serves_a_new_database_and_lets_a_dropped_one_go(databases, pg
     wait_for(lambda: pending_count(second) == 0, timeout=60)
     got = read_topic(broker.bootstrap_servers, topic_prefix + ".tenant", len(ids))
     assert sorted(int(dict(m.headers())["message_id"]) for m in got) == ids
+    # The source opened after start-up: its runtime, pool and workers were frozen.
+    runtime = relay.runtimes[second_name]
+    assert runtime.workers
+    for obj in (runtime, runtime.store, *runtime.workers.values()):
+        assert not collected_generations_hold(obj)
 
-    # A database dropped while served: its source goes, the others stay.
+    # A database dropped while served: its source goes, the others stay, and nothing
+    # of it stays in memory (collected at its removal or the next discovery round).
+    first_name = f"{prefix}_one"
     insert_rows(first, "outbox", 3, aggregate_type="tenant")
     wait_for(lambda: pending_count(first) == 0, timeout=60)
+    # (Its pool may outlive it for a moment: psycopg_pool's threads end on their own.)
+    gone = [weakref.ref(relay.runtimes[first_name]), weakref.ref(relay.runtimes[first_name].store)]
     drop_database(pg_dsn, first_name)
     wait_for(lambda: first_name not in relay.runtimes, timeout=30)
+    wait_for(lambda: all(ref() is None for ref in gone), timeout=30)
     assert first_name not in relay.scheduler.names()
     port = relay.metrics_port
     assert port is not None
