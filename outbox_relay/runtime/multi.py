@@ -270,7 +270,9 @@ class MultiRelay:
         #: run_forever froze what start() made (tune_garbage_collector): what each
         #: source makes later is frozen in turn (keep_long_lived).
         self._gc_frozen = False
-        self._released_since_removal = True
+        #: Monotonic time of the next full collection of frozen objects (recollect_if_due).
+        self._recollect_at: float | None = None
+        self._recollect_lock = threading.Lock()
 
     # --- sources ---------------------------------------------------------------------
     def add_source(self, name: str, settings: Settings, *, discovered: bool = False) -> None:
@@ -305,9 +307,11 @@ class MultiRelay:
             self.metrics.remove_source(name)
         self._close_runtime(runtime)
         del runtime
-        self._release_long_lived()
-        # Once more at the next discovery round, for what a thread still held just now.
-        self._released_since_removal = False
+        # What only the cyclic collector frees (the reference cycles of its pool's
+        # threads, say) was frozen with the source: collect now, and once more a lease
+        # later for what a thread still held just now.
+        self._recollect()
+        self._schedule_recollect()
         log.info("source removed", source=name)
 
     def _set_up(self, name: str, up: bool) -> None:
@@ -377,25 +381,35 @@ class MultiRelay:
         walks every object it tracks: with 50 sources open and not frozen, the
         relay's collections took twice as long as a single-source relay's (about 5 ms
         of CPU per 1 000 rows delivered, in bench/many_sources.py). Freezing is a list
-        splice; garbage frozen with it is still freed by reference counting."""
+        splice; frozen objects are still freed by reference counting, and what only
+        the cyclic collector frees (a cycle among the objects of a batch in flight at
+        that moment) is collected a lease later (``recollect_if_due``)."""
         if self._gc_frozen:
             gc.freeze()
+            self._schedule_recollect()
 
-    def _release_long_lived(self) -> None:
-        """After a source is let go: unfreeze, collect once (what only the cyclic
-        collector frees, such as the reference cycles of its pool's threads), freeze
-        again, so that sources coming and going do not accumulate. Run at the removal
-        and again at the next discovery round (``release_removed``)."""
-        self._released_since_removal = True
+    def _schedule_recollect(self) -> None:
+        """One full collection of frozen objects a lease from now (later freezes and
+        removals push it back: one collection after a burst of sources opening)."""
         if self._gc_frozen:
-            gc.unfreeze()
-            gc.collect()
-            gc.freeze()
+            self._recollect_at = time.monotonic() + self.settings.relay.lease_seconds
 
-    def release_removed(self) -> None:
-        """The second collection after a removal (see ``_release_long_lived``)."""
-        if not self._released_since_removal:
-            self._release_long_lived()
+    def recollect_if_due(self) -> None:
+        due = self._recollect_at
+        if due is not None and time.monotonic() >= due:
+            self._recollect_at = None
+            self._recollect()
+
+    def _recollect(self) -> None:
+        """Unfreeze, collect everything once, freeze again: cyclic garbage that was
+        frozen (a source let go, a batch that was in flight at a freeze) is freed, and
+        what is still alive is frozen again. A full collection: tens of milliseconds
+        with hundreds of sources, once per burst of freezes."""
+        if self._gc_frozen:
+            with self._recollect_lock:
+                gc.unfreeze()
+                gc.collect()
+                gc.freeze()
 
     def _probe(self, name: str) -> None:
         with self._runtimes_lock:
@@ -441,6 +455,7 @@ class MultiRelay:
             for name in self.scheduler.probes_due():
                 self._probe_pool.submit(self._probe, name)
             self.metrics.sources_due.set(self.scheduler.due_count())
+            self.recollect_if_due()
             self.stop_event.wait(min(0.05 + self.scheduler.next_probe_in(), 0.25))
 
     # --- start -----------------------------------------------------------------------
@@ -900,7 +915,6 @@ class _Discovery(PeriodicService):
     def step(self) -> None:
         relay = self._relay
         s = relay.settings
-        relay.release_removed()
         try:
             names = set(list_databases(s))
         except DatabaseError as exc:

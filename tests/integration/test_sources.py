@@ -232,7 +232,7 @@ def discovery_serves_and_lets_go(relay, databases, prefix, first, pg_dsn, broker
         assert not collected_generations_hold(obj)
 
     # A database dropped while served: its source goes, the others stay, and nothing
-    # of it stays in memory (collected at its removal or the next discovery round).
+    # of it stays in memory (collected at its removal, or a lease later).
     first_name = f"{prefix}_one"
     insert_rows(first, "outbox", 3, aggregate_type="tenant")
     wait_for(lambda: pending_count(first) == 0, timeout=60)
