@@ -32,7 +32,7 @@ from outbox_relay.config import Settings, load_settings
 from outbox_relay.db.store import OutboxStore
 from outbox_relay.runtime.multi import MultiRelay
 from tests.helpers import sources as source_helpers
-from tests.helpers.db import ON_DONE, insert_rows, wait_for
+from tests.helpers.db import ON_DONE, insert_rows, rows, statuses, wait_for
 from tests.helpers.sources import drop_database
 
 databases = source_helpers.databases  # the fixture
@@ -385,3 +385,44 @@ def test_startup_timeout_gives_up_when_no_source_becomes_ready(databases, broker
     relay = running(settings)
     ready, text = relay.readiness()
     assert ready and "1/2 sources ready" in text
+
+
+@pytest.mark.first_pass_only
+def test_one_lease_thread_extends_every_sources_slow_batches(databases, own_broker, topic_prefix, running):
+    # The topic exists before the broker hangs, and the delivery timeout leaves a
+    # resumed JVM broker seconds to answer: the test is about the leases.
+    if hasattr(own_broker, "create_topic"):
+        own_broker.create_topic(f"{topic_prefix}.order", partitions=2)
+    dsns = {"a": databases("a"), "b": databases("b")}
+    settings = sources_settings(
+        own_broker,
+        topic_prefix,
+        {name: {"dsn": dsn} for name, dsn in dsns.items()},
+        kafka={"delivery_timeout_seconds": 16},
+        relay={"lease_seconds": 20},
+    )
+    relay = running(settings)
+    wait_for(lambda: all(name in relay.runtimes and relay.runtimes[name].opened for name in dsns), timeout=30)
+    # The sources' keepers have no thread of their own: the process's one lease thread runs them.
+    assert all(runtime.keeper is not None and runtime.keeper._thread is None for runtime in relay.runtimes.values())
+    assert relay._leases is not None and relay._leases._thread is not None and relay._leases._thread.is_alive()
+    try:
+        own_broker.pause()
+        ids = {name: insert_rows(dsn, "outbox", 3) for name, dsn in dsns.items()}
+        for dsn in dsns.values():
+            wait_for(lambda dsn=dsn: statuses(dsn, "outbox").get("processing") == 3, message="claimed")
+        first = {name: dict(rows(dsn, "outbox", "id, lease_until")) for name, dsn in dsns.items()}
+
+        def extended(name: str) -> bool:
+            now = dict(rows(dsns[name], "outbox", "id, lease_until"))
+            return all(now[i] > first[name][i] for i in ids[name])
+
+        wait_for(lambda: extended("a") and extended("b"), timeout=30, message="both sources' leases extended")
+        own_broker.resume()
+        for dsn in dsns.values():
+            wait_for(lambda dsn=dsn: statuses(dsn, "outbox").get("done") == 3, timeout=60, message="done")
+    finally:
+        own_broker.resume_quietly()
+    # Extended, never reclaimed: one claim each.
+    for dsn in dsns.values():
+        assert {r[0] for r in rows(dsn, "outbox", "lease_version")} == {1}
