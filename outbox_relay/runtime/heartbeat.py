@@ -1,8 +1,8 @@
 """LeaseKeeper: extends the leases of batches whose delivery takes longer than expected.
 
 One thread per relay process (a relay serving many sources runs every source's keeper
-from one thread of its own instead: ``multi.py``). A worker registers its batch before publishing and
-unregisters it before finalizing. Once a batch has been in flight for
+from one thread of its own instead: ``multi.py``). A worker registers its batch before
+publishing and unregisters it before finalizing. Once a batch has been in flight for
 ``extend_after_fraction`` of its lease, the keeper extends the lease of the rows the
 batch still owns with a fenced update (``status = 'processing' AND lease_version =
 <claimed>``). Rows the update no longer finds were taken over by a newer claim: the
@@ -72,30 +72,21 @@ class LeaseKeeper(PeriodicService):
         with self._lock:
             self._batches.discard(batch)
 
-    @property
-    def interval_seconds(self) -> float:
-        """How often ``step`` should run (a tenth of the lease, within 0.05-1 s)."""
-        return self._interval
+    def _due(self, batch: InFlight, now: float) -> bool:
+        return now - batch.extended_at >= self._after and not batch.cancel.is_set() and now < batch.extend_until
 
     def has_due(self, now: float | None = None) -> bool:
         """Does a tracked batch need its lease extended now? (What ``step`` would do;
         cheap: a relay serving many sources asks every source's keeper each round.)"""
         now = time.monotonic() if now is None else now
         with self._lock:
-            return any(
-                now - b.extended_at >= self._after and not b.cancel.is_set() and now < b.extend_until
-                for b in self._batches
-            )
+            return any(self._due(b, now) for b in self._batches)
 
     def step(self) -> None:
         """Extend every batch that is due; called by the thread, callable from tests."""
         now = time.monotonic()
         with self._lock:
-            due = [
-                b
-                for b in self._batches
-                if now - b.extended_at >= self._after and not b.cancel.is_set() and now < b.extend_until
-            ]
+            due = [b for b in self._batches if self._due(b, now)]
         for batch in due:
             owned = [c for c in batch.claims if c[0] not in batch.lost]
             try:

@@ -3,9 +3,10 @@
 ``MultiRelay`` serves the sources of ``[sources.<name>]`` and ``[discovery]``
 (``sources.py``). Each source has its own small connection pool, lease keeper and
 gauges (``SourceRuntime``), run by threads the sources share (one for every source's
-lease extensions, one for their gauges, eight for probes); the worker threads are shared and pick sources through the
-``SourceScheduler`` (round-robin over sources with due rows, probes with back-off for
-idle and failing ones: scheduler.py states the fairness bound). The workers pipeline
+lease extensions, one for their gauges, eight for probes); the worker threads are
+shared and pick sources through the ``SourceScheduler`` (round-robin over sources with
+due rows, probes with back-off for idle and failing ones: scheduler.py states the
+fairness bound). The workers pipeline
 as a single-source relay's do (claim of the next batch while the previous one is
 acknowledged; one ``Submitter`` thread builds and submits every full batch), and one
 more thread, the lane, claims sources the moment they become due.

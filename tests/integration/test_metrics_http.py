@@ -301,9 +301,14 @@ def test_expired_leases_gauge_after_a_claim_never_finalized(store, pg_dsn, table
     refresher.start()
     server.start()
     try:
-
+        # One refresh sets the gauges one query after the other: wait for all of them.
         def settled(result: tuple[str, Samples]) -> bool:
-            return value(result[1], "outbox_relay_expired_leases") == 3
+            return value(result[1], "outbox_relay_expired_leases") == 3 and depth(result[1]) == {
+                "pending": 2,
+                "processing": 3,
+                "done": 0,
+                "dead": 0,
+            }
 
         text, samples = poll(lambda: scrape(server.port), settled)
         assert value(samples, "outbox_relay_expired_leases") == 3, text
@@ -319,9 +324,15 @@ def test_expired_leases_gauge_after_a_claim_never_finalized(store, pg_dsn, table
 
         # Finalizing the claim (fenced, still at its version) clears the gauge.
         assert store.mark_done([(c.id, c.lease_version) for c in claimed]) == {c.id for c in claimed}
-        text, samples = poll(lambda: scrape(server.port), lambda r: value(r[1], "outbox_relay_expired_leases") == 0)
+        # (A scrape between two queries of a refresh sees the lease gauge cleared and
+        # the depths still as they were.)
+        finalized = {"pending": 2, "processing": 0, "done": 3, "dead": 0}
+        text, samples = poll(
+            lambda: scrape(server.port),
+            lambda r: value(r[1], "outbox_relay_expired_leases") == 0 and depth(r[1]) == finalized,
+        )
         assert value(samples, "outbox_relay_expired_leases") == 0, text
-        assert depth(samples) == {"pending": 2, "processing": 0, "done": 3, "dead": 0}
+        assert depth(samples) == finalized
     finally:
         server.stop()
         refresher.stop()
