@@ -84,6 +84,16 @@ def console_process(store, pg_dsn, table) -> Iterator[str]:
         yield url
 
 
+def sign_in(driver: Any, url: str, name: str) -> None:
+    """Open the console's overview, log in as ``name`` with the token, and wait for the overview."""
+    from selenium.webdriver.common.by import By
+
+    driver.get(url + "/")
+    driver.find_element(By.ID, "name").send_keys(name)
+    driver.find_element(By.ID, "token").send_keys(TOKEN)
+    navigate(driver, driver.find_element(By.ID, "login").click, to=url + "/", exact=True)
+
+
 def navigate(driver: Any, action: Any, *, to: str, exact: bool = False) -> None:
     """Click and wait until the browser has arrived at a URL containing ``to`` (or equal
     to it): a click returns before the navigation it starts has finished."""
@@ -205,10 +215,7 @@ def test_operator_picks_a_source_and_retries_in_it_in_the_browser(browser, datab
     }
     with running_console_process(None, None, **env) as (url, _lines):
         b = browser
-        b.get(url + "/")
-        b.find_element(By.ID, "name").send_keys("bob")
-        b.find_element(By.ID, "token").send_keys(TOKEN)
-        navigate(b, b.find_element(By.ID, "login").click, to=url + "/", exact=True)
+        sign_in(b, url, "bob")
 
         # The list of sources, each with its own queue.
         assert b.find_element(By.ID, "source-count").text == "2"
@@ -285,10 +292,7 @@ def test_operator_finds_the_worst_of_many_sources_in_the_browser(browser, databa
         worst = [name for name, _ in sorted(dead_of.items(), key=lambda item: (-item[1], item[0]))]
         with running_console_process(None, None, **env) as (url, _lines):
             b = browser
-            b.get(url + "/")
-            b.find_element(By.ID, "name").send_keys("carol")
-            b.find_element(By.ID, "token").send_keys(TOKEN)
-            navigate(b, b.find_element(By.ID, "login").click, to=url + "/", exact=True)
+            sign_in(b, url, "carol")
             assert b.find_element(By.ID, "source-count").text == "13"
 
             # Worst first by dead rows, five a page.
