@@ -4,7 +4,7 @@
 the status the fenced finalize writes, the delay before the row is due again, the
 error text kept in ``last_error``, and whether the claim's attempt is refunded. It
 reads no clock and no database, so every rule is covered by a table of unit tests
-(tests/unit/test_decision.py); the store then writes a whole batch of decisions in
+(tests/unit/core/test_decision.py); the store then writes a whole batch of decisions in
 one fenced statement (``OutboxStore.finalize``).
 
 | outcome                                   | decision                                      |

@@ -42,7 +42,7 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     """``histogram.observe(v)`` for every value, with one update per bucket touched
     instead of a locked update (and a walk of the buckets) per value: the latency of
     every acknowledged message is observed, ~1 us each on the path that collects
-    delivery reports. Same exposition as observing one by one (tests/unit/test_metrics_observe.py);
+    delivery reports. Same exposition as observing one by one (tests/unit/observability/test_metrics.py);
     falls back to that if prometheus_client's internals ever differ."""
     bounds = getattr(histogram, "_upper_bounds", None)
     buckets = getattr(histogram, "_buckets", None)
