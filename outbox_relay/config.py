@@ -50,6 +50,11 @@ _MANAGED_PRODUCER_PROPERTIES = {
 }
 # kafka.extra names whose values are secrets (scrubbed from every log line).
 _SECRET_EXTRA_RE = re.compile(r"password|secret|\.pem$|sasl\.oauthbearer\.config|token", re.IGNORECASE)
+# Standard Webhooks symmetric secrets: "whsec_" + base64 of 24 to 64 random bytes.
+WEBHOOK_SECRET_PREFIX = "whsec_"
+WEBHOOK_SECRET_MIN_BYTES = 24
+WEBHOOK_SECRET_MAX_BYTES = 64
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def parse_duration(text: str) -> float:
@@ -402,6 +407,87 @@ class HttpPublisherSettings(_Section):
         default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given."
     )
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent with every request.")
+    signing_secret_files: list[str] = Field(
+        default_factory=list,
+        description="Files each holding one Standard Webhooks signing secret (whsec_ + base64 of 24 to 64 random "
+        "bytes): every request then carries webhook-id, webhook-timestamp and webhook-signature, one signature per "
+        "secret (several = rotation). Secrets are read from files or signing_secrets_env only, never written in "
+        "the configuration.",
+    )
+    signing_secrets_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding signing secrets (whsec_..., space-separated), "
+        "used besides signing_secret_files.",
+    )
+
+    @field_validator("signing_secrets_env")
+    @classmethod
+    def _check_signing_secrets_env(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME_RE.match(value):
+            raise ValueError("must be the name of an environment variable (letters, digits, _), not a secret")
+        return value
+
+    @property
+    def signs_requests(self) -> bool:
+        return bool(self.signing_secret_files) or self.signing_secrets_env is not None
+
+    def signing_secrets(self, environ: Mapping[str, str] | None = None) -> list[SecretStr]:
+        """The Standard Webhooks secrets (``whsec_...``) from the files, then from the
+        environment variable; ConfigError (one line, naming the file or variable, never
+        the content) if one cannot be read or is not a secret of that format."""
+        env = os.environ if environ is None else environ
+        found: list[tuple[str, str]] = []  # (where it came from, secret)
+        for file_name in self.signing_secret_files:
+            where = f"http.signing_secret_files: {file_name!r}"
+            try:
+                text = Path(file_name).read_text(encoding="utf-8")
+            except FileNotFoundError:
+                raise ConfigError(f"{where} does not exist") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                raise ConfigError(f"{where} cannot be read ({reason})") from None
+            words = text.split()
+            if len(words) != 1:
+                raise ConfigError(f"{where} must hold exactly one secret (it holds {len(words)} words)")
+            found.append((where, words[0]))
+        if self.signing_secrets_env is not None:
+            where = f"environment variable {self.signing_secrets_env} (http.signing_secrets_env)"
+            value = env.get(self.signing_secrets_env)
+            if value is None or not value.split():
+                raise ConfigError(f"{where} is not set or empty")
+            found.extend((where, word) for word in value.split())
+        for where, secret in found:
+            problem = webhook_secret_problem(secret)
+            if problem:
+                raise ConfigError(f"{where}: {problem}")
+        return [SecretStr(secret) for _, secret in found]
+
+
+def webhook_secret_bytes(secret: str) -> bytes:
+    """``whsec_<base64>`` -> the HMAC key; ValueError (never quoting the secret) otherwise."""
+    import base64
+    import binascii
+
+    if not secret.startswith(WEBHOOK_SECRET_PREFIX):
+        raise ValueError(f"not a Standard Webhooks secret (it must start with {WEBHOOK_SECRET_PREFIX})")
+    try:
+        key = base64.b64decode(secret[len(WEBHOOK_SECRET_PREFIX) :], validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"the part after {WEBHOOK_SECRET_PREFIX} is not valid base64") from None
+    if not WEBHOOK_SECRET_MIN_BYTES <= len(key) <= WEBHOOK_SECRET_MAX_BYTES:
+        raise ValueError(
+            f"the key is {len(key)} bytes; the Standard Webhooks scheme wants "
+            f"{WEBHOOK_SECRET_MIN_BYTES} to {WEBHOOK_SECRET_MAX_BYTES} random bytes"
+        )
+    return key
+
+
+def webhook_secret_problem(secret: str) -> str | None:
+    try:
+        webhook_secret_bytes(secret)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class OtelSettings(_Section):
@@ -601,7 +687,7 @@ class Settings(BaseSettings):
     def secret_values(self) -> list[str]:
         """Every secret a log line or an error message must never show: the DSNs
         (whole, and their passwords and sslpassword), the SASL password, the Kafka
-        client key's passphrase and the console token."""
+        client key's passphrase, the console token and the webhook signing secrets."""
         import psycopg
 
         secrets: list[str] = []
@@ -627,6 +713,14 @@ class Settings(BaseSettings):
         # Secrets passed straight to librdkafka through kafka.extra (OAuth client
         # secrets, keystore passwords, inline PEM keys).
         secrets.extend(value for name, value in self.kafka.extra.items() if _SECRET_EXTRA_RE.search(name))
+        # The webhook signing secrets, and their base64 part (a secret is a secret in either spelling).
+        if self.http.signs_requests:
+            try:
+                signing = [secret.get_secret_value() for secret in self.http.signing_secrets()]
+            except ConfigError:
+                signing = []  # reported where the publisher is built; nothing of it can leak before
+            for signing_secret in signing:
+                secrets.extend((signing_secret, signing_secret.removeprefix(WEBHOOK_SECRET_PREFIX)))
         return secrets
 
 
