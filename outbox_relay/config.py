@@ -490,6 +490,29 @@ def webhook_secret_problem(secret: str) -> str | None:
     return None
 
 
+class RateLimitSettings(_Section):
+    """One ``[[limits]]`` entry: a token bucket for the messages to one topic or one HTTP host."""
+
+    topic: str | None = Field(default=None, description="Limit the messages to this topic (exact name).")
+    host: str | None = Field(
+        default=None, description="Limit the requests to this host of http.url_template (name without port)."
+    )
+    rate_per_second: float = Field(gt=0, le=1_000_000, description="Messages per second, per relay process.")
+    burst: int = Field(
+        default=1, ge=1, le=1_000_000, description="Messages that may go at once after a quiet spell (bucket size)."
+    )
+
+    @model_validator(mode="after")
+    def _check_match(self) -> RateLimitSettings:
+        if (self.topic is None) == (self.host is None):
+            raise ValueError("give exactly one of topic or host")
+        for name in ("topic", "host"):
+            value = getattr(self, name)
+            if value is not None and (not value or value != value.strip()):
+                raise ValueError(f"{name} must be a non-empty name without surrounding spaces")
+        return self
+
+
 class OtelSettings(_Section):
     """OpenTelemetry tracing (the ``otel`` extra). Exporter, endpoint, service name,
     sampler and resource come from the standard ``OTEL_*`` variables."""
@@ -606,6 +629,8 @@ class Settings(BaseSettings):
     # Many outboxes from one process (source_config.py); empty = [database] is the one source.
     sources: dict[str, SourceSettings] = Field(default_factory=dict)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    # [[limits]]: token buckets per topic or HTTP host (core/rate_limit.py); per process.
+    limits: list[RateLimitSettings] = Field(default_factory=list)
 
     @classmethod
     def settings_customise_sources(
@@ -643,6 +668,19 @@ class Settings(BaseSettings):
         if self.kafka.delivery_timeout_seconds is not None:
             return self.kafka.delivery_timeout_seconds
         return min(60.0, self.relay.lease_seconds * 0.4)
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        seen: set[tuple[str, str]] = set()
+        for index, limit in enumerate(self.limits):
+            kind, value = ("topic", limit.topic) if limit.topic is not None else ("host", limit.host or "")
+            key = (kind, value.lower() if kind == "host" else value)
+            if key in seen:
+                raise ValueError(f"limits[{index}]: a second limit for {kind} {value!r}")
+            seen.add(key)
+            if kind == "host" and self.relay.publisher != "http":
+                raise ValueError(f'limits[{index}]: a host limit applies to relay.publisher = "http" only')
+        return self
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:
@@ -784,6 +822,11 @@ def check_environment(environ: Mapping[str, str]) -> None:
         if section == "sources":  # OUTBOX_RELAY_SOURCES__<NAME>__<SETTING>: the name is the source's
             _check_source_variable(variable, rest)
             continue
+        if section == "limits":  # a list: only as a whole
+            raise ConfigError(
+                f"unknown environment variable {variable}: [[limits]] is set as a whole, "
+                'as JSON in OUTBOX_RELAY_LIMITS (e.g. [{"topic": "orders", "rate_per_second": 50}])'
+            )
         if section not in sections:
             guess = _closest(section, sections)
             hint = f"; did you mean {ENV_PREFIX}{guess.upper()}__{rest.upper()}?" if guess else ""

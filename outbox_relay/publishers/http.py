@@ -361,6 +361,14 @@ class HttpPublisher(Publisher):
         return template
 
     # --- message -> request ----------------------------------------------------------
+    def limit_keys(self, message: Message) -> Mapping[str, str]:
+        """``[[limits]]`` match a message by its topic or by the host its request goes to."""
+        try:
+            host = urlsplit(self.url_for(message)).hostname
+        except ValueError:
+            host = None
+        return {"topic": message.topic} if host is None else {"topic": message.topic, "host": host}
+
     def url_for(self, message: Message) -> str:
         values = {
             "aggregate_type": message.aggregate_type,
@@ -452,7 +460,7 @@ class HttpPublisher(Publisher):
         if 200 <= status < 300:
             return None
         if status in RETRYABLE_4XX or 500 <= status < 600:
-            return RetryableError(detail(), retry_after_seconds=retry_after)
+            return RetryableError(detail(), retry_after_seconds=retry_after, throttled=status == 429)
         if 300 <= status < 400:
             location = response.headers.get("Location")
             return PermanentError(

@@ -66,6 +66,13 @@ def test_configuration_reference_lists_every_setting_with_its_variable() -> None
             for name in SourceSettings.model_fields:
                 assert f"| `sources.<name>.{name}` | `OUTBOX_RELAY_SOURCES__<NAME>__{name.upper()}` |" in page
             continue
+        if section_name == "limits":  # list[RateLimitSettings]: [[limits]], set as a whole (OUTBOX_RELAY_LIMITS)
+            from outbox_relay.config import RateLimitSettings
+
+            assert "OUTBOX_RELAY_LIMITS=" in page
+            for name in RateLimitSettings.model_fields:
+                assert f"| `limits[].{name}` |" in page
+            continue
         assert isinstance(model, type)
         for name in model.model_fields:
             env = f"OUTBOX_RELAY_{section_name.upper()}__{name.upper()}"
