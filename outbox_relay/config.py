@@ -50,6 +50,11 @@ _MANAGED_PRODUCER_PROPERTIES = {
 }
 # kafka.extra names whose values are secrets (scrubbed from every log line).
 _SECRET_EXTRA_RE = re.compile(r"password|secret|\.pem$|sasl\.oauthbearer\.config|token", re.IGNORECASE)
+# Standard Webhooks symmetric secrets: "whsec_" + base64 of 24 to 64 random bytes.
+WEBHOOK_SECRET_PREFIX = "whsec_"
+WEBHOOK_SECRET_MIN_BYTES = 24
+WEBHOOK_SECRET_MAX_BYTES = 64
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def parse_duration(text: str) -> float:
@@ -402,6 +407,110 @@ class HttpPublisherSettings(_Section):
         default=30.0, gt=0, description="Delay of a deferred row when no Retry-After is given."
     )
     headers: dict[str, str] = Field(default_factory=dict, description="Extra headers sent with every request.")
+    signing_secret_files: list[str] = Field(
+        default_factory=list,
+        description="Files each holding one Standard Webhooks signing secret (whsec_ + base64 of 24 to 64 random "
+        "bytes): every request then carries webhook-id, webhook-timestamp and webhook-signature, one signature per "
+        "secret (several = rotation). Secrets are read from files or signing_secrets_env only, never written in "
+        "the configuration.",
+    )
+    signing_secrets_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding signing secrets (whsec_..., space-separated), "
+        "used besides signing_secret_files.",
+    )
+
+    @field_validator("signing_secrets_env")
+    @classmethod
+    def _check_signing_secrets_env(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME_RE.match(value):
+            raise ValueError("must be the name of an environment variable (letters, digits, _), not a secret")
+        return value
+
+    @property
+    def signs_requests(self) -> bool:
+        return bool(self.signing_secret_files) or self.signing_secrets_env is not None
+
+    def signing_secrets(self, environ: Mapping[str, str] | None = None) -> list[SecretStr]:
+        """The Standard Webhooks secrets (``whsec_...``) from the files, then from the
+        environment variable; ConfigError (one line, naming the file or variable, never
+        the content) if one cannot be read or is not a secret of that format."""
+        env = os.environ if environ is None else environ
+        found: list[tuple[str, str]] = []  # (where it came from, secret)
+        for file_name in self.signing_secret_files:
+            where = f"http.signing_secret_files: {file_name!r}"
+            try:
+                text = Path(file_name).read_text(encoding="utf-8")
+            except FileNotFoundError:
+                raise ConfigError(f"{where} does not exist") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                raise ConfigError(f"{where} cannot be read ({reason})") from None
+            words = text.split()
+            if len(words) != 1:
+                raise ConfigError(f"{where} must hold exactly one secret (it holds {len(words)} words)")
+            found.append((where, words[0]))
+        if self.signing_secrets_env is not None:
+            where = f"environment variable {self.signing_secrets_env} (http.signing_secrets_env)"
+            value = env.get(self.signing_secrets_env)
+            if value is None or not value.split():
+                raise ConfigError(f"{where} is not set or empty")
+            found.extend((where, word) for word in value.split())
+        for where, secret in found:
+            problem = webhook_secret_problem(secret)
+            if problem:
+                raise ConfigError(f"{where}: {problem}")
+        return [SecretStr(secret) for _, secret in found]
+
+
+def webhook_secret_bytes(secret: str) -> bytes:
+    """``whsec_<base64>`` -> the HMAC key; ValueError (never quoting the secret) otherwise."""
+    import base64
+    import binascii
+
+    if not secret.startswith(WEBHOOK_SECRET_PREFIX):
+        raise ValueError(f"not a Standard Webhooks secret (it must start with {WEBHOOK_SECRET_PREFIX})")
+    try:
+        key = base64.b64decode(secret[len(WEBHOOK_SECRET_PREFIX) :], validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"the part after {WEBHOOK_SECRET_PREFIX} is not valid base64") from None
+    if not WEBHOOK_SECRET_MIN_BYTES <= len(key) <= WEBHOOK_SECRET_MAX_BYTES:
+        raise ValueError(
+            f"the key is {len(key)} bytes; the Standard Webhooks scheme wants "
+            f"{WEBHOOK_SECRET_MIN_BYTES} to {WEBHOOK_SECRET_MAX_BYTES} random bytes"
+        )
+    return key
+
+
+def webhook_secret_problem(secret: str) -> str | None:
+    try:
+        webhook_secret_bytes(secret)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+class RateLimitSettings(_Section):
+    """One ``[[limits]]`` entry: a token bucket for the messages to one topic or one HTTP host."""
+
+    topic: str | None = Field(default=None, description="Limit the messages to this topic (exact name).")
+    host: str | None = Field(
+        default=None, description="Limit the requests to this host of http.url_template (name without port)."
+    )
+    rate_per_second: float = Field(gt=0, le=1_000_000, description="Messages per second, per relay process.")
+    burst: int = Field(
+        default=1, ge=1, le=1_000_000, description="Messages that may go at once after a quiet spell (bucket size)."
+    )
+
+    @model_validator(mode="after")
+    def _check_match(self) -> RateLimitSettings:
+        if (self.topic is None) == (self.host is None):
+            raise ValueError("give exactly one of topic or host")
+        for name in ("topic", "host"):
+            value = getattr(self, name)
+            if value is not None and (not value or value != value.strip()):
+                raise ValueError(f"{name} must be a non-empty name without surrounding spaces")
+        return self
 
 
 class OtelSettings(_Section):
@@ -520,6 +629,8 @@ class Settings(BaseSettings):
     # Many outboxes from one process (source_config.py); empty = [database] is the one source.
     sources: dict[str, SourceSettings] = Field(default_factory=dict)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    # [[limits]]: token buckets per topic or HTTP host (core/rate_limit.py); per process.
+    limits: list[RateLimitSettings] = Field(default_factory=list)
 
     @classmethod
     def settings_customise_sources(
@@ -557,6 +668,19 @@ class Settings(BaseSettings):
         if self.kafka.delivery_timeout_seconds is not None:
             return self.kafka.delivery_timeout_seconds
         return min(60.0, self.relay.lease_seconds * 0.4)
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> Settings:
+        seen: set[tuple[str, str]] = set()
+        for index, limit in enumerate(self.limits):
+            kind, value = ("topic", limit.topic) if limit.topic is not None else ("host", limit.host or "")
+            key = (kind, value.lower() if kind == "host" else value)
+            if key in seen:
+                raise ValueError(f"limits[{index}]: a second limit for {kind} {value!r}")
+            seen.add(key)
+            if kind == "host" and self.relay.publisher != "http":
+                raise ValueError(f'limits[{index}]: a host limit applies to relay.publisher = "http" only')
+        return self
 
     @model_validator(mode="after")
     def _check_budgets(self) -> Settings:
@@ -601,7 +725,7 @@ class Settings(BaseSettings):
     def secret_values(self) -> list[str]:
         """Every secret a log line or an error message must never show: the DSNs
         (whole, and their passwords and sslpassword), the SASL password, the Kafka
-        client key's passphrase and the console token."""
+        client key's passphrase, the console token and the webhook signing secrets."""
         import psycopg
 
         secrets: list[str] = []
@@ -627,6 +751,14 @@ class Settings(BaseSettings):
         # Secrets passed straight to librdkafka through kafka.extra (OAuth client
         # secrets, keystore passwords, inline PEM keys).
         secrets.extend(value for name, value in self.kafka.extra.items() if _SECRET_EXTRA_RE.search(name))
+        # The webhook signing secrets, and their base64 part (a secret is a secret in either spelling).
+        if self.http.signs_requests:
+            try:
+                signing = [secret.get_secret_value() for secret in self.http.signing_secrets()]
+            except ConfigError:
+                signing = []  # reported where the publisher is built; nothing of it can leak before
+            for signing_secret in signing:
+                secrets.extend((signing_secret, signing_secret.removeprefix(WEBHOOK_SECRET_PREFIX)))
         return secrets
 
 
@@ -690,6 +822,11 @@ def check_environment(environ: Mapping[str, str]) -> None:
         if section == "sources":  # OUTBOX_RELAY_SOURCES__<NAME>__<SETTING>: the name is the source's
             _check_source_variable(variable, rest)
             continue
+        if section == "limits":  # a list: only as a whole
+            raise ConfigError(
+                f"unknown environment variable {variable}: [[limits]] is set as a whole, "
+                'as JSON in OUTBOX_RELAY_LIMITS (e.g. [{"topic": "orders", "rate_per_second": 50}])'
+            )
         if section not in sections:
             guess = _closest(section, sections)
             hint = f"; did you mean {ENV_PREFIX}{guess.upper()}__{rest.upper()}?" if guess else ""

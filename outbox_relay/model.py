@@ -69,13 +69,23 @@ class RetryableError(PublishOutcome):
     ``retry_after_seconds`` is a floor for the backoff (e.g. HTTP Retry-After).
     ``transport`` marks a failure of the connection to the target as a whole (broker
     unreachable), which the circuit breaker counts instead of burning attempts.
+    ``throttled`` marks the target saying it is asked too often (HTTP 429): a
+    ``[[limits]]`` bucket of that destination then pauses for ``retry_after_seconds``.
     """
 
-    def __init__(self, reason: str, *, retry_after_seconds: float | None = None, transport: bool = False) -> None:
+    def __init__(
+        self,
+        reason: str,
+        *,
+        retry_after_seconds: float | None = None,
+        transport: bool = False,
+        throttled: bool = False,
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after_seconds = retry_after_seconds
         self.transport = transport
+        self.throttled = throttled
 
 
 class NotDelivered(RetryableError):
@@ -158,6 +168,10 @@ class PublisherObserver:
 
     def topic_authorization_failed(self, topic: str) -> None:
         """The target refused a message for ``topic`` to this client's identity (an ACL)."""
+
+    def rate_limit_waited(self, destination: str, seconds: float) -> None:
+        """Messages to ``destination`` (``topic:<name>``, ``host:<name>``) were held
+        ``seconds`` in all for a ``[[limits]]`` token before being sent."""
 
     def topic_missing(self, topic: str) -> None:
         """Messages for ``topic`` wait because the target has no such topic and does not create it."""

@@ -29,7 +29,7 @@ import typer
 from pydantic import BaseModel, SecretStr
 from pydantic_core import PydanticUndefined
 
-from outbox_relay.config import Settings
+from outbox_relay.config import RateLimitSettings, Settings
 from outbox_relay.operator.cli import app
 from outbox_relay.runtime.multi import PER_SOURCE_FAMILIES, SourcesMetrics
 from outbox_relay.source_config import SourceSettings
@@ -172,12 +172,16 @@ def cli_reference() -> str:
 
 # --------------------------------------------------------------------------- configuration
 SOURCES_SECTION = "sources.<name>"  # [sources.<name>]: one section per outbox, named by the user
+LIMITS_SECTION = "limits"  # [[limits]]: an array of tables, one entry per limited destination
 
 
 def _sections() -> Iterator[tuple[str, type[BaseModel]]]:
     for section_name, section_field in Settings.model_fields.items():
         if section_name == "sources":
             yield SOURCES_SECTION, SourceSettings
+            continue
+        if section_name == LIMITS_SECTION:
+            yield LIMITS_SECTION, RateLimitSettings
             continue
         model = section_field.annotation
         assert isinstance(model, type) and issubclass(model, BaseModel)
@@ -226,6 +230,21 @@ def configuration_reference() -> str:
     ]
     for section_name, model in _sections():
         anchor = "sources" if section_name == SOURCES_SECTION else section_name
+        if section_name == LIMITS_SECTION:
+            out += [
+                f"## `[[{section_name}]]` {{#{anchor}}}",
+                "",
+                (_cell(model.__doc__) or "")
+                + " An array of tables, one entry per destination; in the environment, the whole list as JSON: "
+                '`OUTBOX_RELAY_LIMITS=\'[{"topic": "orders", "rate_per_second": 50}]\'`.',
+                "",
+                "| setting | default | meaning |",
+                "|---|---|---|",
+            ]
+            for name, field in model.model_fields.items():
+                out.append(f"| `{section_name}[].{name}` | {_default(field, name)} | {_cell(field.description)} |")
+            out.append("")
+            continue
         out += [
             f"## `[{section_name}]` {{#{anchor}}}",
             "",
@@ -269,13 +288,16 @@ def example_toml() -> str:
     for section_name, model in _sections():
         # [sources.<name>] is a template (one section per outbox): its lines are
         # indented, so uncommenting the file's settings leaves it out.
-        template = section_name == SOURCES_SECTION
+        template = section_name in (SOURCES_SECTION, LIMITS_SECTION)
         lead = "#  " if template else "# "
-        out.append(
-            f"# [{section_name}]  (one section per outbox: docs/how-to/many-outboxes.md)"
-            if template
-            else f"[{section_name}]"
-        )
+        if section_name == LIMITS_SECTION:
+            out.append(f"# [[{section_name}]]  (one entry per limited topic or host: docs/how-to/rate-limits.md)")
+        else:
+            out.append(
+                f"# [{section_name}]  (one section per outbox: docs/how-to/many-outboxes.md)"
+                if template
+                else f"[{section_name}]"
+            )
         for name, field in model.model_fields.items():
             out.append(f"{lead}{field.description}")
             value = _toml_value(field, name)

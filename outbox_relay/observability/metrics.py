@@ -169,6 +169,14 @@ class RelayMetrics(PublisherObserver):
             "Payload + headers bytes claimed and not yet finalized (bounded by relay.max_in_flight_bytes).",
             registry=r,
         )
+        self.rate_limit_wait_seconds_total = Counter(
+            "outbox_relay_rate_limit_wait_seconds",
+            "Seconds messages were held for a [[limits]] token before being sent, summed over messages, by "
+            "destination (topic:<name> or host:<name>); rows that could not get one within their batch are "
+            'deferred (published_total{outcome="defer"}), attempt refunded.',
+            ["destination"],
+            registry=r,
+        )
         self.in_flight_budget_waits_total = Counter(
             "outbox_relay_in_flight_budget_waits",
             "Claims that waited because the in-flight byte budget was full.",
@@ -237,6 +245,9 @@ class RelayMetrics(PublisherObserver):
 
     def topic_authorization_failed(self, topic: str) -> None:
         self.topic_authorization_failures_total.labels(topic=topic).inc()
+
+    def rate_limit_waited(self, destination: str, seconds: float) -> None:
+        self.rate_limit_wait_seconds_total.labels(destination=destination).inc(max(0.0, seconds))
 
     def topic_missing(self, topic: str) -> None:
         self.missing_topic_deferrals_total.labels(topic=topic).inc()

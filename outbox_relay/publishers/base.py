@@ -31,7 +31,7 @@ import abc
 import importlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
@@ -39,8 +39,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 from ..core.formats import RESERVED_HEADERS as RESERVED_HEADERS  # re-exported: the contract's reserved header names
 from ..core.formats import FormatError, WireFormat
 from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
+from ..core.rate_limit import LimitRule, RateLimits, TokenBucket
 from ..errors import ConfigError, PublisherLoadError
 from ..model import (
+    Defer,
     Message,
     NotDelivered,
     Outcome,
@@ -201,6 +203,11 @@ class Publisher(abc.ABC):
         """The largest payload + headers the target accepts (None: no limit). A bigger
         row goes dead at once, without its payload ever being fetched into memory."""
         return None
+
+    def limit_keys(self, message: Message) -> Mapping[str, str]:
+        """What a ``[[limits]]`` entry can match for ``message``: its ``topic``; the HTTP
+        publisher adds the ``host`` it sends the message to."""
+        return {"topic": message.topic}
 
     def span_attributes(self, message: Message) -> SpanAttributes:
         """With tracing on (``otel.enabled``): attributes of the target system for the
@@ -379,7 +386,318 @@ def _find_factory(setting: str) -> Factory | object:
     return _resolve_reference(setting, setting)
 
 
+# --- [[limits]]: token buckets in front of any publisher --------------------------------------
+#: How long one batch may hold its messages for [[limits]] tokens: this share of its
+#: publish timeout, at most RATE_LIMIT_MAX_WAIT_SECONDS. A worker holding a batch sends
+#: nothing else, so the wait is short; messages that would wait longer are deferred.
+RATE_LIMIT_WAIT_SHARE = 0.25
+RATE_LIMIT_MAX_WAIT_SECONDS = 1.0
+#: Messages whose tokens fall due within this of each other are sent together.
+RATE_LIMIT_GROUP_SECONDS = 0.005
+RATE_LIMIT_MIN_DEFER_SECONDS = 0.05
+
+
+class RateLimitedPublisher(Publisher):
+    """Holds each message until its destination's token bucket (``[[limits]]``) gives it
+    a token, then hands it to the publisher it wraps; every other hook goes straight
+    through. Messages to unlimited destinations go at once.
+
+    A message that cannot get a token within its batch's wait (``RATE_LIMIT_WAIT_SHARE``
+    of the publish timeout, at most ``RATE_LIMIT_MAX_WAIT_SECONDS``) is reported as
+    ``Defer``: its row becomes due again when the bucket should have room, attempt
+    refunded, as for any other "not yet". So are the later messages of its ordered run.
+    A ``RetryableError`` marked ``throttled`` (HTTP 429) with ``retry_after_seconds``
+    pauses the destination's bucket for that long. Buckets are per process."""
+
+    def __init__(
+        self,
+        inner: Publisher,
+        limits: RateLimits,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = inner
+        self.limits = limits
+        self.clock = clock
+        self.aborting = threading.Event()
+
+    @property  # the relay sets it; the wrapped publisher reports through it
+    def observer(self) -> PublisherObserver:
+        return self.inner.observer
+
+    @observer.setter
+    def observer(self, value: PublisherObserver) -> None:
+        self.inner.observer = value
+
+    # Everything but publishing is the wrapped publisher's.
+    def start(self) -> None:
+        self.inner.start()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe_target(self) -> str:
+        return self.inner.describe_target()
+
+    def probe(self, timeout_seconds: float) -> bool:
+        return self.inner.probe(timeout_seconds)
+
+    def probe_problem(self) -> str | None:
+        return self.inner.probe_problem()
+
+    def healthy(self) -> bool:
+        return self.inner.healthy()
+
+    def check_alive(self) -> str | None:
+        return self.inner.check_alive()
+
+    def held_back(self) -> str | None:
+        return self.inner.held_back()
+
+    def trouble(self) -> str | None:
+        return self.inner.trouble()
+
+    def abort(self) -> None:
+        self.aborting.set()
+        self.inner.abort()
+
+    def max_message_bytes(self) -> int | None:
+        return self.inner.max_message_bytes()
+
+    def span_attributes(self, message: Message) -> SpanAttributes:
+        return self.inner.span_attributes(message)
+
+    def publish_timeout_seconds(self, lease_seconds: float) -> float:
+        return self.inner.publish_timeout_seconds(lease_seconds)
+
+    def limit_keys(self, message: Message) -> Mapping[str, str]:
+        return self.inner.limit_keys(message)
+
+    # Publishing.
+    def submit(self, messages: Sequence[Message], *, timeout_seconds: float) -> PendingBatch:
+        batch = _PacedBatch(self, messages, timeout_seconds)
+        if self.inner.pipelines:
+            # What may go now goes now; the rest is handed over by a thread of the batch's
+            # own as its tokens fall due. Submitting must not block: one thread submits
+            # every worker's batches (runtime/submitter.py).
+            batch.start_sending()
+        return batch
+
+    def publish_batch(
+        self, messages: Sequence[Message], *, timeout_seconds: float, cancel: threading.Event | None = None
+    ) -> list[Outcome]:
+        return _PacedBatch(self, messages, timeout_seconds).wait(cancel)
+
+
+class _PacedBatch(PendingBatch):
+    """One batch behind the buckets: which message goes when, or is deferred."""
+
+    def __init__(self, owner: RateLimitedPublisher, messages: Sequence[Message], timeout_seconds: float) -> None:
+        self.owner = owner
+        self.messages = messages
+        self.started = owner.clock()
+        self.deadline = self.started + max(0.0, timeout_seconds)
+        self.outcomes: list[Outcome | None] = [None] * len(messages)
+        self.settled = [False] * len(messages)
+        self.buckets: list[tuple[LimitRule, TokenBucket] | None] = [None] * len(messages)
+        self.pending: list[tuple[list[int], PendingBatch]] = []
+        self.was_sent = False
+        self.cancel: threading.Event | None = None  # wait()'s, read by the sending thread
+        self.sender: threading.Thread | None = None
+        self.groups = self._plan(max(0.0, timeout_seconds))
+
+    def _settle(self, index: int, outcome: Outcome) -> None:
+        self.outcomes[index] = outcome
+        self.settled[index] = True
+
+    def _plan(self, timeout_seconds: float) -> list[tuple[float, list[int]]]:
+        """Book a token for every limited message; group the messages by when they may go."""
+        owner, now = self.owner, self.started
+        max_wait = min(RATE_LIMIT_MAX_WAIT_SECONDS, RATE_LIMIT_WAIT_SHARE * timeout_seconds)
+        ready = [0.0] * len(self.messages)
+        run_ready: dict[str, float] = {}
+        run_deferred: dict[str, Defer] = {}
+        deferred_ahead: dict[str, int] = {}
+        waited: dict[str, float] = {}
+        for index, message in enumerate(self.messages):
+            key = message.order_key
+            if key is not None and key in run_deferred:  # an earlier message of its run waits
+                self._settle(index, run_deferred[key])
+                continue
+            found = owner.limits.match(owner.inner.limit_keys(message))
+            self.buckets[index] = found
+            if found is not None:
+                rule, bucket = found
+                wait = bucket.reserve(now, max_wait)
+                if wait is None:
+                    ahead = deferred_ahead.get(rule.destination, 0)
+                    deferred_ahead[rule.destination] = ahead + 1
+                    # Due again while the bucket still has bookings ahead of it, so it never idles.
+                    delay = max(RATE_LIMIT_MIN_DEFER_SECONDS, bucket.wait_for(now, ahead) - max_wait / 2)
+                    outcome = Defer(
+                        delay,
+                        f"rate limit of {rule.destination} ({rule.rate_per_second:g}/s, burst {rule.burst}): "
+                        "no token within the batch",
+                    )
+                    self._settle(index, outcome)
+                    if key is not None:
+                        run_deferred[key] = outcome
+                    continue
+                ready[index] = wait
+                waited[rule.destination] = waited.get(rule.destination, 0.0) + wait
+            if key is not None:
+                run_ready[key] = max(run_ready.get(key, 0.0), ready[index])
+        for destination, seconds in waited.items():
+            if seconds > 0:
+                owner.observer.rate_limit_waited(destination, seconds)
+        # An ordered run goes in one piece, when its last booked token falls due, so the
+        # wrapped publisher keeps its order and stops it at a failure.
+        order = []
+        for index, message in enumerate(self.messages):
+            if self.settled[index]:
+                continue
+            key = message.order_key
+            order.append((run_ready[key] if key is not None else ready[index], index))
+        order.sort()
+        groups: list[tuple[float, list[int]]] = []
+        for due, index in order:
+            if groups and due - groups[-1][0] <= RATE_LIMIT_GROUP_SECONDS and groups[-1][1]:
+                groups[-1] = (due, [*groups[-1][1], index])  # the group goes when its last member may
+            else:
+                groups.append((due, [index]))
+        return groups
+
+    def start_sending(self) -> None:
+        """Pipelining: submit the groups due now, start a thread for the later ones."""
+        self.was_sent = True
+        now_due = [g for g in self.groups if g[0] <= 0.0]
+        later = self.groups[len(now_due) :]
+        self._send(now_due)
+        if later:
+            self.sender = threading.Thread(target=self._send, args=(later,), name="rate-limit-pacing", daemon=True)
+            self.sender.start()
+
+    def _send(self, groups: Sequence[tuple[float, list[int]]]) -> None:
+        """Hand each group to the wrapped publisher at its time (pipelining: ``submit``;
+        otherwise ``publish_batch``, whose outcomes arrive here)."""
+        owner, inner = self.owner, self.owner.inner
+        for due_offset, indexes in groups:
+            due = self.started + due_offset
+            stopped: str | None = None
+            while True:
+                now = owner.clock()
+                cancel = self.cancel
+                if owner.aborting.is_set():
+                    stopped = "shutting down before its rate limit token fell due"
+                elif cancel is not None and cancel.is_set():
+                    stopped = "lease lost while waiting for a rate limit token"
+                elif now >= self.deadline - 0.01:
+                    stopped = "not sent before the batch deadline"
+                if stopped or now >= due:
+                    break
+                owner.aborting.wait(min(due - now, 0.1))
+            if stopped:
+                for index in indexes:
+                    self._settle(index, NotDelivered(stopped))
+                continue
+            indexes = self._hold_paused(indexes, now)
+            if not indexes:
+                continue
+            chunk = [self.messages[i] for i in indexes]
+            remaining = max(0.0, self.deadline - owner.clock())
+            if inner.pipelines:
+                self.pending.append((indexes, inner.submit(chunk, timeout_seconds=remaining)))
+            else:
+                self._take(indexes, inner.publish_batch(chunk, timeout_seconds=remaining, cancel=cancel))
+
+    def _hold_paused(self, indexes: list[int], now: float) -> list[int]:
+        """Defer the messages whose destination asked, since their tokens were booked,
+        to be left alone (a 429 with Retry-After), with the rest of their ordered runs;
+        return the others."""
+        kept: list[int] = []
+        held_runs: dict[str, Defer] = {}
+        for index in indexes:
+            key = self.messages[index].order_key
+            found = self.buckets[index]
+            paused = found[1].paused_for(now) if found is not None else 0.0
+            if key is not None and key in held_runs:
+                self._settle(index, held_runs[key])
+            elif found is not None and paused > 0:
+                outcome = Defer(paused, f"{found[0].destination} asked to wait (Retry-After)")
+                self._settle(index, outcome)
+                if key is not None:
+                    held_runs[key] = outcome
+            else:
+                kept.append(index)
+        return kept
+
+    def _take(self, indexes: list[int], outcomes: Sequence[Outcome]) -> None:
+        now = self.owner.clock()
+        for index, outcome in zip(indexes, outcomes, strict=True):
+            self._settle(index, outcome)
+            found = self.buckets[index]
+            if (
+                found is not None
+                and isinstance(outcome, RetryableError)
+                and outcome.throttled
+                and outcome.retry_after_seconds is not None
+            ):
+                found[1].back_off(now, outcome.retry_after_seconds)
+
+    def wait(self, cancel: threading.Event | None = None) -> list[Outcome]:
+        self.cancel = cancel
+        if not self.was_sent:  # not pipelining: everything is sent from here
+            self.was_sent = True
+            self._send(self.groups)
+        if self.sender is not None:
+            self.sender.join()  # bounded: it gives up at the batch deadline, an abort or the cancel
+        for indexes, pending in self.pending:
+            self._take(indexes, pending.wait(cancel=cancel))
+        self.pending = []
+        return [outcome if self.settled[i] else NotDelivered("no outcome") for i, outcome in enumerate(self.outcomes)]
+
+
+def rate_limits_from_settings(settings: Settings, *, now: float) -> RateLimits:
+    rules = [
+        LimitRule(
+            "topic" if limit.topic is not None else "host",
+            limit.topic if limit.topic is not None else (limit.host or ""),
+            limit.rate_per_second,
+            limit.burst,
+        )
+        for limit in settings.limits
+    ]
+    return RateLimits(rules, now=now)
+
+
+def with_rate_limits(publisher: Publisher, limits: RateLimits) -> Publisher:
+    """``publisher`` behind ``limits``; the wrapper carries the wrapped publisher's class
+    attributes (``name``, ``can_probe``, ``pipelines``, ...), so the relay treats it alike."""
+    inner_class = type(publisher)
+    wrapper_class = type(
+        f"RateLimited{inner_class.__name__}",
+        (RateLimitedPublisher,),
+        {
+            "name": inner_class.name,
+            "can_probe": inner_class.can_probe,
+            "must_answer_at_start": inner_class.must_answer_at_start,
+            "pipelines": inner_class.pipelines,
+        },
+    )
+    wrapped: Publisher = wrapper_class(publisher, limits)
+    return wrapped
+
+
 def load_publisher(settings: Settings) -> Publisher:
+    """``relay.publisher`` -> a started-not-yet ``Publisher``, behind the ``[[limits]]``
+    token buckets when any are configured (``RateLimitedPublisher``)."""
+    publisher = _load_publisher(settings)
+    if settings.limits:
+        return with_rate_limits(publisher, rate_limits_from_settings(settings, now=time.monotonic()))
+    return publisher
+
+
+def _load_publisher(settings: Settings) -> Publisher:
     """``relay.publisher`` -> a started-not-yet ``Publisher``.
 
     Accepted: a built-in name (``kafka``, ``http``), the name of an entry point in the

@@ -28,10 +28,19 @@ Each outbox row becomes one ``POST`` to ``http.url_template``:
   same row. Receivers that honour it turn at-least-once into one effect. (The key
   is unique per outbox table: if several tables feed one endpoint, route them to
   different URLs.)
+- **Signatures** (Standard Webhooks, when ``http.signing_secret_files`` or
+  ``http.signing_secrets_env`` is set): ``webhook-id`` = the row's ``message_id``
+  (the outbox id, decimal: the same on every retry, takeover, replica and replay),
+  ``webhook-timestamp`` = unix seconds when this attempt is sent, and
+  ``webhook-signature`` = ``v1,<base64(HMAC-SHA256(key, "<id>.<timestamp>.<body>"))>``
+  over the exact body bytes sent, one space-separated signature per configured
+  secret (``whsec_<base64 key>``), so a secret can be rotated without downtime.
+  The keys are never logged, never part of an error and not shown by ``repr``.
 - ``http.headers`` (e.g. ``Authorization``) are sent with every request; they may
   override ``Content-Type`` (except in the CloudEvents formats, whose media type is
   part of the binding) and ``User-Agent`` but never ``Idempotency-Key``, an
-  ``X-Outbox-*``/``ce-*`` header or the trace context. Their values are never logged.
+  ``X-Outbox-*``/``ce-*`` header, the trace context or (when signing) a
+  ``webhook-*`` header. Their values are never logged.
 
 Outcomes (the same four as every publisher's, see ``outbox_relay.core.decision``):
 
@@ -75,7 +84,10 @@ connections again, instead of burning attempts toward dead.
 
 from __future__ import annotations
 
+import base64
 import email.utils
+import hashlib
+import hmac
 import math
 import re
 import threading
@@ -89,6 +101,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx
 
+from ..config import webhook_secret_bytes
 from ..core.formats import CE_HTTP_PREFIX, HTTP_HEADER_PREFIX, TRACE_HEADERS, http_header_name, http_headers
 from ..core.ordering import RELEASED_AFTER_FAILURE, chains
 from ..errors import ConfigError
@@ -109,6 +122,12 @@ _RESERVED_HEADERS = frozenset({"idempotency-key", "content-length", "host", "tra
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _VALUE_RE = re.compile(r"^[\x20-\x7e\t]*$")  # visible ASCII, space and tab; no CR/LF
 _PENDING = object()
+# Standard Webhooks header names (lower case, as the specification spells them).
+WEBHOOK_ID_HEADER = "webhook-id"
+WEBHOOK_TIMESTAMP_HEADER = "webhook-timestamp"
+WEBHOOK_SIGNATURE_HEADER = "webhook-signature"
+WEBHOOK_SIGNATURE_VERSION = "v1"  # symmetric: HMAC-SHA256
+_WEBHOOK_HEADERS = frozenset({WEBHOOK_ID_HEADER, WEBHOOK_TIMESTAMP_HEADER, WEBHOOK_SIGNATURE_HEADER})
 
 
 def idempotency_key(message: Message) -> str:
@@ -163,6 +182,61 @@ def _check_header(name: str, value: str, what: str) -> str | None:
     return None
 
 
+class WebhookSigner:
+    """Signs requests the Standard Webhooks way with one or more HMAC-SHA256 keys.
+
+    Several keys = rotation: the receiver accepts a request if any signature in the
+    space-separated ``webhook-signature`` list verifies with a key it knows. The keys
+    stay inside this object: ``repr`` shows only how many there are."""
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, secrets: Sequence[str]) -> None:
+        if not secrets:
+            raise ConfigError("webhook signing needs at least one secret")
+        keys: list[bytes] = []
+        for position, secret in enumerate(secrets, start=1):
+            try:
+                keys.append(webhook_secret_bytes(secret))
+            except ValueError as exc:  # the message never quotes the secret
+                raise ConfigError(f"webhook signing secret #{position}: {exc}") from None
+        self._keys = tuple(keys)
+
+    def __repr__(self) -> str:
+        return f"WebhookSigner(<{len(self._keys)} secret(s)>)"
+
+    __str__ = __repr__
+
+    @property
+    def key_count(self) -> int:
+        return len(self._keys)
+
+    def headers(self, webhook_id: str, timestamp_seconds: int, body: bytes) -> dict[str, str]:
+        """The three ``webhook-*`` headers for one attempt at sending ``body``.
+
+        ``webhook_id`` must not contain ``.`` (the signed content is dot-delimited); the
+        relay passes the decimal outbox id."""
+        if "." in webhook_id:
+            raise ValueError("a webhook id must not contain '.'")
+        signed = f"{webhook_id}.{timestamp_seconds}.".encode("ascii") + body
+        signatures = " ".join(
+            f"{WEBHOOK_SIGNATURE_VERSION},"
+            + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode("ascii")
+            for key in self._keys
+        )
+        return {
+            WEBHOOK_ID_HEADER: webhook_id,
+            WEBHOOK_TIMESTAMP_HEADER: str(timestamp_seconds),
+            WEBHOOK_SIGNATURE_HEADER: signatures,
+        }
+
+
+def webhook_id(message: Message) -> str:
+    """The Standard Webhooks id of a row: its ``message_id`` (the decimal outbox id),
+    identical for every attempt, lease takeover, replica and replay of the row."""
+    return message.message_id
+
+
 class HttpPublisher(Publisher):
     """POSTs each message to a URL; see the module docstring for the exact contract."""
 
@@ -185,6 +259,7 @@ class HttpPublisher(Publisher):
         max_connections: int | None = None,
         user_agent: str = "outbox-relay",
         transport: httpx.BaseTransport | None = None,
+        signer: WebhookSigner | None = None,
     ) -> None:
         self.url_template = self._check_template(url_template)
         if timeout_seconds <= 0:
@@ -202,6 +277,7 @@ class HttpPublisher(Publisher):
             if not 100 <= status <= 599:
                 raise ConfigError(f"http status {status} in done_statuses/defer_statuses is not an HTTP status")
         self.defer_seconds = float(defer_seconds)
+        self.signer = signer
 
         base = {"Content-Type": "application/json", "User-Agent": user_agent, "Accept": "*/*"}
         for name, value in (headers or {}).items():
@@ -213,6 +289,7 @@ class HttpPublisher(Publisher):
                 lowered in _RESERVED_HEADERS
                 or lowered in TRACE_HEADERS
                 or lowered.startswith((HEADER_PREFIX.lower(), CE_HTTP_PREFIX))
+                or (signer is not None and lowered in _WEBHOOK_HEADERS)
             ):
                 raise ConfigError(f"http.headers may not set {name!r}: the publisher sets it per message")
             for existing in list(base):
@@ -260,6 +337,7 @@ class HttpPublisher(Publisher):
             headers=h.headers,
             max_connections=h.max_concurrency * settings.relay.workers,
             user_agent=agent,
+            signer=WebhookSigner([s.get_secret_value() for s in h.signing_secrets()]) if h.signs_requests else None,
         )
 
     # --- configuration checks --------------------------------------------------------
@@ -283,6 +361,14 @@ class HttpPublisher(Publisher):
         return template
 
     # --- message -> request ----------------------------------------------------------
+    def limit_keys(self, message: Message) -> Mapping[str, str]:
+        """``[[limits]]`` match a message by its topic or by the host its request goes to."""
+        try:
+            host = urlsplit(self.url_for(message)).hostname
+        except ValueError:
+            host = None
+        return {"topic": message.topic} if host is None else {"topic": message.topic, "host": host}
+
     def url_for(self, message: Message) -> str:
         values = {
             "aggregate_type": message.aggregate_type,
@@ -318,9 +404,13 @@ class HttpPublisher(Publisher):
             return exc
         parts = urlsplit(url)
         where = f"POST {parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # no credentials, no query
+        body = message.value.encode("utf-8")
+        if self.signer is not None:
+            # Signed over the exact bytes sent, with this attempt's time (receivers refuse stale timestamps).
+            headers.update(self.signer.headers(webhook_id(message), int(time.time()), body))
         try:
             request = self._client.build_request(
-                "POST", url, content=message.value.encode("utf-8"), headers=headers, timeout=httpx.Timeout(timeout)
+                "POST", url, content=body, headers=headers, timeout=httpx.Timeout(timeout)
             )
             response = self._client.send(request, stream=True)
         except httpx.TimeoutException as exc:
@@ -370,7 +460,7 @@ class HttpPublisher(Publisher):
         if 200 <= status < 300:
             return None
         if status in RETRYABLE_4XX or 500 <= status < 600:
-            return RetryableError(detail(), retry_after_seconds=retry_after)
+            return RetryableError(detail(), retry_after_seconds=retry_after, throttled=status == 429)
         if 300 <= status < 400:
             location = response.headers.get("Location")
             return PermanentError(

@@ -66,6 +66,13 @@ def test_configuration_reference_lists_every_setting_with_its_variable() -> None
             for name in SourceSettings.model_fields:
                 assert f"| `sources.<name>.{name}` | `OUTBOX_RELAY_SOURCES__<NAME>__{name.upper()}` |" in page
             continue
+        if section_name == "limits":  # list[RateLimitSettings]: [[limits]], set as a whole (OUTBOX_RELAY_LIMITS)
+            from outbox_relay.config import RateLimitSettings
+
+            assert "OUTBOX_RELAY_LIMITS=" in page
+            for name in RateLimitSettings.model_fields:
+                assert f"| `limits[].{name}` |" in page
+            continue
         assert isinstance(model, type)
         for name in model.model_fields:
             env = f"OUTBOX_RELAY_{section_name.upper()}__{name.upper()}"
@@ -146,10 +153,13 @@ def test_config_example_loads_to_the_defaults(tmp_path: Path, monkeypatch: pytes
     assert settings.relay.batch_size == 1000 and settings.metrics.port == 9464
 
 
-def test_readme_links_work_on_the_package_index() -> None:
-    """README.md is also the package's index page (pyproject `readme`), where a relative
-    link or image has nothing to point at: every target is absolute or an anchor."""
+def test_readme_links_point_at_files_that_exist() -> None:
+    """README.md links the manual's pages by their path in the repository (readable on
+    any Git host and in a clone): every relative target must be a file or folder that
+    exists, every other target absolute or an anchor."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     targets = re.findall(r"\]\(([^)\s]+)", text) + re.findall(r"""<img[^>]+src=["']([^"']+)""", text)
-    relative = [t for t in targets if not t.startswith(("https://", "http://", "#"))]
-    assert relative == [], f"relative links in README.md: {relative}"
+    relative = [t.split("#", 1)[0] for t in targets if not t.startswith(("https://", "http://", "#"))]
+    assert relative, "README.md links no page of the manual"
+    missing = [t for t in relative if not (ROOT / t).exists()]
+    assert missing == [], f"README.md links files that do not exist: {missing}"
