@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from ..config import Settings
 from ..core.service import PeriodicService
 from ..db.store import OutboxStore
 from ..errors import DatabaseError
@@ -29,7 +30,7 @@ log = structlog.get_logger("outbox_relay.heartbeat")
 
 
 @dataclass(eq=False)
-class InFlight:
+class LeasedBatch:
     rows: Sequence[Claimed]
     owner: str
     extended_at: float = field(default_factory=time.monotonic)
@@ -58,21 +59,32 @@ class LeaseKeeper(PeriodicService):
         self._lease = lease_seconds
         self._after = lease_seconds * extend_after_fraction
         self._lock = threading.Lock()
-        self._batches: set[InFlight] = set()
+        self._batches: set[LeasedBatch] = set()
 
-    def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> InFlight:
-        batch = InFlight(rows=rows, owner=owner)
+    @classmethod
+    def from_settings(cls, store: OutboxStore, settings: Settings) -> LeaseKeeper:
+        """The keeper of one source's leases, as its ``relay.*`` settings configure it."""
+        r = settings.relay
+        return cls(
+            store,
+            lease_seconds=r.lease_seconds,
+            extend_after_fraction=r.heartbeat_after_fraction,
+            strict=r.strict_lease,
+        )
+
+    def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> LeasedBatch:
+        batch = LeasedBatch(rows=rows, owner=owner)
         if max_seconds is not None:
             batch.extend_until = time.monotonic() + max_seconds
         with self._lock:
             self._batches.add(batch)
         return batch
 
-    def untrack(self, batch: InFlight) -> None:
+    def untrack(self, batch: LeasedBatch) -> None:
         with self._lock:
             self._batches.discard(batch)
 
-    def _due(self, batch: InFlight, now: float) -> bool:
+    def _due(self, batch: LeasedBatch, now: float) -> bool:
         return now - batch.extended_at >= self._after and not batch.cancel.is_set() and now < batch.extend_until
 
     def has_due(self, now: float | None = None) -> bool:

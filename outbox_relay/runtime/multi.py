@@ -42,21 +42,18 @@ from prometheus_client.metrics import MetricWrapperBase
 from psycopg import sql
 
 from ..config import Settings
-from ..core.breaker import CircuitBreaker
-from ..core.budget import InFlightBudget
 from ..core.service import PeriodicService
 from ..db.store import STATUSES, OutboxStore
-from ..errors import BrokerUnavailable, ConfigError, DatabaseError, DatabaseRefused, DatabaseUnavailable
-from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
+from ..errors import BrokerUnavailable, DatabaseError, DatabaseRefused, DatabaseUnavailable
+from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
-from ..observability.tracing_factory import make_tracing
-from ..publishers.base import Publisher, load_publisher, not_ready_because
+from ..publishers.base import Publisher
 from .heartbeat import LeaseKeeper
-from .relay import make_store, tune_garbage_collector
+from .relay import make_store
 from .scheduler import SourceScheduler, SourceState
+from .shell import RelayShell, tune_garbage_collector
 from .sources import discovered_source, list_databases, settings_for, static_sources
-from .submitter import Submitter
-from .worker import Worker, WorkerConfig, _Batch, _Submitted
+from .worker import ClaimedBatch, Worker, WorkerConfig
 
 log = structlog.get_logger("outbox_relay.sources")
 
@@ -132,21 +129,11 @@ class SourceRuntime:
                     keeper=self.keeper,
                     budget=relay.budget,
                     tracing=relay.tracing,
+                    source=self.name,
                 )
-                worker.log = worker.log.bind(source=self.name)
                 self.workers[index] = worker
                 relay.keep_long_lived()
             return worker
-
-
-@dataclass
-class _InFlight:
-    """A batch of one source between its claim and its finalize."""
-
-    runtime: SourceRuntime
-    worker: Worker
-    batch: _Batch | _Submitted
-    short: bool  # fewer rows than a batch: the source had no more due rows
 
 
 class SourcesMetrics(RelayMetrics):
@@ -238,38 +225,22 @@ class _Collected:
         self.collect = collect
 
 
-class MultiRelay:
-    """Serves every configured and discovered source from one process."""
+class MultiRelay(RelayShell):
+    """The process shell serving every configured and discovered source."""
+
+    metrics: SourcesMetrics
 
     def __init__(
         self, settings: Settings, *, publisher: Publisher | None = None, tracing: Tracing | None = None
     ) -> None:
-        self.settings = settings
-        self.metrics = SourcesMetrics()
-        self._given_publisher = publisher
-        self.publisher: Publisher = publisher  # type: ignore[assignment]  # set in start()
-        self._given_tracing = tracing
-        self.tracing: Tracing = tracing or Tracing()
+        super().__init__(settings, SourcesMetrics(), publisher=publisher, tracing=tracing)
         self.scheduler = SourceScheduler(probe_max_seconds=settings.relay.poll_interval_seconds)
         self.runtimes: dict[str, SourceRuntime] = {}
         self._runtimes_lock = threading.Lock()
-        self.stop_event = threading.Event()
-        self._stopped = threading.Event()
-        self._stop_lock = threading.Lock()
-        self.breaker: CircuitBreaker | None = None
-        self.budget = InFlightBudget(settings.relay.max_in_flight_bytes, self.metrics.in_flight_bytes)
-        self._threads: list[threading.Thread] = []
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="source-probe")
-        # Pipelining publishers: one thread builds and submits every worker's batches,
-        # whatever their source, so workers go straight on to their next statement.
-        self._submitter: Submitter | None = None
-        self._server: MetricsServer | None = None
-        self._started = False
-        self._waiting_for: str | None = None
         self._gauges: _GaugeRefresher | None = None
         self._leases: _LeaseRounds | None = None
         self._discovery: _Discovery | None = None
-        self._signals = 0
         #: run_forever froze what start() made (tune_garbage_collector): what each
         #: source makes later is frozen in turn (keep_long_lived).
         self._gc_frozen = False
@@ -347,25 +318,9 @@ class MultiRelay:
         if mismatch is not None:
             return mismatch[0]
         runtime.cfg = WorkerConfig.from_settings(s, self.publisher)
-        runtime.keeper = LeaseKeeper(
-            runtime.store,
-            lease_seconds=s.relay.lease_seconds,
-            extend_after_fraction=s.relay.heartbeat_after_fraction,
-            strict=s.relay.strict_lease,
-        )
         # Not started: the process's one lease thread (_LeaseRounds) runs its steps.
-        m = self.settings.metrics
-        runtime.refresher = StatsRefresher(
-            runtime.store,
-            runtime.metrics,
-            interval_seconds=m.refresh_interval_seconds,
-            timeout_ms=m.query_timeout_ms,
-            ordered_types=list(s.relay.ordered_event_types),
-            count_cap=m.exact_count_limit,
-            exact_count_interval_seconds=m.exact_count_interval_seconds,
-            exact_count_timeout_ms=m.exact_count_timeout_ms,
-            xmin_horizon_warn_seconds=m.xmin_horizon_warn_seconds,
-        )
+        runtime.keeper = LeaseKeeper.from_settings(runtime.store, s)
+        runtime.refresher = StatsRefresher.from_settings(runtime.store, runtime.metrics, s)
         runtime.opened = True
         self.keep_long_lived()
         log.info("source ready", source=runtime.name, table=s.database.table)
@@ -462,36 +417,9 @@ class MultiRelay:
             self.stop_event.wait(min(0.05 + self.scheduler.next_probe_in(), 0.25))
 
     # --- start -----------------------------------------------------------------------
-    def start(self) -> None:
+    def _serve(self) -> None:
         s = self.settings
-        if self._given_publisher is None:
-            self.publisher = load_publisher(s)
-        if self._given_tracing is None:
-            self.tracing = make_tracing(s, self.publisher)
-        try:
-            self.publisher.start()
-        except Exception as exc:
-            self.tracing.close()
-            raise ConfigError(f"cannot create the publisher: {exc}") from None
-        self.publisher.observer = self.metrics
-        self._waiting_for = "starting"
-        if s.metrics.enabled:
-            try:
-                self._server = MetricsServer(
-                    self.metrics, host=s.metrics.host, port=s.metrics.port, healthy=self.health, ready=self.readiness
-                )
-            except OSError as exc:
-                self.publisher.close()
-                raise ConfigError(
-                    f"metrics.port {s.metrics.port}: cannot listen on "
-                    f"{s.metrics.host}:{s.metrics.port}: {exc.strerror or exc}"
-                ) from None
-            self._server.start()
-        if self.publisher.can_probe:
-            publisher = self.publisher
-            self.breaker = CircuitBreaker(
-                lambda: publisher.probe(timeout_seconds=2.0), self.metrics.circuit_breaker_open
-            )
+        self._start_breaker()
         for name, source_settings in static_sources(s).items():
             self.add_source(name, source_settings)
         self._start_threads()
@@ -500,6 +428,11 @@ class MultiRelay:
             self._discovery.start()
         self._started = True
         self._waiting_for = None
+
+    def _after_start(self) -> None:
+        s = self.settings
+        if not self._started:
+            return
         if s.relay.startup_timeout_seconds > 0:
             self._await_first_ready(s.relay.startup_timeout_seconds)
         log.info(
@@ -559,8 +492,7 @@ class MultiRelay:
             self._gauges.start()
         self._leases = _LeaseRounds(self)
         self._leases.start()
-        if self.publisher.pipelines:
-            self._submitter = Submitter()
+        self._start_submitter()
         for thread in self._threads:
             thread.start()
         self.metrics.worker_threads_alive.set(s.relay.workers)
@@ -574,17 +506,13 @@ class MultiRelay:
             if threading.current_thread().name.startswith("worker-"):
                 self.metrics.worker_threads_alive.dec()
 
-    @property
-    def metrics_port(self) -> int | None:
-        return self._server.port if self._server else None
-
     # --- the shared worker loop ------------------------------------------------------
     def _worker_loop(self, index: int) -> None:
         """Take the next due source, claim one batch of it, hand it to the submitter;
         finish the previous batch (of whichever source) while this one is being built,
         produced and acknowledged: the same pipeline as a single-source worker (the
         claim of batch N+1 overlaps the publish and finalize of batch N)."""
-        in_flight: _InFlight | None = None
+        in_flight: tuple[Worker, ClaimedBatch] | None = None
         max_batch_bytes = self.settings.relay.max_batch_bytes
         while not self.stop_event.is_set():
             if self.breaker is not None and self.breaker.is_open:
@@ -616,7 +544,8 @@ class MultiRelay:
             del runtime
             if started is None:
                 continue
-            if started.short or not self.publisher.pipelines:
+            worker, batch = started
+            if len(batch.rows) < worker.cfg.batch_size or not self.publisher.pipelines:
                 # A short batch (a quiet source's few rows) is finished at once, before
                 # the previous batch: its latency is its own acknowledgements and a small
                 # finalize, never another source's 1000-row finalize or next claim.
@@ -626,7 +555,7 @@ class MultiRelay:
             else:
                 self._finish(in_flight)
                 in_flight = started
-            del started
+            del started, worker, batch
         self._finish(in_flight)
 
     def _fresh_lane(self) -> None:
@@ -669,10 +598,10 @@ class MultiRelay:
 
     def _claim_and_start(
         self, runtime: SourceRuntime, worker: Worker, epoch: int, reserved_bytes: int
-    ) -> _InFlight | None:
-        """Claim one batch of the source and hand it to the submitter (built and
-        submitted on the worker itself without one). None when nothing was claimed
-        (the source is then marked idle or failing by the scheduler).
+    ) -> tuple[Worker, ClaimedBatch] | None:
+        """Claim one batch of the source and start it: on the submitter if the batch is
+        full, on the worker itself if it is short (or without a submitter). None when
+        nothing was claimed (the source is then marked idle or failing by the scheduler).
 
         A short batch (a quiet source's few rows) is built here, not queued behind the
         busy sources' 1000-message batches on the submitter: the worker waits for it
@@ -683,9 +612,8 @@ class MultiRelay:
         batch_size = runtime.cfg.batch_size
         with structlog.contextvars.bound_contextvars(source=name):
             try:
-                rows, trace = worker._claim()
+                batch = worker.claim_batch(reserved_bytes)
             except DatabaseError as exc:
-                self.budget.resize(reserved_bytes, 0)
                 problem = runtime.store.redact(str(exc))
                 delay = self.scheduler.failed(name, problem)
                 self._set_up(name, False)
@@ -694,37 +622,30 @@ class MultiRelay:
                 )
                 self.scheduler.done(name)
                 return None
-            held = sum(r.size_bytes for r in rows)
-            self.budget.resize(reserved_bytes, held)
-            self.scheduler.claimed(name, epoch, rows=len(rows), batch_size=batch_size)
-            if not rows:
+            claimed = 0 if batch is None else len(batch.rows)
+            self.scheduler.claimed(name, epoch, rows=claimed, batch_size=batch_size)
+            if batch is None:
                 self.scheduler.done(name)
                 return None
-            short = len(rows) < batch_size
-            batch: _Batch | _Submitted
-            if self._submitter is not None and not short:
-                batch = _Submitted(self._submitter.submit(partial(worker._start, rows, trace)))
-            else:
-                try:
-                    batch = worker._start(rows, trace)
-                except BaseException:
-                    self.budget.release(held)
-                    self.scheduler.done(name)
-                    raise
-            batch.held_bytes = held
-        return _InFlight(runtime, worker, batch, short=short)
+            try:
+                worker.start_batch(batch, self._submitter if claimed >= batch_size else None)
+            except BaseException:
+                self.scheduler.done(name)
+                raise
+        return worker, batch
 
-    def _finish(self, in_flight: _InFlight | None) -> None:
+    def _finish(self, in_flight: tuple[Worker, ClaimedBatch] | None) -> None:
         if in_flight is None:
             return
-        runtime, worker = in_flight.runtime, in_flight.worker
-        with structlog.contextvars.bound_contextvars(source=runtime.name):
+        worker, batch = in_flight
+        name = worker.source or ""
+        with structlog.contextvars.bound_contextvars(source=name):
             try:
-                worker._complete(in_flight.batch)
+                worker.finish_batch(batch)
             except Exception as exc:  # rows whose finalize failed are recovered by their lease
-                worker.log.warning("batch not finalized; its leases expire", error=runtime.store.redact(str(exc)))
+                worker.log.warning("batch not finalized; its leases expire", error=worker.store.redact(str(exc)))
             finally:
-                self.scheduler.done(runtime.name)
+                self.scheduler.done(name)
 
     # --- health ----------------------------------------------------------------------
     def source_readiness(self) -> dict[str, str | None]:
@@ -743,25 +664,11 @@ class MultiRelay:
                 out[state.name] = None
         return out
 
-    def health(self) -> tuple[bool, str]:
-        if not self._started:
-            return True, f"ok: starting ({self._waiting_for or 'starting'})"
-        problem = self.publisher.check_alive()
-        if problem is not None:
-            return False, f"unhealthy: {problem}"
-        workers = [t for t in self._threads if t.name.startswith("worker-")]
-        alive = sum(1 for t in workers if t.is_alive())
-        if alive == len(workers) and alive > 0:
-            return True, f"ok: {alive} workers alive, {len(self.runtimes)} sources"
-        return False, f"unhealthy: {alive}/{len(workers)} workers alive"
+    # --- the shell's hooks ----------------------------------------------------------
+    def _health_detail(self) -> str:
+        return f", {len(self.runtimes)} sources"
 
-    def readiness(self) -> tuple[bool, str]:
-        if not self._started:
-            return False, f"not ready: {self._waiting_for or 'starting'}"
-        if self.breaker is not None and self.breaker.is_open:
-            return False, not_ready_because("broker circuit breaker open", self.publisher.trouble())
-        if not self.publisher.healthy():
-            return False, not_ready_because("broker unreachable", self.publisher.trouble())
+    def _source_readiness(self) -> tuple[bool, str]:
         sources = self.source_readiness()
         unready = {name: why for name, why in sources.items() if why is not None}
         ready_count = len(sources) - len(unready)
@@ -774,67 +681,23 @@ class MultiRelay:
             text += f"; not ready: {detail}{more}"
         return True, text
 
-    # --- stop ------------------------------------------------------------------------
-    def stop(self, timeout_seconds: float | None = None) -> None:
-        with self._stop_lock:
-            if self._stopped.is_set():
-                return
-            timeout = self.settings.relay.shutdown_timeout_seconds if timeout_seconds is None else timeout_seconds
-            log.info("stopping: no new claims; waiting for in-flight batches", timeout_seconds=timeout)
-            self.stop_event.set()
-            self.scheduler.close()
-            if self._discovery is not None:
-                self._discovery.stop()
-            deadline = time.monotonic() + timeout
-            for thread in self._threads:
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            if any(t.is_alive() for t in self._threads) and self.publisher is not None:
-                log.warning("shutdown deadline reached: releasing unacknowledged rows")
-                self.publisher.abort()
-                for thread in self._threads:
-                    thread.join(timeout=10)
-            if self._submitter is not None:
-                self._submitter.close()
-            self._probe_pool.shutdown(wait=False, cancel_futures=True)
-            if self._gauges is not None:
-                self._gauges.stop()
-            if self._leases is not None:
-                self._leases.stop()
-            if self.publisher is not None:
-                self.publisher.close()
-            self.tracing.close()
-            if self._server is not None:
-                self._server.stop()
-            with self._runtimes_lock:
-                runtimes = list(self.runtimes.values())
-            for runtime in runtimes:
-                self._close_runtime(runtime)
-            self._stopped.set()
-            log.info("relay stopped")
+    def _wake_workers(self) -> None:
+        self.scheduler.close()
+        if self._discovery is not None:
+            self._discovery.stop()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._stopped.wait(timeout)
+    def _stop_services(self) -> None:
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        if self._gauges is not None:
+            self._gauges.stop()
+        if self._leases is not None:
+            self._leases.stop()
 
-    def install_signal_handlers(self) -> None:
-        import os
-        import signal
-
-        def handler(signum: int, _frame: Any) -> None:
-            self._signals += 1
-            if self._signals > 1:
-                os._exit(128 + signum)
-            log.info("signal received: graceful shutdown", signal=signal.Signals(signum).name)
-            threading.Thread(target=self.stop, name="shutdown", daemon=True).start()
-
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
-
-    def run_forever(self) -> None:
-        self.install_signal_handlers()
-        self.start()
-        self.freeze_long_lived()
-        while not self._stopped.wait(0.5):
-            pass
+    def _close_sources(self) -> None:
+        with self._runtimes_lock:
+            runtimes = list(self.runtimes.values())
+        for runtime in runtimes:
+            self._close_runtime(runtime)
 
 
 #: The share of the gauge refresher's time spent querying: after each source's
