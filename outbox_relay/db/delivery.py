@@ -291,6 +291,13 @@ class DeliveryOps(StoreCore):
     def mark_dead(self, items: Sequence[tuple[int, int, str]], *, strict: bool = False) -> set[int]:
         return self.finalize([FinalizeItem(i, v, "dead", 0.0, e) for i, v, e in items], strict=strict)
 
+    def has_due_rows(self) -> bool:
+        """Is a row claimable now (a due pending row or an expired lease)? One statement,
+        two index probes (bounded by database.statement_timeout_ms)."""
+        with self.connection() as conn:
+            row = conn.execute(self.sql.query("has_due_rows")).fetchone()
+        return bool(row and row[0])
+
     def extend_lease(
         self, claims: Sequence[tuple[int, int]], lease_seconds: float, *, strict: bool = False
     ) -> set[int]:

@@ -2,8 +2,8 @@
 
 ``MultiRelay`` serves the sources of ``[sources.<name>]`` and ``[discovery]``
 (``sources.py``). Each source has its own small connection pool, lease keeper and
-gauges (``SourceRuntime``), run by threads the sources share (one for every source's
-lease extensions, one for their gauges, eight for probes); the worker threads are
+gauges (``SourceRuntime``), run by threads the sources share (source_services.py: one for
+every source's lease extensions, one for their gauges, eight for probes); the worker threads are
 shared and pick sources through the ``SourceScheduler`` (round-robin over sources with
 due rows, probes with back-off for idle and failing ones: scheduler.py states the
 fairness bound). The workers pipeline
@@ -25,204 +25,28 @@ not ready on its own: it backs off and the process keeps serving the others.
 from __future__ import annotations
 
 import gc
-import math
 import threading
 import time
-from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
-import psycopg
 import structlog
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.core import Metric
-from prometheus_client.metrics import MetricWrapperBase
-from psycopg import sql
 
 from ..config import Settings
-from ..core.service import PeriodicService
-from ..db.store import STATUSES, OutboxStore
 from ..errors import BrokerUnavailable, DatabaseError, DatabaseRefused, DatabaseUnavailable
 from ..observability.metrics import RelayMetrics, StatsRefresher
+from ..observability.sources_metrics import SourcesMetrics
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
 from .heartbeat import LeaseKeeper
 from .relay import make_store
 from .scheduler import SourceScheduler, SourceState
 from .shell import RelayShell, tune_garbage_collector
-from .sources import discovered_source, list_databases, settings_for, static_sources
+from .source_services import Discovery, GaugeRounds, LeaseRounds, SourceRuntime
+from .sources import static_sources
 from .worker import ClaimedBatch, Worker, WorkerConfig
 
 log = structlog.get_logger("outbox_relay.sources")
-
-# Metric families that describe one outbox: exposed once per source, labelled source=NAME.
-PER_SOURCE_FAMILIES = frozenset(
-    {
-        "outbox_relay_oldest_pending_age_seconds",
-        "outbox_relay_expired_leases",
-        "outbox_relay_queue_depth",
-        "outbox_relay_attempts",
-        "outbox_relay_blocked_aggregates",
-        "outbox_relay_lost_leases",
-        "outbox_relay_published",
-        "outbox_relay_reaped",
-        "outbox_relay_released",
-        "outbox_relay_stats_refresh_errors",
-        "outbox_relay_claim_batch_size",
-        "outbox_relay_publish_latency_seconds",
-        # MVCC pressure of each source's table (what holds its vacuum back, how vacuum keeps up)
-        "outbox_relay_xmin_horizon_age_seconds",
-        "outbox_relay_dead_tuples",
-        "outbox_relay_table_size_bytes",
-        "outbox_relay_last_vacuum_age_seconds",
-    }
-)
-
-
-def has_due_rows(store: OutboxStore) -> bool:
-    """Is a row claimable now (a due pending row or an expired lease)? One statement, two
-    index probes: the front of the pending index and the front of the processing index
-    (bounded by the connection's statement_timeout, database.statement_timeout_ms)."""
-    query = sql.SQL(
-        "SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND available_at <= now()) "
-        "OR EXISTS (SELECT 1 FROM {t} WHERE status = 'processing' AND lease_until < now())"
-    ).format(t=store.sql.ident)
-    with store.connection() as conn:
-        row = conn.execute(query).fetchone()
-    return bool(row and row[0])
-
-
-@dataclass
-class SourceRuntime:
-    """One source: its settings, connection pool, lease keeper, gauges and workers."""
-
-    name: str
-    settings: Settings
-    store: OutboxStore
-    metrics: RelayMetrics
-    discovered: bool = False
-    cfg: WorkerConfig | None = None
-    keeper: LeaseKeeper | None = None
-    refresher: StatsRefresher | None = None
-    opened: bool = False
-    workers: dict[int, Worker] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Held by the probe and the gauge refresh: an idle source's two readers take turns
-    #: on the pool's one connection instead of opening a second one.
-    reading: threading.Lock = field(default_factory=threading.Lock)
-
-    def worker(self, index: int, relay: MultiRelay) -> Worker:
-        with self.lock:
-            worker = self.workers.get(index)
-            if worker is None:
-                assert self.cfg is not None
-                worker = Worker(
-                    index,
-                    self.store,
-                    relay.publisher,
-                    self.cfg,
-                    self.metrics,
-                    breaker=relay.breaker,
-                    stop_event=relay.stop_event,
-                    keeper=self.keeper,
-                    budget=relay.budget,
-                    tracing=relay.tracing,
-                    source=self.name,
-                )
-                self.workers[index] = worker
-                relay.keep_long_lived()
-            return worker
-
-
-class SourcesMetrics(RelayMetrics):
-    """The process's metrics; per-outbox families come from each source's own registry,
-    with a ``source`` label, so every source's series are counted apart."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sources: dict[str, RelayMetrics] = {}
-        #: Per source, the collectors of its per-outbox families (with the family's name).
-        self._collectors: dict[str, list[tuple[str, MetricWrapperBase]]] = {}
-        self._sources_lock = threading.Lock()
-        self.source_up = Gauge(
-            "outbox_relay_source_up",
-            "1 while the source's database answers and its table is usable.",
-            ["source"],
-            registry=self.registry,
-        )
-        self.sources_due = Gauge(
-            "outbox_relay_sources_due", "Sources with claimable rows waiting for a worker.", registry=self.registry
-        )
-
-    def add_source(self, name: str, metrics: RelayMetrics) -> None:
-        # Only the per-outbox families are read from a source's registry: the rest of
-        # it (process-wide families, registered by every RelayMetrics) is never shown,
-        # and collecting it for every source made a scrape of 50 sources cost ~80 ms.
-        collectors = [
-            (family.name, collector)
-            for collector in vars(metrics).values()
-            if isinstance(collector, MetricWrapperBase)
-            for family in collector.describe()
-            if family.name in PER_SOURCE_FAMILIES
-        ]
-        with self._sources_lock:
-            self.sources[name] = metrics
-            self._collectors[name] = collectors
-        self.source_up.labels(source=name).set(0)
-
-    def remove_source(self, name: str) -> None:
-        with self._sources_lock:
-            self.sources.pop(name, None)
-            self._collectors.pop(name, None)
-        try:
-            self.source_up.remove(name)
-        except KeyError:
-            pass
-
-    def collect_all(self, names: Collection[str] | None = None) -> list[Metric]:
-        """The process's families and every source's per-outbox ones (labelled
-        source=NAME); with ``names`` only the samples of those names."""
-        families: dict[str, Metric] = {}
-        out: list[Metric] = []
-        own = self.registry if names is None else self.registry.restricted_registry(names)
-        for family in own.collect():
-            if family.name not in PER_SOURCE_FAMILIES:
-                out.append(family)
-        wanted = None if names is None else set(names)
-        with self._sources_lock:
-            sources = sorted(self._collectors.items())
-        for name, collectors in sources:
-            for family_name, collector in collectors:
-                if wanted is not None and not any(n.startswith(family_name) for n in wanted):
-                    continue
-                for family in collector.collect():
-                    merged = families.get(family.name)
-                    if merged is None:
-                        merged = families[family.name] = Metric(family.name, family.documentation, family.type)
-                        merged.unit = family.unit
-                    for sample in family.samples:
-                        if wanted is None or sample.name in wanted:
-                            merged.add_sample(
-                                sample.name,
-                                dict(sample.labels, source=name),
-                                sample.value,
-                                sample.timestamp,
-                                sample.exemplar,
-                            )
-        out.extend(family for family in families.values() if family.samples or wanted is None)
-        return out
-
-    def render(self, names: Collection[str] | None = None) -> bytes:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collected(partial(self.collect_all, names)))
-        return generate_latest(registry)
-
-
-class _Collected:
-    def __init__(self, collect: Any) -> None:
-        self.collect = collect
 
 
 class MultiRelay(RelayShell):
@@ -238,9 +62,9 @@ class MultiRelay(RelayShell):
         self.runtimes: dict[str, SourceRuntime] = {}
         self._runtimes_lock = threading.Lock()
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="source-probe")
-        self._gauges: _GaugeRefresher | None = None
-        self._leases: _LeaseRounds | None = None
-        self._discovery: _Discovery | None = None
+        self._gauges: GaugeRounds | None = None
+        self._leases: LeaseRounds | None = None
+        self._discovery: Discovery | None = None
         #: run_forever froze what start() made (tune_garbage_collector): what each
         #: source makes later is frozen in turn (keep_long_lived).
         self._gc_frozen = False
@@ -287,6 +111,33 @@ class MultiRelay(RelayShell):
         self._recollect()
         self._schedule_recollect()
         log.info("source removed", source=name)
+
+    def _runtimes_now(self) -> list[SourceRuntime]:
+        with self._runtimes_lock:
+            return list(self.runtimes.values())
+
+    def _worker_for(self, runtime: SourceRuntime, index: int) -> Worker:
+        """The worker ``index`` of the pool for this source (made on first use)."""
+        with runtime.lock:
+            worker = runtime.workers.get(index)
+            if worker is None:
+                assert runtime.cfg is not None
+                worker = Worker(
+                    index,
+                    runtime.store,
+                    self.publisher,
+                    runtime.cfg,
+                    runtime.metrics,
+                    breaker=self.breaker,
+                    stop_event=self.stop_event,
+                    keeper=runtime.keeper,
+                    budget=self.budget,
+                    tracing=self.tracing,
+                    source=runtime.name,
+                )
+                runtime.workers[index] = worker
+                self.keep_long_lived()
+            return worker
 
     def _set_up(self, name: str, up: bool) -> None:
         """outbox_relay_source_up of a source still served (a late probe of a removed
@@ -384,7 +235,7 @@ class MultiRelay(RelayShell):
                         self._probe_failed(name, runtime, problem, state)
                         return
                 with runtime.reading:
-                    has_work = has_due_rows(runtime.store)
+                    has_work = runtime.store.has_due_rows()
             except DatabaseError as exc:
                 self._probe_failed(name, runtime, str(exc), state)
                 return
@@ -424,7 +275,11 @@ class MultiRelay(RelayShell):
             self.add_source(name, source_settings)
         self._start_threads()
         if s.discovery.enabled:
-            self._discovery = _Discovery(self)
+            self._discovery = Discovery(
+                s,
+                add=lambda name, settings: self.add_source(name, settings, discovered=True),
+                remove=self.remove_source,
+            )
             self._discovery.start()
         self._started = True
         self._waiting_for = None
@@ -488,9 +343,14 @@ class MultiRelay(RelayShell):
             thread = threading.Thread(target=self._guard, args=(target, *args), name=name, daemon=True)
             self._threads.append(thread)
         if s.metrics.enabled:
-            self._gauges = _GaugeRefresher(self, s.metrics.refresh_interval_seconds)
+            self._gauges = GaugeRounds(
+                s.metrics.refresh_interval_seconds,
+                runtimes=self._runtimes_now,
+                scheduler=self.scheduler,
+                stopping=self.stop_event,
+            )
             self._gauges.start()
-        self._leases = _LeaseRounds(self)
+        self._leases = LeaseRounds(s, runtimes=self._runtimes_now, pool=self._probe_pool)
         self._leases.start()
         self._start_submitter()
         for thread in self._threads:
@@ -538,7 +398,7 @@ class MultiRelay(RelayShell):
                     if not self.budget.reserve(max_batch_bytes, self.stop_event):
                         self.scheduler.done(name)
                         break
-            started = self._claim_and_start(runtime, runtime.worker(index, self), epoch, max_batch_bytes)
+            started = self._claim_and_start(runtime, self._worker_for(runtime, index), epoch, max_batch_bytes)
             # Between batches a worker holds nothing of a source but its batch in flight:
             # a source let go must not stay alive in the locals of a worker waiting for work.
             del runtime
@@ -581,7 +441,7 @@ class MultiRelay(RelayShell):
             if not self.budget.try_reserve(max_batch_bytes):
                 self.scheduler.done(name)  # the budget is full: the pool serves it when it can
                 continue
-            started = self._claim_and_start(runtime, runtime.worker(index, self), epoch, max_batch_bytes)
+            started = self._claim_and_start(runtime, self._worker_for(runtime, index), epoch, max_batch_bytes)
             del runtime
             self._finish(started)
             del started
@@ -694,176 +554,5 @@ class MultiRelay(RelayShell):
             self._leases.stop()
 
     def _close_sources(self) -> None:
-        with self._runtimes_lock:
-            runtimes = list(self.runtimes.values())
-        for runtime in runtimes:
+        for runtime in self._runtimes_now():
             self._close_runtime(runtime)
-
-
-#: The share of the gauge refresher's time spent querying: after each source's
-#: gauges it rests nine times as long as their queries took. A single-source relay
-#: reads one table's gauges per interval; a process with many busy sources would
-#: otherwise read theirs back to back, a statement always running on some source's
-#: database, taken from the claims and finalizes of the very backlogs it reports on.
-#: Fast gauge queries (an unloaded database) keep every source at
-#: metrics.refresh_interval_seconds; slow ones spread the rounds out instead.
-GAUGE_QUERY_SHARE = 0.1
-
-
-class _GaugeRefresher(PeriodicService):
-    """One thread refreshes every ready source's gauges in turn, a round every
-    ``interval_seconds`` (longer when the queries are slow: ``GAUGE_QUERY_SHARE``);
-    a source that is not ready shows NaN rather than a stale value (and is not queried)."""
-
-    thread_name = "metrics-refresh"
-
-    def __init__(self, relay: MultiRelay, interval_seconds: float) -> None:
-        super().__init__(interval_seconds, run_first=True)
-        self._relay = relay
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            started = time.monotonic()
-            self._safe_step()
-            self._stop.wait(max(0.0, self._interval - (time.monotonic() - started)))
-
-    def step(self) -> None:
-        relay = self._relay
-        with relay._runtimes_lock:
-            runtimes = list(relay.runtimes.values())
-        for runtime in runtimes:
-            if relay.stop_event.is_set():
-                return
-            spent = self._refresh(runtime)
-            if spent > 0 and self._stop.wait(spent * (1 - GAUGE_QUERY_SHARE) / GAUGE_QUERY_SHARE):
-                return
-
-    def _refresh(self, runtime: SourceRuntime) -> float:
-        """Refresh one source's gauges; the seconds its queries took (0: none ran)."""
-        state = self._relay.scheduler.state(runtime.name)
-        if runtime.refresher is not None and runtime.opened and state is not None and state.ready:
-            if not runtime.reading.acquire(blocking=False):
-                return 0.0  # its probe is running: this source's gauges wait for the next round
-            started = time.monotonic()
-            try:
-                with structlog.contextvars.bound_contextvars(source=runtime.name):
-                    runtime.refresher.refresh_once()
-            finally:
-                runtime.reading.release()
-            return time.monotonic() - started
-        m = runtime.metrics
-        for gauge in (
-            m.oldest_pending_age_seconds,
-            m.expired_leases,
-            m.xmin_horizon_age_seconds,
-            m.dead_tuples,
-            m.last_vacuum_age_seconds,
-        ):
-            gauge.set(math.nan)
-        for status in STATUSES:
-            m.queue_depth.labels(status=status).set(math.nan)
-        for part in ("heap", "indexes"):
-            m.table_size_bytes.labels(part=part).set(math.nan)
-        return 0.0
-
-
-class _LeaseRounds(PeriodicService):
-    """One thread for every source's lease keeper. A keeper of its own per source was
-    a thread per source waking every second (200 sources: 200 wake-ups a second, each
-    taking the GIL from the workers, whether or not a batch was in flight). Each round
-    asks every source's keeper whether a batch of it needs its lease extended
-    (``LeaseKeeper.has_due``: a lock and a look at its few batches) and hands those that
-    do to the probe threads, one step per source at a time: a database that does not
-    answer holds one of those threads, never the other sources' extensions. The round
-    comes every tenth of the shortest lease (0.05-1 s), as a single keeper's does."""
-
-    thread_name = "lease-keeper"
-
-    def __init__(self, relay: MultiRelay) -> None:
-        super().__init__(self._interval_for(relay))
-        self._relay = relay
-        self._running: set[str] = set()
-        self._running_lock = threading.Lock()
-
-    @staticmethod
-    def _interval_for(relay: MultiRelay) -> float:
-        leases = [relay.settings.relay.lease_seconds]
-        leases += [s.lease_seconds for s in relay.settings.sources.values() if s.lease_seconds is not None]
-        return max(0.05, min(1.0, min(leases) / 10))
-
-    def step(self) -> None:
-        relay = self._relay
-        with relay._runtimes_lock:
-            runtimes = list(relay.runtimes.values())
-        now = time.monotonic()
-        for runtime in runtimes:
-            keeper = runtime.keeper
-            if keeper is None or not keeper.has_due(now):
-                continue
-            with self._running_lock:
-                if runtime.name in self._running:
-                    continue  # its previous step is still running (a slow database)
-                self._running.add(runtime.name)
-            try:
-                relay._probe_pool.submit(self._extend, runtime.name, keeper)
-            except RuntimeError:  # the pool is shut down: the relay is stopping
-                with self._running_lock:
-                    self._running.discard(runtime.name)
-                return
-
-    def _extend(self, name: str, keeper: LeaseKeeper) -> None:
-        try:
-            with structlog.contextvars.bound_contextvars(source=name):
-                keeper.step()
-        except Exception as exc:  # a closed pool (the source let go meanwhile), a bug
-            log.warning("lease extension failed", source=name, error=f"{type(exc).__name__}: {exc}")
-        finally:
-            with self._running_lock:
-                self._running.discard(name)
-
-
-class _Discovery(PeriodicService):
-    """Reads the cluster's database list every ``discovery.refresh_interval_seconds``:
-    new matching databases become sources, vanished ones are let go. A failed listing
-    changes nothing (sources are never dropped because the list could not be read)."""
-
-    thread_name = "source-discovery"
-
-    def __init__(self, relay: MultiRelay) -> None:
-        super().__init__(relay.settings.discovery.refresh_interval_seconds, run_first=True)
-        self._relay = relay
-        self._known: set[str] = set()
-        self._failing = False
-        #: Set once the databases were listed (the process knows its sources).
-        self.listed = threading.Event()
-
-    def step(self) -> None:
-        relay = self._relay
-        s = relay.settings
-        try:
-            names = set(list_databases(s))
-        except DatabaseError as exc:
-            if not self._failing:
-                log.warning("discovery failed; keeping the current sources", error=str(exc))
-            self._failing = True
-            return
-        except psycopg.Error as exc:  # pragma: no cover - list_databases maps these
-            log.warning("discovery failed; keeping the current sources", error=type(exc).__name__)
-            return
-        self._failing = False
-        static = set(s.sources)
-        try:
-            self._add_and_remove(names, static)
-        finally:
-            self.listed.set()
-
-    def _add_and_remove(self, names: set[str], static: set[str]) -> None:
-        relay = self._relay
-        s = relay.settings
-        for name in sorted(names - self._known - static):
-            relay.add_source(name, settings_for(s, discovered_source(s, name)), discovered=True)
-            self._known.add(name)
-        for name in sorted(self._known - names):
-            log.info("database gone; letting its source go", source=name)
-            self._known.discard(name)
-            threading.Thread(target=relay.remove_source, args=(name,), name=f"remove-{name}", daemon=True).start()

@@ -9,7 +9,7 @@ import pytest
 from outbox_relay.config import load_settings
 from outbox_relay.errors import ConfigError
 from outbox_relay.observability.metrics import RelayMetrics
-from outbox_relay.runtime.multi import PER_SOURCE_FAMILIES, SourcesMetrics
+from outbox_relay.observability.sources_metrics import PER_SOURCE_FAMILIES, SourcesMetrics
 from outbox_relay.runtime.scheduler import SourceScheduler
 from outbox_relay.runtime.sources import settings_for, source_settings, static_sources, uses_sources
 

@@ -380,6 +380,13 @@ FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
 WHERE o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
 RETURNING o.id
 
+-- name: has_due_rows
+-- Is a row claimable now (a due pending row or an expired lease)? Two index probes:
+-- the front of the pending index and the front of the processing index. A process
+-- serving many sources asks each idle one this instead of listening on it.
+SELECT EXISTS (SELECT 1 FROM {table} WHERE status = 'pending' AND available_at <= now())
+    OR EXISTS (SELECT 1 FROM {table} WHERE status = 'processing' AND lease_until < now())
+
 -- name: status_of
 SELECT id, status FROM {table} WHERE id = ANY(%(ids)s)
 
