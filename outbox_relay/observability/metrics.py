@@ -31,7 +31,7 @@ from ..model import PublisherObserver
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..runtime.finalizer import BatchResult
+    from ..core.batch_result import BatchResult
 
 log = structlog.get_logger("outbox_relay.metrics")
 

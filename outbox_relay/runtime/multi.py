@@ -33,17 +33,17 @@ from typing import Any
 import structlog
 
 from ..config import Settings
+from ..db.store import make_store
 from ..errors import BrokerUnavailable, DatabaseError, DatabaseRefused, DatabaseUnavailable
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.sources_metrics import SourcesMetrics
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
+from ..sources import static_sources
 from .heartbeat import LeaseKeeper
-from .relay import make_store
 from .scheduler import SourceScheduler, SourceState
 from .shell import RelayShell, tune_garbage_collector
 from .source_services import Discovery, GaugeRounds, LeaseRounds, SourceRuntime
-from .sources import static_sources
 from .worker import ClaimedBatch, Worker, WorkerConfig
 
 log = structlog.get_logger("outbox_relay.sources")

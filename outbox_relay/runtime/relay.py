@@ -16,7 +16,7 @@ import time
 import structlog
 
 from ..config import Settings
-from ..db.store import OutboxStore
+from ..db.store import make_store
 from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
@@ -26,25 +26,9 @@ from .shell import RelayShell, tune_garbage_collector
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig
 
-__all__ = ["Relay", "make_store", "tune_garbage_collector"]
+__all__ = ["Relay", "tune_garbage_collector"]
 
 log = structlog.get_logger("outbox_relay.relay")
-
-
-def make_store(
-    settings: Settings, *, pool_size: int | None = None, application_name: str = "outbox-relay"
-) -> OutboxStore:
-    return OutboxStore(
-        settings.database.dsn.get_secret_value(),
-        settings.database.table,
-        pool_size=pool_size or settings.pool_size,
-        connect_timeout_seconds=settings.database.connect_timeout_seconds,
-        statement_timeout_ms=settings.database.statement_timeout_ms,
-        application_name=application_name,
-        transaction_pooler=settings.database.transaction_pooler,
-        listen_dsn=settings.database.listen_dsn.get_secret_value() if settings.database.listen_dsn else None,
-        tcp_params=settings.database.tcp_params(),
-    )
 
 
 class Relay(RelayShell):

@@ -20,9 +20,9 @@ from ..core.service import PeriodicService
 from ..db.store import STATUSES, OutboxStore
 from ..errors import DatabaseError
 from ..observability.metrics import RelayMetrics, StatsRefresher
+from ..sources import discovered_source, list_databases, settings_for
 from .heartbeat import LeaseKeeper
 from .scheduler import SourceScheduler
-from .sources import discovered_source, list_databases, settings_for
 from .worker import Worker, WorkerConfig
 
 log = structlog.get_logger("outbox_relay.sources")

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from ..core.backoff import full_jitter_backoff
+from ..core.batch_result import BatchResult
 from ..core.breaker import CircuitBreaker
 from ..core.budget import InFlightBudget
 from ..core.decision import DONE, RetryPolicy, decide, is_outage
@@ -38,7 +39,7 @@ from ..model import Claimed, Message, NotDelivered, Outcome, PermanentError
 from ..observability.metrics import RelayMetrics
 from ..observability.tracing import NO_TRACE, BatchTrace, Tracing
 from ..publishers.base import PendingBatch, Publisher, build_message
-from .finalizer import BatchResult, Finalizer, log_batch
+from .finalizer import Finalizer, log_batch
 from .heartbeat import LeasedBatch, LeaseKeeper
 from .submitter import Submitter
 from .wakeup import Wakeup

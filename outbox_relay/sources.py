@@ -14,10 +14,10 @@ from typing import Any
 import psycopg
 from pydantic import SecretStr
 
-from ..config import Settings
-from ..db.discovery import list_databases as discover_databases
-from ..errors import ConfigError
-from ..source_config import DATABASE_OVERRIDES, DEFAULT_SOURCE, KAFKA_OVERRIDES, RELAY_OVERRIDES, SourceSettings
+from .config import Settings
+from .db.discovery import list_databases as discover_databases
+from .errors import ConfigError
+from .source_config import DATABASE_OVERRIDES, DEFAULT_SOURCE, KAFKA_OVERRIDES, RELAY_OVERRIDES, SourceSettings
 
 
 def uses_sources(settings: Settings) -> bool:
