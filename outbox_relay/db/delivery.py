@@ -72,7 +72,7 @@ def _bigint_array(values: Sequence[int]) -> str:
 # jit = off: before PostgreSQL 18 a disabled plan node still costs 1e10, which crosses
 # jit_above_cost, and compiling the statement then took 1.5 s on every call.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "jit": "off"}
-# Also the heartbeat's extend_lease (the same join). enable_nestloop = off: with
+# Also the lease keeper's extend_lease (the same join). enable_nestloop = off: with
 # statistics that see almost no live row (an ANALYZE while vacuum is held back) the
 # planner expected one outbox row and joined the batch's arrays to it in a nested loop,
 # unnesting the 1 000-element arrays again for every one of the 1 000 rows (2 s per

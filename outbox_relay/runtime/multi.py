@@ -40,7 +40,7 @@ from ..observability.sources_metrics import SourcesMetrics
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
 from ..sources import static_sources
-from .heartbeat import LeaseKeeper
+from .lease_keeper import LeaseKeeper
 from .scheduler import SourceScheduler, SourceState
 from .shell import RelayShell, tune_garbage_collector
 from .source_services import Discovery, GaugeRounds, LeaseRounds, SourceRuntime

@@ -21,7 +21,7 @@ from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, Schema
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
-from .heartbeat import LeaseKeeper
+from .lease_keeper import LeaseKeeper
 from .shell import RelayShell, tune_garbage_collector
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig

@@ -33,7 +33,7 @@ import structlog
 
 from ..config import Settings
 from ..core.breaker import CircuitBreaker
-from ..core.budget import InFlightBudget
+from ..core.budget import ByteBudget
 from ..errors import ConfigError
 from ..observability.metrics import MetricsServer, RelayMetrics
 from ..observability.tracing import Tracing
@@ -63,7 +63,7 @@ class RelayShell:
         self.tracing: Tracing = tracing or Tracing()
         self.breaker: CircuitBreaker | None = None
         #: The bytes of claimed rows the process holds at most (relay.max_in_flight_bytes).
-        self.budget = InFlightBudget(settings.relay.max_in_flight_bytes, metrics.in_flight_bytes)
+        self.budget = ByteBudget(settings.relay.max_in_flight_bytes, metrics.in_flight_bytes)
         #: Pipelining publishers: one thread builds and submits every worker's batches,
         #: so workers go straight on to their next statement (submitter.py).
         self._submitter: Submitter | None = None

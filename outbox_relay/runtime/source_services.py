@@ -21,7 +21,7 @@ from ..db.store import STATUSES, OutboxStore
 from ..errors import DatabaseError
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..sources import discovered_source, list_databases, settings_for
-from .heartbeat import LeaseKeeper
+from .lease_keeper import LeaseKeeper
 from .scheduler import SourceScheduler
 from .worker import Worker, WorkerConfig
 

@@ -29,7 +29,7 @@ import structlog
 from ..core.backoff import full_jitter_backoff
 from ..core.batch_result import BatchResult
 from ..core.breaker import CircuitBreaker
-from ..core.budget import InFlightBudget
+from ..core.budget import ByteBudget
 from ..core.decision import DONE, RetryPolicy, decide, is_outage
 from ..core.formats import WireFormat
 from ..core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
@@ -40,7 +40,7 @@ from ..observability.metrics import RelayMetrics
 from ..observability.tracing import NO_TRACE, BatchTrace, Tracing
 from ..publishers.base import PendingBatch, Publisher, build_message
 from .finalizer import Finalizer, log_batch
-from .heartbeat import LeasedBatch, LeaseKeeper
+from .lease_keeper import LeasedBatch, LeaseKeeper
 from .submitter import Submitter
 from .wakeup import Wakeup
 
@@ -155,7 +155,7 @@ class Worker:
         breaker: CircuitBreaker | None = None,
         stop_event: threading.Event | None = None,
         keeper: LeaseKeeper | None = None,
-        budget: InFlightBudget | None = None,
+        budget: ByteBudget | None = None,
         tracing: Tracing | None = None,
         submitter: Submitter | None = None,
         source: str | None = None,

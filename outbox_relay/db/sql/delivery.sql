@@ -371,7 +371,7 @@ UNION ALL
 SELECT id FROM updated
 
 -- name: extend_lease
--- Heartbeat: push the deadline of rows this claim still owns. {strict}: under the
+-- The lease keeper: push the deadline of rows this claim still owns. {strict}: under the
 -- strict policy an expired lease is not revived (the owner could then finalize).
 -- coalesce(...): rows by primary key, never the processing index (see "finalize").
 UPDATE {table} AS o
@@ -410,7 +410,7 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 --   the planner expects a few hundred pending rows and prefers a bitmap scan of ALL
 --   of them plus a sort: every claim then read, sized and sorted the whole backlog
 --   (243 ms per claim at a 300 000-row backlog instead of 8 ms), a quadratic drain.
--- - the finalize (and the heartbeat's extend_lease, the same join) reads the processing
+-- - the finalize (and the lease keeper's extend_lease, the same join) reads the processing
 --   index with an index scan, never a bitmap scan
 --   (see "finalize").
 -- - neither reads the whole table (enable_seqscan = off): the claim's UPDATE finds its

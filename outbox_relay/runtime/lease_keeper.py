@@ -1,7 +1,7 @@
 """LeaseKeeper: extends the leases of batches whose delivery takes longer than expected.
 
 One thread per relay process (a relay serving many sources runs every source's keeper
-from one thread of its own instead: ``multi.py``). A worker registers its batch before
+from one thread of its own instead: ``source_services.LeaseRounds``). A worker registers its batch before
 publishing and unregisters it before finalizing. Once a batch has been in flight for
 ``extend_after_fraction`` of its lease, the keeper extends the lease of the rows the
 batch still owns with a fenced update (``status = 'processing' AND lease_version =
@@ -26,7 +26,7 @@ from ..db.store import OutboxStore
 from ..errors import DatabaseError
 from ..model import Claimed
 
-log = structlog.get_logger("outbox_relay.heartbeat")
+log = structlog.get_logger("outbox_relay.lease_keeper")
 
 
 @dataclass(eq=False)
@@ -68,7 +68,7 @@ class LeaseKeeper(PeriodicService):
         return cls(
             store,
             lease_seconds=r.lease_seconds,
-            extend_after_fraction=r.heartbeat_after_fraction,
+            extend_after_fraction=r.lease_extend_after_fraction,
             strict=r.strict_lease,
         )
 
