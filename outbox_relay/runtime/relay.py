@@ -22,11 +22,11 @@ from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
 from .lease_keeper import LeaseKeeper
-from .shell import RelayShell, tune_garbage_collector
+from .shell import RelayShell
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig
 
-__all__ = ["Relay", "tune_garbage_collector"]
+__all__ = ["Relay"]
 
 log = structlog.get_logger("outbox_relay.relay")
 
