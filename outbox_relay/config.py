@@ -323,7 +323,7 @@ class RelaySettings(_Section):
     shutdown_timeout_seconds: float = Field(
         default=10.0, ge=0, description="On SIGTERM, how long to wait for in-flight batches before releasing them."
     )
-    heartbeat_after_fraction: float = Field(
+    lease_extend_after_fraction: float = Field(
         default=0.5,
         gt=0,
         lt=1,

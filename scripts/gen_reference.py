@@ -30,8 +30,8 @@ from pydantic import BaseModel, SecretStr
 from pydantic_core import PydanticUndefined
 
 from outbox_relay.config import RateLimitSettings, Settings
+from outbox_relay.observability.sources_metrics import PER_SOURCE_FAMILIES, SourcesMetrics
 from outbox_relay.operator.cli import app
-from outbox_relay.runtime.multi import PER_SOURCE_FAMILIES, SourcesMetrics
 from outbox_relay.source_config import SourceSettings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,8 +18,9 @@ import typer
 
 from ..api import enqueue
 from ..config import load_settings
+from ..db.store import make_store
 from ..observability.logs import configure_logging
-from ..runtime.relay import Relay, make_store
+from ..runtime.relay import Relay
 from .embedded import EmbeddedBroker, EmbeddedPostgres, read_messages
 
 AGGREGATE_TYPES = ("order", "customer", "invoice")
@@ -66,21 +67,21 @@ def run_demo(*, events: int = 5000, workers: int = 4) -> int:
                 relay = Relay(settings)
                 started = time.monotonic()
                 relay.start()
-                try:
-                    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                counter = make_store(settings, pool_size=1)
+                with counter:
+                    try:
                         deadline = time.monotonic() + 300
                         while time.monotonic() < deadline:
-                            row = conn.execute("SELECT count(*) FROM outbox WHERE status = 'done'").fetchone()
-                            if row is not None and row[0] >= events:
+                            done = counter.exact_depth(budget_ms=5000, statuses=("done",), first_upto=events)["done"]
+                            if done.n >= events:
                                 break
                             time.sleep(0.05)
-                    elapsed = time.monotonic() - started
-                finally:
-                    relay.stop()
-                with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                        elapsed = time.monotonic() - started
+                    finally:
+                        relay.stop()
                     depth: dict[str, int] = {
-                        status: int(n)
-                        for status, n in conn.execute("SELECT status, count(*) FROM outbox GROUP BY status")
+                        status: count.n
+                        for status, count in counter.exact_depth(budget_ms=10_000, first_upto=2 * events).items()
                     }
                 topics = [f"outbox.{t}" for t in AGGREGATE_TYPES]
                 say("reading every event back from Kafka ...")

@@ -1,4 +1,4 @@
-"""The in-flight byte budget: how much event data one relay process holds at once.
+"""The byte budget: how much event data one relay process holds at once.
 
 Every byte a worker has claimed and not yet finalized lives in the process twice
 (the row's text, and the producer's copy until the broker acknowledges it), so the
@@ -24,7 +24,7 @@ class _Gauge(Protocol):
     def set(self, value: float) -> None: ...
 
 
-class InFlightBudget:
+class ByteBudget:
     def __init__(self, limit_bytes: int, gauge: _Gauge | None = None) -> None:
         self.limit_bytes = limit_bytes
         self._used = 0

@@ -72,7 +72,7 @@ def _bigint_array(values: Sequence[int]) -> str:
 # jit = off: before PostgreSQL 18 a disabled plan node still costs 1e10, which crosses
 # jit_above_cost, and compiling the statement then took 1.5 s on every call.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "jit": "off"}
-# Also the heartbeat's extend_lease (the same join). enable_nestloop = off: with
+# Also the lease keeper's extend_lease (the same join). enable_nestloop = off: with
 # statistics that see almost no live row (an ANALYZE while vacuum is held back) the
 # planner expected one outbox row and joined the batch's arrays to it in a nested loop,
 # unnesting the 1 000-element arrays again for every one of the 1 000 rows (2 s per
@@ -290,6 +290,13 @@ class DeliveryOps(StoreCore):
 
     def mark_dead(self, items: Sequence[tuple[int, int, str]], *, strict: bool = False) -> set[int]:
         return self.finalize([FinalizeItem(i, v, "dead", 0.0, e) for i, v, e in items], strict=strict)
+
+    def has_due_rows(self) -> bool:
+        """Is a row claimable now (a due pending row or an expired lease)? One statement,
+        two index probes (bounded by database.statement_timeout_ms)."""
+        with self.connection() as conn:
+            row = conn.execute(self.sql.query("has_due_rows")).fetchone()
+        return bool(row and row[0])
 
     def extend_lease(
         self, claims: Sequence[tuple[int, int]], lease_seconds: float, *, strict: bool = False

@@ -32,6 +32,7 @@ SQL_FILES: tuple[str, ...] = (
     "write.sql",
     "inbox.sql",
     "grants.sql",
+    "discovery.sql",
 )
 
 

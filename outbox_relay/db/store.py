@@ -15,6 +15,7 @@ keeps every name callers import from it.
 
 from __future__ import annotations
 
+from ..config import Settings
 from ..model import Claimed as Claimed  # re-exported: callers that read claims import it from the store
 from ..model import FinalizeItem as FinalizeItem  # re-exported with Claimed
 from .dead_rows import DeadRowOps
@@ -42,3 +43,20 @@ from .wakeups import WakeupOps
 
 class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, RetentionOps, WakeupOps):
     """Statements on one outbox table over a connection pool (autocommit connections)."""
+
+
+def make_store(
+    settings: Settings, *, pool_size: int | None = None, application_name: str = "outbox-relay"
+) -> OutboxStore:
+    """The store of the outbox ``settings.database`` names, its pool not opened yet."""
+    return OutboxStore(
+        settings.database.dsn.get_secret_value(),
+        settings.database.table,
+        pool_size=pool_size or settings.pool_size,
+        connect_timeout_seconds=settings.database.connect_timeout_seconds,
+        statement_timeout_ms=settings.database.statement_timeout_ms,
+        application_name=application_name,
+        transaction_pooler=settings.database.transaction_pooler,
+        listen_dsn=settings.database.listen_dsn.get_secret_value() if settings.database.listen_dsn else None,
+        tcp_params=settings.database.tcp_params(),
+    )

@@ -30,7 +30,8 @@ from ..db.vacuum_health import HorizonClock, HorizonWarning
 from ..model import PublisherObserver
 
 if TYPE_CHECKING:
-    from ..runtime.finalizer import BatchResult
+    from ..config import Settings
+    from ..core.batch_result import BatchResult
 
 log = structlog.get_logger("outbox_relay.metrics")
 
@@ -355,6 +356,23 @@ class StatsRefresher(PeriodicService):
         self._count_cap = count_cap
         self._exact = _SlowExactCount(
             store, interval_seconds=exact_count_interval_seconds, budget_ms=exact_count_timeout_ms, first_upto=count_cap
+        )
+
+    @classmethod
+    def from_settings(cls, store: OutboxStore, metrics: RelayMetrics, settings: Settings) -> StatsRefresher:
+        """The refresher of one source's table, as ``metrics.*`` and its
+        ``relay.ordered_event_types`` configure it."""
+        m = settings.metrics
+        return cls(
+            store,
+            metrics,
+            interval_seconds=m.refresh_interval_seconds,
+            timeout_ms=m.query_timeout_ms,
+            ordered_types=list(settings.relay.ordered_event_types),
+            count_cap=m.exact_count_limit,
+            exact_count_interval_seconds=m.exact_count_interval_seconds,
+            exact_count_timeout_ms=m.exact_count_timeout_ms,
+            xmin_horizon_warn_seconds=m.xmin_horizon_warn_seconds,
         )
 
     def refresh_once(self) -> bool:

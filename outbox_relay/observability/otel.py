@@ -59,14 +59,13 @@ from opentelemetry.trace import (
 
 from ..core.formats import TRACE_HEADERS
 from ..errors import ConfigError
-from .tracing import BatchTrace, Tracing
+from .tracing import BatchTrace, TracedTarget, Tracing
 
 if TYPE_CHECKING:
     from ..config import Settings
+    from ..core.batch_result import BatchResult
     from ..db.store import ClaimResult
     from ..model import Message, Outcome, SpanAttributes
-    from ..publishers.base import Publisher
-    from ..runtime.finalizer import BatchResult
 
 log = structlog.get_logger("outbox_relay.otel")
 
@@ -156,7 +155,7 @@ class OtelTracing(Tracing):
         provider: trace.TracerProvider,
         *,
         table: str,
-        publisher: Publisher | None = None,
+        publisher: TracedTarget | None = None,
         owns_provider: bool = False,
     ) -> None:
         self.provider = provider
@@ -170,7 +169,7 @@ class OtelTracing(Tracing):
         self._owns_provider = owns_provider
 
     @classmethod
-    def from_environment(cls, settings: Settings, *, publisher: Publisher | None = None) -> OtelTracing:
+    def from_environment(cls, settings: Settings, *, publisher: TracedTarget | None = None) -> OtelTracing:
         """A tracer provider configured by the standard ``OTEL_*`` variables."""
         resource = Resource.create({SERVICE_VERSION: _package_version()})
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):

@@ -19,12 +19,22 @@ loads the OpenTelemetry implementation (``otel``) only when it is enabled.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ..core.batch_result import BatchResult
     from ..db.store import ClaimResult
-    from ..model import Message, Outcome
-    from ..runtime.finalizer import BatchResult
+    from ..model import Message, Outcome, SpanAttributes
+
+
+class TracedTarget(Protocol):
+    """What tracing asks of the publisher (``publishers.base.Publisher`` is one): the
+    ``messaging.system`` name and the target's own attributes of a message's span."""
+
+    @property
+    def name(self) -> str: ...
+
+    def span_attributes(self, message: Message) -> SpanAttributes: ...
 
 
 class BatchTrace:

@@ -8,14 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .tracing import Tracing
+from .tracing import TracedTarget, Tracing
 
 if TYPE_CHECKING:
     from ..config import Settings
-    from ..publishers.base import Publisher
 
 
-def make_tracing(settings: Settings, publisher: Publisher | None = None) -> Tracing:
+def make_tracing(settings: Settings, publisher: TracedTarget | None = None) -> Tracing:
     """``otel.enabled`` -> the OpenTelemetry tracer, else the no-op ``Tracing()``.
     ``publisher`` names the messaging system and adds its own span attributes
     (``Publisher.name``, ``Publisher.span_attributes``).

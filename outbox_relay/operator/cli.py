@@ -75,7 +75,7 @@ def _settings(config: str | None, **overrides: Any) -> Settings:
 
 def _for_source(settings: Settings, source: str | None) -> Settings:
     """The settings of the source named by --source (sources.py)."""
-    from ..runtime.sources import source_settings
+    from ..sources import source_settings
 
     with _errors():
         return source_settings(settings, source)
@@ -95,7 +95,7 @@ def _errors() -> Iterator[None]:
 
 @contextmanager
 def _store(settings: Settings) -> Iterator[Any]:
-    from ..runtime.relay import make_store
+    from ..db.store import make_store
 
     # A one-shot command reports a connection failure as one line (see _errors); the
     # pool's own multi-line retry warnings would only repeat it on stderr.
@@ -136,7 +136,7 @@ def run(
     """Run the relay in the foreground until SIGTERM/SIGINT."""
     settings = _settings(config, relay={"workers": workers} if workers else None)
     from ..runtime.relay import Relay
-    from ..runtime.sources import uses_sources
+    from ..sources import uses_sources
 
     with _errors():
         if uses_sources(settings):  # [sources] or [discovery]: one process for every outbox
@@ -196,7 +196,7 @@ def migrate(
 def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool, drop_ordering_indexes: bool) -> None:
     """migrate --all-sources: every source in turn; one that fails does not stop the others
     (exit 1 at the end naming them)."""
-    from ..runtime.sources import all_sources
+    from ..sources import all_sources
 
     with _errors():
         names = sorted(all_sources(settings))
@@ -229,7 +229,7 @@ def status(
     """Queue depth per status (exact), oldest pending age, expired leases, attempts, blocked aggregates
     (of every source, or of the one named by --source)."""
     settings = _settings(config)
-    from ..runtime.sources import uses_sources
+    from ..sources import uses_sources
 
     if source is None and uses_sources(settings):
         from .source_cli import status_of_every_source
@@ -672,7 +672,7 @@ def console(
         overrides["host"] = host
     if port is not None:
         overrides["port"] = port
-    from ..runtime.sources import uses_sources
+    from ..sources import uses_sources
 
     settings = _settings(config, console=overrides or None)
     # Without --source, a configuration of several sources is served whole: the

@@ -20,7 +20,7 @@ from ..errors import OutboxRelayError
 
 
 def status_of_every_source(settings: Settings, json_out: bool, one: Callable[[str], None]) -> None:
-    from ..runtime.sources import all_sources
+    from ..sources import all_sources
 
     try:
         names = sorted(all_sources(settings))

@@ -768,7 +768,7 @@ class KafkaPublisher(Publisher):
         shutdown (``abort``) or ``cancel`` (the batch's leases were all lost)."""
         return self.submit(messages, timeout_seconds=timeout_seconds).wait(cancel=cancel)
 
-    def submit(self, messages: Sequence[Message], *, timeout_seconds: float) -> InFlightBatch:
+    def submit(self, messages: Sequence[Message], *, timeout_seconds: float) -> KafkaPendingBatch:
         """Produce the batch and return at once; ``wait()`` collects the outcomes.
         Lets a worker claim its next batch while this one is being delivered."""
         deadline = time.monotonic() + timeout_seconds
@@ -828,10 +828,10 @@ class KafkaPublisher(Publisher):
                     waiter.settle(index, PermanentError(f"kafka: cannot produce: {exc}"))
                     runs.record(message.order_key, failed=True)
                     break
-        return InFlightBatch(self, waiter, len(messages), deadline, timeout_seconds, generation, messages)
+        return KafkaPendingBatch(self, waiter, len(messages), deadline, timeout_seconds, generation, messages)
 
 
-class InFlightBatch(PendingBatch):
+class KafkaPendingBatch(PendingBatch):
     """A produced batch whose delivery reports are still arriving."""
 
     def __init__(

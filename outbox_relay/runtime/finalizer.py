@@ -1,4 +1,4 @@
-"""The completer: writes a batch's decisions with fencing and says what happened.
+"""The finalizer: writes a batch's decisions with fencing and says what happened.
 
 ``Finalizer.write`` sends every decision of a batch in ONE fenced statement
 (``OutboxStore.finalize``). Rows it does not accept are *lost leases* — a newer
@@ -8,76 +8,25 @@ that the rows are left to lease expiry. When a retried statement matches fewer r
 than expected, an earlier try may have committed before its reply was lost: rows
 that already carry our decided status and our (unchanged) lease_version were ours.
 
-``BatchResult`` is what the worker's metrics and logs are made from
-(``RelayMetrics.record_batch`` and ``log_batch``), in one place.
+``BatchResult`` (core/batch_result.py) is what the worker's metrics and logs are made
+from (``RelayMetrics.record_batch`` and ``log_batch``), in one place.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import structlog
 
 from ..core.backoff import full_jitter_backoff
+from ..core.batch_result import BatchResult
 from ..core.decision import Decision, Kind
 from ..db.store import OutboxStore
 from ..errors import DatabaseError, DatabaseUnavailable
 from ..model import Claimed, FinalizeItem
 
 log = structlog.get_logger("outbox_relay.finalizer")
-
-
-@dataclass
-class BatchResult:
-    """One batch after its finalize: the decisions and which of them were written."""
-
-    rows: Sequence[Claimed] = ()
-    decisions: Sequence[Decision] = ()
-    accepted: set[int] = field(default_factory=set)
-    lost: list[int] = field(default_factory=list)  # finalize rejected: a newer claim owns the row
-    unfinalized: list[int] = field(default_factory=list)  # database down: lease expiry recovers them
-    elapsed_seconds: float | None = None  # claim -> finalize, for the publish latency histogram
-    _counts: Counter[Kind] | None = field(default=None, init=False, repr=False)
-
-    @property
-    def claimed(self) -> int:
-        return len(self.rows)
-
-    def count(self, kind: Kind) -> int:
-        """Rows of this kind whose finalize was accepted."""
-        return self.counts().get(kind, 0)
-
-    def counts(self) -> Counter[Kind]:
-        """Accepted rows per kind (computed once: metrics ask for every kind)."""
-        if self._counts is None:
-            accepted = self.accepted
-            self._counts = Counter(
-                d.kind for row, d in zip(self.rows, self.decisions, strict=True) if row.id in accepted
-            )
-        return self._counts
-
-    @property
-    def done(self) -> int:
-        return self.count(Kind.DONE)
-
-    @property
-    def retried(self) -> int:
-        return self.count(Kind.RETRY)
-
-    @property
-    def deferred(self) -> int:
-        return self.count(Kind.DEFER)
-
-    @property
-    def dead(self) -> int:
-        return self.count(Kind.DEAD)
-
-    @property
-    def released(self) -> int:
-        return self.count(Kind.RELEASE)
 
 
 class Finalizer:

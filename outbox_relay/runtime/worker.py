@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from ..core.backoff import full_jitter_backoff
+from ..core.batch_result import BatchResult
 from ..core.breaker import CircuitBreaker
-from ..core.budget import InFlightBudget
+from ..core.budget import ByteBudget
 from ..core.decision import DONE, RetryPolicy, decide, is_outage
 from ..core.formats import WireFormat
 from ..core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
@@ -38,8 +39,8 @@ from ..model import Claimed, Message, NotDelivered, Outcome, PermanentError
 from ..observability.metrics import RelayMetrics
 from ..observability.tracing import NO_TRACE, BatchTrace, Tracing
 from ..publishers.base import PendingBatch, Publisher, build_message
-from .finalizer import BatchResult, Finalizer, log_batch
-from .heartbeat import InFlight, LeaseKeeper
+from .finalizer import Finalizer, log_batch
+from .lease_keeper import LeasedBatch, LeaseKeeper
 from .submitter import Submitter
 from .wakeup import Wakeup
 
@@ -116,27 +117,27 @@ class WorkerConfig:
         return replace(config, **overrides) if overrides else config
 
 
-@dataclass
-class _Batch:
-    """A claimed batch between claim and finalize."""
+@dataclass(eq=False)
+class ClaimedBatch:
+    """A batch a worker claimed and is delivering, from its claim to its finalize.
+
+    Its state, in order: *claimed* (``claim_batch``: rows leased, ``held_bytes`` taken
+    from the process's byte budget), *started* (``start_batch``: messages built and
+    submitted; ``future`` is set while the ``Submitter``'s thread does it), *finished*
+    (``finish_batch``: outcomes waited for, decisions written with fencing, bytes given
+    back). Rows the worker could not build are decided already when it is started
+    (``outcomes``)."""
 
     rows: Sequence[Claimed]
-    started: float
+    trace: BatchTrace
     outcomes: list[Outcome]
+    held_bytes: int = 0  # taken from the byte budget until the finalize
+    started: float = 0.0  # monotonic time its messages began to be built
     messages: list[Message] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)  # index in rows of each message
-    ticket: InFlight | None = None
+    lease: LeasedBatch | None = None  # the lease keeper's record while it is published
     pending: PendingBatch | None = None
-    held_bytes: int = 0  # taken from the in-flight budget until the finalize
-    trace: BatchTrace = NO_TRACE
-
-
-@dataclass
-class _Submitted:
-    """A batch handed to the Submitter: built and submitted on its thread."""
-
-    future: Future[_Batch]
-    held_bytes: int = 0  # taken from the in-flight budget until the finalize
+    future: Future[ClaimedBatch] | None = None  # started on the Submitter's thread, not collected yet
 
 
 class Worker:
@@ -154,11 +155,13 @@ class Worker:
         breaker: CircuitBreaker | None = None,
         stop_event: threading.Event | None = None,
         keeper: LeaseKeeper | None = None,
-        budget: InFlightBudget | None = None,
+        budget: ByteBudget | None = None,
         tracing: Tracing | None = None,
         submitter: Submitter | None = None,
+        source: str | None = None,
     ) -> None:
         self.index = index
+        self.source = source  # the source's name when the process serves many (logs, tests)
         self.owner = f"{config.owner}:w{index}"
         self.store = store
         self.publisher = publisher
@@ -172,7 +175,7 @@ class Worker:
         # Builds and submits this worker's batches on its own thread (pipelining
         # publishers; submitter.py says why). None: the worker does it itself.
         self.submitter = submitter
-        self._in_flight: _Batch | _Submitted | None = None  # the pipelined batch, for cleanup if the loop dies
+        self._in_flight: ClaimedBatch | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
@@ -180,7 +183,7 @@ class Worker:
         )
         self._db_failures = 0
         self._ordered_after: str | None = None  # aggregate_id where the last ordered claim ended
-        self.log = log.bind(worker=self.owner)
+        self.log = log.bind(worker=self.owner) if source is None else log.bind(worker=self.owner, source=source)
 
     # --- loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -202,12 +205,13 @@ class Worker:
     def _loop(self) -> None:
         pipelined = self.publisher.pipelines
         submitter = self.submitter if pipelined else None
-        in_flight: _Batch | _Submitted | None = None
+        batch_size = self.cfg.batch_size
+        in_flight: ClaimedBatch | None = None
         while not self.stop_event.is_set():
             self._in_flight = in_flight
             if self.breaker is not None and self.breaker.is_open:
                 if in_flight is not None:
-                    self._complete(in_flight)
+                    self.finish_batch(in_flight)
                     in_flight = None
                 self.breaker.wait_closed(timeout=0.5)
                 continue
@@ -215,40 +219,28 @@ class Worker:
             if reserved is None:
                 break  # stopped while waiting for the budget
             try:
-                rows, trace = self._claim()
+                batch = self.claim_batch(reserved)
             except DatabaseError as exc:
-                self._return_bytes(reserved, 0)
                 if in_flight is not None:
-                    self._complete(in_flight)
+                    self.finish_batch(in_flight)
                     in_flight = None
                 self._log_db_error(exc)
                 self._sleep_db_backoff()
                 continue
-            held = sum(r.size_bytes for r in rows)
-            self._return_bytes(reserved, held)
             self._db_failures = 0
-            if len(rows) >= self.cfg.batch_size:
-                self.wakeup.wake_one()  # a backlog: get another worker going
-            if rows:
-                batch: _Batch | _Submitted
-                if submitter is not None:  # built and submitted on the submitter's thread
-                    batch = _Submitted(submitter.submit(partial(self._start, rows, trace)))
-                else:
-                    try:
-                        batch = self._start(rows, trace)
-                    except BaseException:
-                        self._return_bytes(held, 0)
-                        raise
-                batch.held_bytes = held if self.budget is not None else 0
+            if batch is not None:
+                if len(batch.rows) >= batch_size:
+                    self.wakeup.wake_one()  # a backlog: get another worker going
+                self.start_batch(batch, submitter)  # with a submitter: built and submitted on its thread
                 if pipelined:
                     if in_flight is not None:
-                        self._complete(in_flight)
+                        self.finish_batch(in_flight)
                     in_flight = batch
                 else:
-                    self._complete(batch)
+                    self.finish_batch(batch)
                 continue
             if in_flight is not None:
-                self._complete(in_flight)
+                self.finish_batch(in_flight)
                 in_flight = None
                 continue
             if self.cfg.listen_notify and not self.wakeup.relays_marked_idle:
@@ -263,19 +255,19 @@ class Worker:
             self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
         self._in_flight = in_flight
         if in_flight is not None:
-            self._complete(in_flight)
+            self.finish_batch(in_flight)
 
-    def _reserve_bytes(self, in_flight: _Batch | _Submitted | None) -> tuple[int | None, _Batch | _Submitted | None]:
-        """Reserve room for the next claim in the process's in-flight budget. If it is
+    def _reserve_bytes(self, in_flight: ClaimedBatch | None) -> tuple[int | None, ClaimedBatch | None]:
+        """Reserve room for the next claim in the process's byte budget. If it is
         full, finish our own pipelined batch first (never wait on ourselves), then wait.
-        Returns (bytes reserved or None if stopped while waiting, the in-flight batch)."""
+        Returns (bytes reserved or None if stopped while waiting, the batch in flight)."""
         if self.budget is None:
             return 0, in_flight
         wanted = self.cfg.max_batch_bytes
         if self.budget.try_reserve(wanted):
             return wanted, in_flight
         if in_flight is not None:
-            self._complete(in_flight)
+            self.finish_batch(in_flight)
             in_flight = None
             if self.budget.try_reserve(wanted):
                 return wanted, None
@@ -306,13 +298,54 @@ class Worker:
         self.stop_event.set()
         self.wakeup.wake_all()
 
-    # --- one batch -------------------------------------------------------------------
-    def claim(self) -> list[Claimed]:
-        return self._claim()[0]
-
-    def _claim(self) -> tuple[list[Claimed], BatchTrace]:
-        cfg = self.cfg
+    # --- one batch: the steps every loop drives (this one and the many-source one) ----
+    def claim_batch(self, reserved_bytes: int = 0) -> ClaimedBatch | None:
+        """Claim the next batch. ``reserved_bytes`` (taken from the byte budget before
+        the claim) shrink to what the rows hold, which the batch keeps until its
+        finalize; None when nothing was due (everything reserved is given back). A
+        failed claim (``DatabaseError``) gives the reserved bytes back and raises."""
         trace = self.tracing.batch(self.owner)
+        try:
+            rows = self._claim(trace)
+        except BaseException:
+            self._return_bytes(reserved_bytes, 0)
+            raise
+        held = sum(r.size_bytes for r in rows)
+        self._return_bytes(reserved_bytes, held)
+        if not rows:
+            return None
+        return ClaimedBatch(rows, trace, [None] * len(rows), held_bytes=held if self.budget is not None else 0)
+
+    def start_batch(self, batch: ClaimedBatch, submitter: Submitter | None = None) -> None:
+        """Build the batch's messages and submit them (a pipelining publisher starts
+        producing now); with ``submitter``, on its thread (``finish_batch`` collects it).
+        If building fails here, the batch's bytes go back to the budget."""
+        if submitter is not None:
+            batch.future = submitter.submit(partial(self._build_and_submit, batch))
+            return
+        try:
+            self._build_and_submit(batch)
+        except BaseException:
+            self._release_bytes(batch)
+            raise
+
+    def finish_batch(self, batch: ClaimedBatch) -> BatchResult:
+        """Wait for the publish outcomes, then finalize with fencing. The batch's bytes
+        go back to the byte budget whatever happens."""
+        try:
+            future = batch.future
+            if future is not None:
+                batch.future = None
+                future.result()  # re-raises what building or submitting raised
+            return self._wait_and_finalize(batch)
+        finally:
+            self._release_bytes(batch)
+
+    def claim(self) -> list[Claimed]:
+        return self._claim(self.tracing.batch(self.owner))
+
+    def _claim(self, trace: BatchTrace) -> list[Claimed]:
+        cfg = self.cfg
         result = self.store.claim(
             owner=self.owner,
             batch=cfg.batch_size,
@@ -337,7 +370,7 @@ class Worker:
             )
         self.metrics.record_claim(result)
         trace.claimed(result)
-        return result.rows, trace
+        return result.rows
 
     def _candidates(self) -> int:
         """How many rows the claim should size: sizing detoasts a payload, so with
@@ -347,20 +380,24 @@ class Worker:
         return max(1, min(self.cfg.batch_size, int(2 * self.cfg.max_batch_bytes / self._avg_row_bytes) + 1))
 
     def run_once(self) -> BatchResult:
-        rows, trace = self._claim()
-        if not rows:
+        batch = self.claim_batch()
+        if batch is None:
             return BatchResult()
-        return self._complete(self._start(rows, trace))
+        self.start_batch(batch)
+        return self.finish_batch(batch)
 
     def process(self, rows: Sequence[Claimed]) -> BatchResult:
         """Publish and finalize one claimed batch (blocking)."""
-        return self._complete(self._start(rows, self.tracing.batch(self.owner)))
+        batch = ClaimedBatch(rows, self.tracing.batch(self.owner), [None] * len(rows))
+        self.start_batch(batch)
+        return self.finish_batch(batch)
 
-    def _start(self, rows: Sequence[Claimed], trace: BatchTrace = NO_TRACE) -> _Batch:
+    def _build_and_submit(self, batch: ClaimedBatch) -> ClaimedBatch:
         """Build the messages and submit them (a pipelining publisher starts producing now)."""
         cfg = self.cfg
         wire = cfg.wire_format
-        batch = _Batch(rows=rows, started=time.monotonic(), outcomes=[None] * len(rows), trace=trace)
+        rows = batch.rows
+        batch.started = time.monotonic()
         runs = RunGuard()  # a row that cannot be built stops its ordered run here already
         for i, row in enumerate(rows):
             key = cfg.ordering.order_key(row.event_type, row.aggregate_id)
@@ -383,44 +420,28 @@ class Worker:
             batch.messages.append(message)
             batch.positions.append(i)
         if batch.messages:
-            # Heartbeat for at most the publish timeout plus one lease.
+            # The lease keeper extends its leases for at most the publish timeout plus one lease.
             if self.keeper is not None:
-                batch.ticket = self.keeper.track(
+                batch.lease = self.keeper.track(
                     rows, self.owner, max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds
                 )
-            trace.publishing(batch.messages)
+            batch.trace.publishing(batch.messages)
             batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
         return batch
 
-    def _complete(self, batch: _Batch | _Submitted) -> BatchResult:
-        """Wait for the publish outcomes, then finalize with fencing. The batch's bytes
-        go back to the in-flight budget whatever happens."""
-        if isinstance(batch, _Submitted):
-            try:
-                started = batch.future.result()  # re-raises what building or submitting raised
-            except BaseException:
-                self._release_bytes(batch)
-                raise
-            started.held_bytes, batch.held_bytes = batch.held_bytes, 0
-            batch = started
-        try:
-            return self._wait_and_finalize(batch)
-        finally:
-            self._release_bytes(batch)
-
-    def _release_bytes(self, batch: _Batch | _Submitted) -> None:
+    def _release_bytes(self, batch: ClaimedBatch) -> None:
         if self.budget is not None and batch.held_bytes:
             self.budget.release(batch.held_bytes)
             batch.held_bytes = 0
 
-    def _wait_and_finalize(self, batch: _Batch) -> BatchResult:
+    def _wait_and_finalize(self, batch: ClaimedBatch) -> BatchResult:
         if batch.pending is not None:
-            cancel = batch.ticket.cancel if batch.ticket is not None else None
+            cancel = batch.lease.cancel if batch.lease is not None else None
             try:
                 published = batch.pending.wait(cancel=cancel)
             finally:
-                if batch.ticket is not None and self.keeper is not None:
-                    self.keeper.untrack(batch.ticket)
+                if batch.lease is not None and self.keeper is not None:
+                    self.keeper.untrack(batch.lease)
             if len(published) != len(batch.messages):
                 raise RuntimeError(f"publisher returned {len(published)} outcomes for {len(batch.messages)} messages")
             batch.trace.published(published)

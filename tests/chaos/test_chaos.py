@@ -9,7 +9,7 @@ Checked at the end:
 - a test-only audit trigger shows no stale finalize: each processing -> done/pending/dead
   transition keeps the lease_version and that version is the highest the row ever had;
   each claim bumps the version by exactly one and takes a processing row only after its
-  lease expired; a heartbeat extension keeps owner and version;
+  lease expired; a lease keeper's extension keeps owner and version;
 - SIGTERMed relays hand off gracefully (exit 0), no relay exits on its own, no worker
   thread crashed.
 
@@ -228,7 +228,7 @@ def test_chaos_two_relays_survive_kills_pauses_and_backend_terminations(
                 victim.signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
                 active[slot] = spawn(slot)  # the replacement starts at once (rolling restart)
             elif kind == "freeze":
-                # A stale worker: the relay stops past its lease (heartbeat included), the
+                # A stale worker: the relay stops past its lease (lease keeper included), the
                 # other relay reclaims its rows, then it wakes up and tries to finalize.
                 victim = active[rng.randrange(RELAYS)]
                 seconds = rng.uniform(*FREEZE_SECONDS)

@@ -66,7 +66,7 @@ def install_audit(dsn: str, table: str) -> str:
 def check_audit(dsn: str, audit: str) -> tuple[list[str], Counter]:
     """Replay the audit per row in seq order (row locks serialise a row's updates, so
     seq order is commit order per row). A processing -> processing update that keeps the
-    version is the lease heartbeat (fenced like a finalize); one that bumps it is a claim
+    version is the lease keeper's extension (fenced like a finalize); one that bumps it is a claim
     of an expired lease. Returns (violations, transition counts)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         records = conn.execute(
@@ -78,7 +78,7 @@ def check_audit(dsn: str, audit: str) -> tuple[list[str], Counter]:
     highest: dict[int, int] = {}
     for seq, row_id, old, new, old_v, new_v, old_owner, new_owner, lease_expired in records:
         top = highest.get(row_id, 0)
-        if old == "processing" and new == "processing" and new_v == old_v:  # heartbeat: lease extended
+        if old == "processing" and new == "processing" and new_v == old_v:  # the lease keeper extended the lease
             counts["processing->processing (lease extended)"] += 1
             if new_owner != old_owner:
                 violations.append(f"seq {seq} id {row_id}: lease extension changed owner {old_owner} -> {new_owner}")

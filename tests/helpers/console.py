@@ -87,7 +87,7 @@ def running_console(settings: Settings) -> Iterator[str]:
         uvicorn_config,
     )
     from outbox_relay.operator.console.sources import ConsoleSources
-    from outbox_relay.runtime.sources import uses_sources
+    from outbox_relay.sources import uses_sources
 
     # Several sources: served whole, each source's store opened on first use (as the
     # `outbox-relay console` command does without --source).

@@ -1,7 +1,7 @@
 """Memory bounded by bytes, not rows, against a real PostgreSQL and the real broker:
 a claim stops at relay.max_batch_bytes, a single larger row is claimed alone and
 delivered, a row above kafka.message_max_bytes goes dead without being fetched,
-workers wait for the in-flight budget instead of failing, and a full producer queue
+workers wait for the byte budget instead of failing, and a full producer queue
 is waited out."""
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_t
     """A bug while building a batch on the Submitter's thread surfaces in the worker that
     handed it over (the thread ends, /healthz reports it) and the batch's bytes go back to
     the process budget, as when the worker built the batch itself."""
-    from outbox_relay.core.budget import InFlightBudget
+    from outbox_relay.core.budget import ByteBudget
     from outbox_relay.observability.metrics import RelayMetrics
     from outbox_relay.runtime import worker as worker_module
     from outbox_relay.runtime.submitter import Submitter
@@ -172,7 +172,7 @@ def test_a_batch_that_fails_on_the_submitter_thread_fails_its_worker_and_gives_t
     insert_rows(pg_dsn, table, 5)
     settings = make_settings()
     publisher = PipeliningPublisher()
-    budget = InFlightBudget(settings.relay.max_in_flight_bytes)
+    budget = ByteBudget(settings.relay.max_in_flight_bytes)
     submitter = Submitter()
 
     def broken(*_args, **_kwargs):

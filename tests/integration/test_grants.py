@@ -1,7 +1,7 @@
 """Least privilege: ``outbox-relay grants`` prints what each role needs, and it is enough.
 
 Three non-owner roles get exactly the printed statements (applied by the table's
-owner). Then: the relay drains as its role (claims, heartbeats, finalizes, wake-ups,
+owner). Then: the relay drains as its role (claims, lease extensions, finalizes, wake-ups,
 gauges); the operator commands work as theirs; the writer can enqueue (plain,
 ``ordered=True``, ``dedup_key``) but can neither change a row's status or lease nor
 read other rows' contents.
@@ -125,7 +125,7 @@ def test_printed_grants_are_exactly_enough(
                 pytest.fail(f"the writer could {what}")
     written = [plain, ordered, first]
 
-    # --- relay: drains as its role (claims, heartbeat, finalize, wake-ups, gauges) ------
+    # --- relay: drains as its role (claims, lease extension, finalize, wake-ups, gauges) ------
     backlog = insert_rows(pg_dsn, table, 200)
     settings = make_settings(
         database={"dsn": as_role(pg_dsn, roles["relay"])},

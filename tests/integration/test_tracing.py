@@ -26,11 +26,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from outbox_relay import enqueue
 from outbox_relay._embedded.embedded import read_messages
+from outbox_relay.core.batch_result import BatchResult
 from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.observability.otel import OtelTracing
 from outbox_relay.publisher import Message, SimplePublisher, load_publisher
 from outbox_relay.publishers.http import HttpPublisher
-from outbox_relay.runtime.finalizer import BatchResult
 from outbox_relay.runtime.worker import Worker, WorkerConfig
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import run_sql, statuses, wait_for

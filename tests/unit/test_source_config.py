@@ -7,7 +7,7 @@ import pytest
 
 from outbox_relay.config import load_settings
 from outbox_relay.errors import ConfigError
-from outbox_relay.runtime.sources import settings_for, source_settings, static_sources, uses_sources
+from outbox_relay.sources import settings_for, source_settings, static_sources, uses_sources
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def test_a_source_lease_must_outlast_the_shared_producer_timeout():
 
 
 def test_discovered_source_takes_the_discovery_dsn_with_its_database_name():
-    from outbox_relay.runtime.sources import discovered_source
+    from outbox_relay.sources import discovered_source
 
     settings = load_settings(
         None,

@@ -371,7 +371,7 @@ UNION ALL
 SELECT id FROM updated
 
 -- name: extend_lease
--- Heartbeat: push the deadline of rows this claim still owns. {strict}: under the
+-- The lease keeper: push the deadline of rows this claim still owns. {strict}: under the
 -- strict policy an expired lease is not revived (the owner could then finalize).
 -- coalesce(...): rows by primary key, never the processing index (see "finalize").
 UPDATE {table} AS o
@@ -379,6 +379,13 @@ SET lease_until = now() + make_interval(secs => %(lease_seconds)s)
 FROM unnest(%(ids)s::bigint[], %(versions)s::bigint[]) AS f(id, version)
 WHERE o.id = f.id AND coalesce(o.status = 'processing', false) AND o.lease_version = f.version {strict}
 RETURNING o.id
+
+-- name: has_due_rows
+-- Is a row claimable now (a due pending row or an expired lease)? Two index probes:
+-- the front of the pending index and the front of the processing index. A process
+-- serving many sources asks each idle one this instead of listening on it.
+SELECT EXISTS (SELECT 1 FROM {table} WHERE status = 'pending' AND available_at <= now())
+    OR EXISTS (SELECT 1 FROM {table} WHERE status = 'processing' AND lease_until < now())
 
 -- name: status_of
 SELECT id, status FROM {table} WHERE id = ANY(%(ids)s)
@@ -403,7 +410,7 @@ SELECT pg_advisory_xact_lock(hashtextextended(%(lock_key)s, 0))
 --   the planner expects a few hundred pending rows and prefers a bitmap scan of ALL
 --   of them plus a sort: every claim then read, sized and sorted the whole backlog
 --   (243 ms per claim at a 300 000-row backlog instead of 8 ms), a quadratic drain.
--- - the finalize (and the heartbeat's extend_lease, the same join) reads the processing
+-- - the finalize (and the lease keeper's extend_lease, the same join) reads the processing
 --   index with an index scan, never a bitmap scan
 --   (see "finalize").
 -- - neither reads the whole table (enable_seqscan = off): the claim's UPDATE finds its

@@ -13,7 +13,7 @@
 GRANT CONNECT ON DATABASE {database} TO {role}
 
 -- name: grant_relay
--- `run`: claim, heartbeat and finalize change only the delivery columns, never what
+-- `run`: claim, lease extension and finalize change only the delivery columns, never what
 -- the application wrote. SELECT ... FOR UPDATE needs UPDATE on one column, which this
 -- gives. DELETE: the one finalize statement deletes delivered rows when the table's
 -- mode is on_done = delete, and PostgreSQL checks the privilege even when the keep

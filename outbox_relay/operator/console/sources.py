@@ -24,8 +24,8 @@ from ...core.ordering import OrderingRule
 from ...db.store import OutboxStore
 from ...db.vacuum_health import HorizonClock
 from ...errors import DatabaseError
-from ...runtime.sources import discovered_source, list_databases, settings_for, uses_sources
 from ...source_config import DEFAULT_SOURCE
+from ...sources import discovered_source, list_databases, settings_for, uses_sources
 
 StoreFactory = Callable[[Settings], OutboxStore]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from outbox_relay.core.budget import InFlightBudget
+from outbox_relay.core.budget import ByteBudget
 from tests.helpers.wait import wait_for
 
 
@@ -19,7 +19,7 @@ class Gauge:
 
 def test_reservations_resize_and_release():
     gauge = Gauge()
-    budget = InFlightBudget(100, gauge)
+    budget = ByteBudget(100, gauge)
     assert budget.try_reserve(60) and budget.used_bytes == 60 and gauge.value == 60
     assert not budget.try_reserve(50)  # 110 > 100
     budget.resize(60, 30)  # the claim returned less than reserved
@@ -30,7 +30,7 @@ def test_reservations_resize_and_release():
 
 
 def test_an_empty_budget_grants_any_size_so_one_huge_row_can_pass():
-    budget = InFlightBudget(100)
+    budget = ByteBudget(100)
     assert budget.try_reserve(1_000)
     assert not budget.try_reserve(1)
     budget.release(1_000)
@@ -38,7 +38,7 @@ def test_an_empty_budget_grants_any_size_so_one_huge_row_can_pass():
 
 
 def test_reserve_waits_for_a_release_and_stops_on_request():
-    budget = InFlightBudget(100)
+    budget = ByteBudget(100)
     assert budget.try_reserve(90)
     got: list[bool] = []
     waiter = threading.Thread(target=lambda: got.append(budget.reserve(50, threading.Event())))

@@ -4,7 +4,7 @@ filter narrows the samples."""
 from __future__ import annotations
 
 from outbox_relay.observability.metrics import RelayMetrics
-from outbox_relay.runtime.multi import PER_SOURCE_FAMILIES, SourcesMetrics
+from outbox_relay.observability.sources_metrics import PER_SOURCE_FAMILIES, SourcesMetrics
 
 
 def test_every_per_outbox_family_is_shown_per_source_and_name_filters_samples():

@@ -1,4 +1,4 @@
-"""Lease heartbeat: a batch whose delivery runs long keeps its lease; a batch whose
+"""The lease keeper: a batch whose delivery runs long keeps its lease; a batch whose
 lease was taken over stops waiting and counts its lost leases."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_slow_delivery_extends_the_lease(make_settings, store, pg_dsn, table, ow
 def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn, table, own_broker):
     settings = make_settings(
         kafka={"bootstrap_servers": own_broker.bootstrap_servers, "delivery_timeout_seconds": 50},
-        relay={"lease_seconds": 60, "workers": 1, "heartbeat_after_fraction": 0.05},
+        relay={"lease_seconds": 60, "workers": 1, "lease_extend_after_fraction": 0.05},
     )
     relay = Relay(settings)
     relay.start()
@@ -76,8 +76,8 @@ def test_lost_lease_during_delivery_stops_the_wait(make_settings, store, pg_dsn,
     assert {r[0] for r in rows(pg_dsn, table, "lease_owner")} == {"successor"}
 
 
-def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn, table):
-    from outbox_relay.runtime.heartbeat import LeaseKeeper
+def test_strict_policy_lease_keeper_does_not_revive_an_expired_lease(store, pg_dsn, table):
+    from outbox_relay.runtime.lease_keeper import LeaseKeeper
 
     insert_rows(pg_dsn, table, 2)
     claimed = store.claim(owner="A", batch=10, lease_seconds=0.2, max_attempts=5).rows
@@ -96,9 +96,9 @@ def test_strict_policy_heartbeat_does_not_revive_an_expired_lease(store, pg_dsn,
 
 def test_extension_racing_the_batch_finalize_does_not_judge_its_rows_lost(store, pg_dsn, table):
     """The keeper picks a due batch, then its worker untracks and finalizes it before the
-    extension's UPDATE runs (the interleaving of a heartbeat tick with a batch that just
+    extension's UPDATE runs (the interleaving of a lease keeper's step with a batch that just
     finished). The rows were finalized by their own claim: not lost, no cancel."""
-    from outbox_relay.runtime.heartbeat import LeaseKeeper
+    from outbox_relay.runtime.lease_keeper import LeaseKeeper
 
     insert_rows(pg_dsn, table, 3)
     claimed = store.claim(owner="A", batch=10, lease_seconds=30, max_attempts=5).rows

@@ -14,9 +14,10 @@ from typing import Any
 import psycopg
 from pydantic import SecretStr
 
-from ..config import Settings
-from ..errors import ConfigError, DatabaseUnavailable
-from ..source_config import DATABASE_OVERRIDES, DEFAULT_SOURCE, KAFKA_OVERRIDES, RELAY_OVERRIDES, SourceSettings
+from .config import Settings
+from .db.discovery import list_databases as discover_databases
+from .errors import ConfigError
+from .source_config import DATABASE_OVERRIDES, DEFAULT_SOURCE, KAFKA_OVERRIDES, RELAY_OVERRIDES, SourceSettings
 
 
 def uses_sources(settings: Settings) -> bool:
@@ -54,24 +55,13 @@ def discovered_source(settings: Settings, database: str) -> SourceSettings:
 def list_databases(settings: Settings, *, connect_timeout_seconds: float | None = None) -> list[str]:
     """Names of the cluster's databases matching ``discovery.database_pattern``
     (that accept connections; templates excluded), sorted."""
-    from ..db.store import redact_dsn
-
     assert settings.discovery.dsn is not None
-    dsn = settings.discovery.dsn.get_secret_value()
     timeout = connect_timeout_seconds or settings.database.connect_timeout_seconds
-    try:
-        with psycopg.connect(
-            dsn, autocommit=True, connect_timeout=max(1, round(timeout)), application_name="outbox-relay-discovery"
-        ) as conn:
-            rows = conn.execute(
-                "SELECT datname FROM pg_database WHERE datname LIKE %s AND datallowconn AND NOT datistemplate "
-                "ORDER BY datname",
-                (settings.discovery.database_pattern,),
-            ).fetchall()
-    except psycopg.Error as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise DatabaseUnavailable(f"discovery: cannot list the databases: {redact_dsn(first, dsn)}") from None
-    return [str(row[0]) for row in rows]
+    return discover_databases(
+        settings.discovery.dsn.get_secret_value(),
+        settings.discovery.database_pattern,
+        connect_timeout_seconds=timeout,
+    )
 
 
 def static_sources(settings: Settings) -> dict[str, Settings]:

@@ -1,7 +1,7 @@
 """LeaseKeeper: extends the leases of batches whose delivery takes longer than expected.
 
 One thread per relay process (a relay serving many sources runs every source's keeper
-from one thread of its own instead: ``multi.py``). A worker registers its batch before
+from one thread of its own instead: ``source_services.LeaseRounds``). A worker registers its batch before
 publishing and unregisters it before finalizing. Once a batch has been in flight for
 ``extend_after_fraction`` of its lease, the keeper extends the lease of the rows the
 batch still owns with a fenced update (``status = 'processing' AND lease_version =
@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from ..config import Settings
 from ..core.service import PeriodicService
 from ..db.store import OutboxStore
 from ..errors import DatabaseError
 from ..model import Claimed
 
-log = structlog.get_logger("outbox_relay.heartbeat")
+log = structlog.get_logger("outbox_relay.lease_keeper")
 
 
 @dataclass(eq=False)
-class InFlight:
+class LeasedBatch:
     rows: Sequence[Claimed]
     owner: str
     extended_at: float = field(default_factory=time.monotonic)
@@ -58,21 +59,32 @@ class LeaseKeeper(PeriodicService):
         self._lease = lease_seconds
         self._after = lease_seconds * extend_after_fraction
         self._lock = threading.Lock()
-        self._batches: set[InFlight] = set()
+        self._batches: set[LeasedBatch] = set()
 
-    def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> InFlight:
-        batch = InFlight(rows=rows, owner=owner)
+    @classmethod
+    def from_settings(cls, store: OutboxStore, settings: Settings) -> LeaseKeeper:
+        """The keeper of one source's leases, as its ``relay.*`` settings configure it."""
+        r = settings.relay
+        return cls(
+            store,
+            lease_seconds=r.lease_seconds,
+            extend_after_fraction=r.lease_extend_after_fraction,
+            strict=r.strict_lease,
+        )
+
+    def track(self, rows: Sequence[Claimed], owner: str, *, max_seconds: float | None = None) -> LeasedBatch:
+        batch = LeasedBatch(rows=rows, owner=owner)
         if max_seconds is not None:
             batch.extend_until = time.monotonic() + max_seconds
         with self._lock:
             self._batches.add(batch)
         return batch
 
-    def untrack(self, batch: InFlight) -> None:
+    def untrack(self, batch: LeasedBatch) -> None:
         with self._lock:
             self._batches.discard(batch)
 
-    def _due(self, batch: InFlight, now: float) -> bool:
+    def _due(self, batch: LeasedBatch, now: float) -> bool:
         return now - batch.extended_at >= self._after and not batch.cancel.is_set() and now < batch.extend_until
 
     def has_due(self, now: float | None = None) -> bool:
