@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from .._version import __version__
 from ..config import Settings, load_settings, parse_duration
 from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
 from ..core.ordering import OrderingRule
@@ -37,15 +38,14 @@ from .operations import (
 app = typer.Typer(
     name="outbox-relay",
     help="Deliver a PostgreSQL transactional outbox to Kafka, at least once.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-dead_app = typer.Typer(help="Inspect and repair dead rows.", no_args_is_help=True)
+dead_app = typer.Typer(help="Inspect and repair dead rows.")
 app.add_typer(dead_app, name="dead")
-aggregate_app = typer.Typer(help="Inspect one aggregate.", no_args_is_help=True)
+aggregate_app = typer.Typer(help="Inspect one aggregate.")
 app.add_typer(aggregate_app, name="aggregate")
-audit_app = typer.Typer(help="The operators' retry/skip trail.", no_args_is_help=True)
+audit_app = typer.Typer(help="The operators' retry/skip trail.")
 app.add_typer(audit_app, name="audit")
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
@@ -107,6 +107,50 @@ def _store(settings: Settings) -> Iterator[Any]:
             yield store
         finally:
             store.close()
+
+
+def _require_subcommand(ctx: typer.Context) -> None:
+    """A group run without its subcommand: the usage on stderr, then one line naming the
+    choices, exit 2 (as argparse does for a missing sub-command), never a bare help page
+    followed by an empty error."""
+    if ctx.invoked_subcommand is not None or ctx.resilient_parsing:
+        return
+    group: Any = ctx.command
+    choices = [name for name in group.list_commands(ctx) if not group.get_command(ctx, name).hidden]
+    typer.echo(ctx.get_usage(), err=True)
+    _fail(f"`{ctx.command_path}` needs a command: one of {', '.join(choices)} (see `{ctx.command_path} --help`)", 2)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"outbox-relay {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    _require_subcommand(ctx)
+
+
+@dead_app.callback(invoke_without_command=True)
+def _dead(ctx: typer.Context) -> None:
+    _require_subcommand(ctx)
+
+
+@aggregate_app.callback(invoke_without_command=True)
+def _aggregate(ctx: typer.Context) -> None:
+    _require_subcommand(ctx)
+
+
+@audit_app.callback(invoke_without_command=True)
+def _audit(ctx: typer.Context) -> None:
+    _require_subcommand(ctx)
 
 
 def _progress(total: int, label: str) -> Callable[[int], None]:
@@ -807,7 +851,7 @@ def demo(
 
 def main() -> None:
     try:
-        result = app(standalone_mode=False)
+        result = app(standalone_mode=False, prog_name="outbox-relay")
     except KeyboardInterrupt:
         sys.exit(130)
     except typer.Exit as exc:
