@@ -21,8 +21,9 @@ import structlog
 from ..config import Settings
 from ..core.breaker import CircuitBreaker
 from ..core.budget import InFlightBudget
+from ..core.startup import startup_gave_up
 from ..db.store import OutboxStore
-from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
+from ..errors import ConfigError
 from ..observability.metrics import MetricsServer, RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..observability.tracing_factory import make_tracing
@@ -182,11 +183,7 @@ class Relay:
             waited_before = True
             waited = time.monotonic() - started
             if timeout > 0 and waited >= timeout:
-                if "database" in problems:
-                    if problems["database"].startswith("table "):
-                        raise SchemaMissing(problems["database"])
-                    raise DatabaseUnavailable(problems["database"])
-                raise BrokerUnavailable(problems["target"])
+                raise startup_gave_up(problems, timeout)  # every dependency still down, one line
             if self._stop_claiming.is_set():
                 return False
             log.warning(
