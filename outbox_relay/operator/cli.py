@@ -209,6 +209,16 @@ def migrate(
     all_sources: Annotated[
         bool, typer.Option("--all-sources", help="Migrate every configured and discovered source, one after the other.")
     ] = False,
+    recreate_from_id: Annotated[
+        int | None,
+        typer.Option(
+            "--recreate-from-id",
+            min=1,
+            help="The outbox table was dropped but its migration record kept: recreate it, its ids starting at N "
+            "(above the highest id the dropped table used, so consumers deduplicating by message id take new rows "
+            "as new). Does nothing while the table exists.",
+        ),
+    ] = None,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
@@ -218,6 +228,8 @@ def migrate(
     if all_sources:
         if source is not None:
             _fail("--source and --all-sources exclude each other", 2)
+        if recreate_from_id is not None:
+            _fail("--recreate-from-id names one table: use it with --source, not --all-sources", 2)
         _migrate_all(settings, config, no_notify_trigger, drop_ordering_indexes)
         return
     settings = _for_source(settings, source)
@@ -231,6 +243,7 @@ def migrate(
             on_done=settings.relay.on_done,
             drop_ordering_indexes=drop_ordering_indexes,
             autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
+            recreate_from_id=recreate_from_id,
         )
     for note in notes:
         typer.echo(f"  {note}")
@@ -254,6 +267,7 @@ def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool
                 drop_ordering_indexes=drop_ordering_indexes,
                 source=name,
                 all_sources=False,
+                recreate_from_id=None,
             )
         except typer.Exit as exc:
             if exc.exit_code:
