@@ -83,6 +83,13 @@ class DatabaseSettings(_Section):
         description="Connections in the relay's pool; 0 = workers + 4 "
         "(claims and finalizes, lease keeper, gauges, /readyz).",
     )
+    pool_max_idle_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="A pool (per source) that grew past one connection is back to one within this long after its "
+        "last busy moment: psycopg_pool closes at most one connection per check, one that stayed unused for a "
+        "whole period, so its max_idle is set to this divided by the pool's size.",
+    )
     connect_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one connection attempt.")
     statement_timeout_ms: int = Field(
         default=10_000,
