@@ -257,3 +257,65 @@ def apply(run: MigrationRun) -> list[int]:
     for every_run in EVERY_RUN:
         every_run(run)
     return applied
+
+
+# --- the SQL of a fresh installation, for migration tools (migrate --print-sql) --------
+
+
+def _render(statement: sql.Composable, params: Mapping[str, Any] | None = None) -> str:
+    """One statement as text, its parameters written in as literals."""
+    text = statement.as_string(None)
+    if params is not None:
+        for name, value in params.items():
+            text = text.replace(f"%({name})s", sql.Literal(value).as_string(None))
+        text = text.replace("%%", "%")
+    return text.strip() + ";"
+
+
+def fresh_install_sql(
+    table_sql: TableSql,
+    *,
+    on_done: str,
+    notify_trigger: bool,
+    wanted_indexes: Sequence[str],
+    autovacuum: Mapping[str, str],
+) -> list[str]:
+    """The statements ``migrate`` runs on a database without the table, in its order:
+    the schema, the record, every numbered step as it creates a new table (indexes built
+    in the same transaction: the table is empty), the steps recorded, then the
+    every-run steps as they come out on a new table. Nothing is read from a database.
+    The same named sections as ``apply``; tests/acceptance/test_migrate_cli.py checks
+    that a database set up from this text is one ``migrate`` has nothing to do on."""
+    if on_done not in ("keep", "delete"):
+        raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
+    out: list[str] = []
+    if table_sql.schema_name:
+        out.append(_render(table_sql.query("create_schema")))
+    out.append(_render(table_sql.query("create_migrations_table")))
+    # Step 1 on a new table: the table (with its fillfactor) and the layout's indexes.
+    out.append(_render(table_sql.query("create_table")))
+    out += [_render(table_sql.index_ddl(key, concurrently=False)) for key in wanted_indexes]
+    # Step 2 adds dedup_key to older tables: a new table has it. Step 3: the state table
+    # (created with its on_done column). Steps 4 to 6: the companion tables and columns.
+    out += [_render(statement) for statement in table_sql.statements("create_state_table")]
+    out.append(_render(table_sql.query("create_audit_table")))
+    out.append(_render(table_sql.query("create_dedup_keys")))
+    out.append(_render(table_sql.query("add_autovacuum_applied")))
+    out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
+    # Every-run steps on a new table: the autovacuum parameters and their record, the
+    # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).
+    changes, record, _kept = plan({}, {}, check_overrides(autovacuum))
+    for change in changes:
+        parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
+        if change.value is not None:
+            out.append(
+                _render(table_sql.query("set_storage_parameter", parameter=parameter, value=sql.Literal(change.value)))
+            )
+    if record:
+        out.append(_render(table_sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)}))
+    if on_done != "keep":  # the state table's default mode is keep
+        out.append(_render(table_sql.query("set_on_done"), {"on_done": on_done}))
+    if notify_trigger:
+        out.append(_render(table_sql.query("create_notify_function")))
+        out.append(_render(table_sql.query("create_notify_trigger")))
+    return out

@@ -209,6 +209,24 @@ def migrate(
     all_sources: Annotated[
         bool, typer.Option("--all-sources", help="Migrate every configured and discovered source, one after the other.")
     ] = False,
+    print_sql: Annotated[
+        bool,
+        typer.Option(
+            "--print-sql",
+            help="Connect to nothing: print the SQL migrate runs on a database without the table (the whole schema, "
+            "with the configured table, relay.on_done, ordering indexes, autovacuum and --no-notify-trigger), to "
+            "review it or apply it with a migration tool (Flyway, Alembic, Liquibase) in one transaction.",
+        ),
+    ] = False,
+    relay_role: Annotated[
+        str | None, typer.Option("--relay", help="With --print-sql: also the GRANTs of the role that runs the relay.")
+    ] = None,
+    operator_role: Annotated[
+        str | None, typer.Option("--operator", help="With --print-sql: also the GRANTs of the operators' role.")
+    ] = None,
+    writer_role: Annotated[
+        str | None, typer.Option("--writer", help="With --print-sql: also the GRANTs of the application's role.")
+    ] = None,
     recreate_from_id: Annotated[
         int | None,
         typer.Option(
@@ -225,6 +243,19 @@ def migrate(
     The ordering indexes are created when relay.ordered_event_types is set; the table's
     mode is set to relay.on_done."""
     settings = _settings(config)
+    roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
+    if print_sql:
+        for flag, given in (
+            ("--all-sources", all_sources),
+            ("--drop-ordering-indexes", drop_ordering_indexes),
+            ("--recreate-from-id", recreate_from_id is not None),
+        ):
+            if given:
+                _fail(f"--print-sql prints the schema of one new table: {flag} does not apply", 2)
+        _print_migration_sql(_for_source(settings, source), no_notify_trigger, roles)
+        return
+    if any(roles.values()):
+        _fail("--relay, --operator and --writer go with --print-sql (`outbox-relay grants` prints the grants)", 2)
     if all_sources:
         if source is not None:
             _fail("--source and --all-sources exclude each other", 2)
@@ -250,6 +281,38 @@ def migrate(
     typer.echo(f"migrated {settings.database.table}")
 
 
+def _print_migration_sql(settings: Settings, no_notify_trigger: bool, roles: dict[str, str | None]) -> None:
+    """migrate --print-sql: the statements of a fresh installation, then the grants asked for."""
+    from ..db.migrations import fresh_install_sql
+    from ..db.schema import BASE_INDEXES, ORDERING_INDEXES, TableSql
+
+    ordering = bool(settings.relay.ordered_event_types)
+    table = settings.database.table
+    try:
+        statements = fresh_install_sql(
+            TableSql(table),
+            on_done=settings.relay.on_done,
+            notify_trigger=not no_notify_trigger,
+            wanted_indexes=[*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())],
+            autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
+        )
+    except ValueError as exc:
+        _fail(f"database.autovacuum: {exc}", 2)
+        raise
+    header = [
+        f"-- outbox-relay {__version__}: what `outbox-relay migrate` runs on a database without {table}",
+        f"-- (relay.on_done = {settings.relay.on_done}; ordering indexes: {'yes' if ordering else 'no'}; "
+        f"wake-up trigger: {'no' if no_notify_trigger else 'yes'}).",
+        "-- Apply it as the table's owner in ONE transaction (psql --single-transaction -f FILE, or as one",
+        "-- migration of your tool): on a database that already has the table it fails at the migration record",
+        "-- and changes nothing. A later version's changes are new numbered steps that `outbox-relay migrate`",
+        "-- applies; --print-sql prints a fresh installation only.",
+    ]
+    typer.echo("\n".join([*header, *statements]))
+    if any(roles.values()):
+        typer.echo("\n".join(_grant_lines(settings, roles, before="apply the statements above first")))
+
+
 def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool, drop_ordering_indexes: bool) -> None:
     """migrate --all-sources: every source in turn; one that fails does not stop the others
     (exit 1 at the end naming them)."""
@@ -267,6 +330,10 @@ def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool
                 drop_ordering_indexes=drop_ordering_indexes,
                 source=name,
                 all_sources=False,
+                print_sql=False,
+                relay_role=None,
+                operator_role=None,
+                writer_role=None,
                 recreate_from_id=None,
             )
         except typer.Exit as exc:
@@ -805,13 +872,22 @@ def grants(
     all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
     the table's owner. Nothing is executed: pipe the output to psql as the owner."""
     settings = _for_source(_settings(config), source)
+    roles: dict[str, str | None] = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
+    if not any(roles.values()):
+        roles = {kind: f"outbox_{kind}" for kind in roles}
+    typer.echo("\n".join(_grant_lines(settings, roles)))
+
+
+def _grant_lines(
+    settings: Settings,
+    roles: dict[str, str | None],
+    before: str = "run `outbox-relay migrate` as the table's owner first",
+) -> list[str]:
+    """The GRANT statements of each role given (kind -> role), with a comment per role."""
     from psycopg import sql
 
     from ..db.schema import TableSql
 
-    roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
-    if not any(roles.values()):
-        roles = {kind: f"outbox_{kind}" for kind in roles}
     try:
         import psycopg
 
@@ -820,10 +896,7 @@ def grants(
         database = None
     table_sql = TableSql(settings.database.table)
     where = "" if "." in settings.database.table else " (unqualified: schema public assumed)"
-    lines = [
-        f"-- outbox-relay grants for {settings.database.table}{where}; "
-        "run `outbox-relay migrate` as the table's owner first"
-    ]
+    lines = [f"-- outbox-relay grants for {settings.database.table}{where}; {before}"]
     for kind, role in roles.items():
         if not role:
             continue
@@ -846,7 +919,7 @@ def grants(
                 " ".join(statement.as_string(None).split()) + ";"
                 for statement in table_sql.statements("grant_read_all_stats", {"role": sql.Identifier(role)})
             ]
-    typer.echo("\n".join(lines))
+    return lines
 
 
 # --- demo ------------------------------------------------------------------------------
