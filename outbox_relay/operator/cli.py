@@ -1,8 +1,8 @@
 """``outbox-relay`` command line (typer). Thin: parse, load settings, call the library.
 
 Exit codes: 0 success; 1 a runtime failure (database or broker unreachable, rows
-not found); 2 bad configuration or usage. Errors are one line on stderr, never a
-traceback.
+not found); 2 bad configuration or usage; 130 interrupted (Ctrl-C). Errors are one
+line on stderr, never a traceback (docs/reference/logs-and-exit-codes.md).
 """
 
 from __future__ import annotations
