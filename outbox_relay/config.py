@@ -88,6 +88,13 @@ class DatabaseSettings(_Section):
         description="Connections in the relay's pool; 0 = workers + 4 "
         "(claims and finalizes, lease keeper, gauges, /readyz).",
     )
+    pool_max_idle_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="A pool (per source) that grew past one connection is back to one within this long after its "
+        "last busy moment: psycopg_pool closes at most one connection per check, one that stayed unused for a "
+        "whole period, so its max_idle is set to this divided by the pool's size.",
+    )
     connect_timeout_seconds: float = Field(default=5.0, gt=0, description="Timeout of one connection attempt.")
     statement_timeout_ms: int = Field(
         default=10_000,
@@ -776,6 +783,7 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
         path = Path(path_text)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
+        check_toml_file(path)
     _CURRENT_TOML["path"] = path
     check_environment(os.environ)
     try:
@@ -788,6 +796,35 @@ def load_settings(config_file: str | os.PathLike[str] | None = None, **overrides
         raise ConfigError(describe_validation_error(exc)) from None
     finally:
         _CURRENT_TOML["path"] = None
+
+
+_TOML_POSITION_RE = re.compile(r"^(?P<problem>.*) \(at line (?P<line>\d+), column (?P<column>\d+)\)$", re.DOTALL)
+
+
+def check_toml_file(path: Path) -> None:
+    """Refuse a file TOML cannot read with one line naming the file and, as TOML reports
+    them, the line and column (pydantic-settings would report the problem without the file)."""
+    import tomllib
+
+    try:
+        with path.open("rb") as stream:
+            tomllib.load(stream)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib writes the position into its message: "<problem> (at line L, column C)".
+        message = " ".join(str(exc).split())
+        position = _TOML_POSITION_RE.match(message)
+        if position is None:  # "... (at end of document)" and other shapes: as TOML says it
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {message}") from None
+        raise ConfigError(
+            f"config file {str(path)!r}, line {position['line']}, column {position['column']}: "
+            f"not valid TOML: {position['problem']}"
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}): TOML files are UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
 
 
 ENV_PREFIX = "OUTBOX_RELAY_"

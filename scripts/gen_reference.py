@@ -135,8 +135,12 @@ def cli_reference() -> str:
         "`OUTBOX_RELAY_*` environment variables and the defaults "
         "([configuration reference](configuration.md)). Exit codes: 0 success; 1 a runtime failure "
         "(database or broker unreachable, table missing, unknown or not-dead ids) with one line on "
-        "stderr; 2 bad configuration or usage, one line naming the setting, variable or argument "
-        "([log fields and exit codes](logs-and-exit-codes.md)).",
+        "stderr; 2 bad configuration or usage, one line naming the setting, variable or argument; "
+        "130 interrupted (Ctrl-C) ([log fields and exit codes](logs-and-exit-codes.md)).",
+        "",
+        "`outbox-relay --version` prints `outbox-relay VERSION` and exits 0. A command group run "
+        "without its command (`outbox-relay dead`) prints its usage and one line naming the "
+        "commands to choose from on stderr, and exits 2.",
         "",
     ]
     commands = list(_walk(root, "outbox-relay"))

@@ -38,6 +38,7 @@ class MigrateOps(StoreCore):
         drop_ordering_indexes: bool = False,
         lock_wait_seconds: float = 600.0,
         autovacuum: Mapping[str, str] | None = None,
+        recreate_from_id: int | None = None,
     ) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
@@ -48,7 +49,9 @@ class MigrateOps(StoreCore):
         (relay.on_done) becomes the table's mode, which every relay's finalize reads.
         ``autovacuum`` (database.autovacuum): the operator's autovacuum parameters; the
         queue defaults of autovacuum.py fill in the rest without overwriting a value
-        of the table's own.
+        of the table's own. ``recreate_from_id``: a table dropped while its migration
+        record was kept is recreated, its ids starting there; without it such a table is
+        refused (SchemaMissing naming the option: see migrations.py).
         Layout changes are numbered steps applied once per table and recorded with it;
         what depends on this run's options runs every time (db/migrations.py states the
         rule). Returns notes for the operator (one line each)."""
@@ -81,6 +84,7 @@ class MigrateOps(StoreCore):
                             notify_trigger=notify_trigger,
                             wanted=wanted,
                             autovacuum=autovacuum or {},
+                            recreate_from_id=recreate_from_id,
                         )
                         break
                     except pg_errors.LockNotAvailable:
@@ -105,6 +109,7 @@ class MigrateOps(StoreCore):
         notify_trigger: bool,
         wanted: Sequence[str],
         autovacuum: Mapping[str, str],
+        recreate_from_id: int | None,
     ) -> list[str]:
         """The transactional part of migrate (db/migrations.py: the numbered steps not yet
         recorded for this table, then the every-run steps), under a lock timeout; it is
@@ -118,6 +123,7 @@ class MigrateOps(StoreCore):
                 notify_trigger=notify_trigger,
                 wanted_indexes=wanted,
                 autovacuum=autovacuum,
+                recreate_from_id=recreate_from_id,
             )
             migrations.apply(run)
         return run.notes

@@ -36,6 +36,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from ..errors import SchemaMissing
 from .autovacuum import check_overrides, parse_reloptions, plan
 from .schema import FILLFACTOR, TableSql
 
@@ -51,6 +52,9 @@ class MigrationRun:
     notify_trigger: bool
     wanted_indexes: Sequence[str]
     autovacuum: Mapping[str, str] = field(default_factory=dict)  # database.autovacuum: the operator's values
+    #: migrate --recreate-from-id: recreate a dropped outbox table whose record is kept,
+    #: its ids starting here (None: such a table is refused, see apply).
+    recreate_from_id: int | None = None
     created: bool = False  # the outbox table did not exist when this run started
     notes: list[str] = field(default_factory=list)
 
@@ -199,6 +203,22 @@ EVERY_RUN: tuple[Callable[[MigrationRun], None], ...] = (
 )
 
 
+def _forget_dropped_table(run: MigrationRun, done: set[int]) -> None:
+    """The record lists steps but the outbox table is gone (dropped by hand, its record
+    kept). Recreating it is safe only with ids after every id the dropped table used: a
+    new table would count from 1 again, and a consumer that deduplicates by message id
+    (the inbox) would skip each new row whose id an old one had. Only the operator
+    knows that bound, so migrate recreates the table only when given it."""
+    if run.recreate_from_id is None:
+        raise SchemaMissing(
+            f"table {run.sql.regclass_text} does not exist but {run.sql.regclass_of('migrations')} records "
+            f"{len(done)} migration steps applied to it (the table was dropped, its record kept): recreate it "
+            "with `outbox-relay migrate --recreate-from-id N`, N above the highest id the dropped table used "
+            "(the last message_id your consumers saw; 1 if no consumer deduplicates by message id)"
+        )
+    run.conn.execute(run.sql.query("forget_migrations"))
+
+
 def apply(run: MigrationRun) -> list[int]:
     """Bring the table up to the last step, then run the every-run steps; returns the
     numbers of the steps applied now. The caller holds the advisory lock and the
@@ -211,6 +231,10 @@ def apply(run: MigrationRun) -> list[int]:
     run.created = not run.one("table_exists", {"table": table_sql.regclass_text})
     conn.execute(table_sql.query("create_migrations_table"))
     done = {int(row[0]) for row in conn.execute(table_sql.query("migrations_applied")).fetchall()}
+    recreated = run.created and bool(done)
+    if recreated:
+        _forget_dropped_table(run, done)
+        done = set()
     applied: list[int] = []
     for step in steps:
         if step.number in done:
@@ -218,6 +242,14 @@ def apply(run: MigrationRun) -> list[int]:
         step.apply(run)
         conn.execute(table_sql.query("record_migration"), {"step": step.number, "name": step.name})
         applied.append(step.number)
+    if recreated:
+        assert run.recreate_from_id is not None  # _forget_dropped_table refused otherwise
+        conn.execute(table_sql.query("restart_ids", first_id=sql.Literal(run.recreate_from_id)))
+        conn.execute(table_sql.query("forget_autovacuum_applied"))
+        run.notes.append(
+            f"recreated {table_sql.regclass_text} (dropped; its migration record was kept), "
+            f"ids from {run.recreate_from_id}"
+        )
     if applied and not run.created and done:
         run.notes.append(
             "applied migration steps " + ", ".join(f"{s.number:04d} {s.name}" for s in steps if s.number in applied)
@@ -225,3 +257,65 @@ def apply(run: MigrationRun) -> list[int]:
     for every_run in EVERY_RUN:
         every_run(run)
     return applied
+
+
+# --- the SQL of a fresh installation, for migration tools (migrate --print-sql) --------
+
+
+def _render(statement: sql.Composable, params: Mapping[str, Any] | None = None) -> str:
+    """One statement as text, its parameters written in as literals."""
+    text = statement.as_string(None)
+    if params is not None:
+        for name, value in params.items():
+            text = text.replace(f"%({name})s", sql.Literal(value).as_string(None))
+        text = text.replace("%%", "%")
+    return text.strip() + ";"
+
+
+def fresh_install_sql(
+    table_sql: TableSql,
+    *,
+    on_done: str,
+    notify_trigger: bool,
+    wanted_indexes: Sequence[str],
+    autovacuum: Mapping[str, str],
+) -> list[str]:
+    """The statements ``migrate`` runs on a database without the table, in its order:
+    the schema, the record, every numbered step as it creates a new table (indexes built
+    in the same transaction: the table is empty), the steps recorded, then the
+    every-run steps as they come out on a new table. Nothing is read from a database.
+    The same named sections as ``apply``; tests/acceptance/test_migrate_cli.py checks
+    that a database set up from this text is one ``migrate`` has nothing to do on."""
+    if on_done not in ("keep", "delete"):
+        raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
+    out: list[str] = []
+    if table_sql.schema_name:
+        out.append(_render(table_sql.query("create_schema")))
+    out.append(_render(table_sql.query("create_migrations_table")))
+    # Step 1 on a new table: the table (with its fillfactor) and the layout's indexes.
+    out.append(_render(table_sql.query("create_table")))
+    out += [_render(table_sql.index_ddl(key, concurrently=False)) for key in wanted_indexes]
+    # Step 2 adds dedup_key to older tables: a new table has it. Step 3: the state table
+    # (created with its on_done column). Steps 4 to 6: the companion tables and columns.
+    out += [_render(statement) for statement in table_sql.statements("create_state_table")]
+    out.append(_render(table_sql.query("create_audit_table")))
+    out.append(_render(table_sql.query("create_dedup_keys")))
+    out.append(_render(table_sql.query("add_autovacuum_applied")))
+    out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
+    # Every-run steps on a new table: the autovacuum parameters and their record, the
+    # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).
+    changes, record, _kept = plan({}, {}, check_overrides(autovacuum))
+    for change in changes:
+        parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
+        if change.value is not None:
+            out.append(
+                _render(table_sql.query("set_storage_parameter", parameter=parameter, value=sql.Literal(change.value)))
+            )
+    if record:
+        out.append(_render(table_sql.query("set_autovacuum_applied"), {"applied": json.dumps(record)}))
+    if on_done != "keep":  # the state table's default mode is keep
+        out.append(_render(table_sql.query("set_on_done"), {"on_done": on_done}))
+    if notify_trigger:
+        out.append(_render(table_sql.query("create_notify_function")))
+        out.append(_render(table_sql.query("create_notify_trigger")))
+    return out

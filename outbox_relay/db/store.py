@@ -59,4 +59,5 @@ def make_store(
         transaction_pooler=settings.database.transaction_pooler,
         listen_dsn=settings.database.listen_dsn.get_secret_value() if settings.database.listen_dsn else None,
         tcp_params=settings.database.tcp_params(),
+        pool_max_idle_seconds=settings.database.pool_max_idle_seconds,
     )

@@ -105,6 +105,20 @@ def _unset_in(dsn: str, params: Mapping[str, int]) -> dict[str, int]:
     return {k: v for k, v in params.items() if k not in given}
 
 
+def pool_max_idle(release_within_seconds: float, max_size: int) -> float:
+    """psycopg_pool's ``max_idle`` for a pool (min_size 1) that must be back to one
+    connection within ``release_within_seconds`` of its last busy moment.
+
+    psycopg_pool shrinks only on its own periodic check, every ``max_idle`` seconds from
+    the pool's opening: a check closes ONE connection, and only if at least one stayed
+    unused during the whole period since the previous check. A pool of n connections
+    that goes idle in the middle of a period therefore closes its first spare at the
+    end of the next period at the latest and one more per period after that: it is
+    back to one connection within n periods. With ``max_idle`` = the bound divided by
+    the pool's largest size, any pool is back to one within the bound."""
+    return max(1.0, release_within_seconds / max(1, max_size))
+
+
 class StoreCore:
     """Statements on one outbox table over a connection pool (autocommit connections):
     the pool, its lifecycle and the helpers every job of the store uses."""
@@ -121,6 +135,7 @@ class StoreCore:
         transaction_pooler: bool = False,
         listen_dsn: str | None = None,
         tcp_params: Mapping[str, int] | None = None,
+        pool_max_idle_seconds: float = 60.0,
     ) -> None:
         self._dsn = dsn
         # TCP keepalives and tcp_user_timeout bound how long a statement waits on a
@@ -170,6 +185,7 @@ class StoreCore:
             open=False,
             name="outbox-relay",
             timeout=max(connect_timeout_seconds, 5.0),
+            max_idle=pool_max_idle(pool_max_idle_seconds, max(1, pool_size)),
         )
         self._opened = False
         self._ping_lock = threading.Lock()

@@ -1,8 +1,8 @@
 """``outbox-relay`` command line (typer). Thin: parse, load settings, call the library.
 
 Exit codes: 0 success; 1 a runtime failure (database or broker unreachable, rows
-not found); 2 bad configuration or usage. Errors are one line on stderr, never a
-traceback.
+not found); 2 bad configuration or usage; 130 interrupted (Ctrl-C). Errors are one
+line on stderr, never a traceback (docs/reference/logs-and-exit-codes.md).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from .._version import __version__
 from ..config import Settings, load_settings, parse_duration
 from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
 from ..core.ordering import OrderingRule
@@ -37,15 +38,14 @@ from .operations import (
 app = typer.Typer(
     name="outbox-relay",
     help="Deliver a PostgreSQL transactional outbox to Kafka, at least once.",
-    no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-dead_app = typer.Typer(help="Inspect and repair dead rows.", no_args_is_help=True)
+dead_app = typer.Typer(help="Inspect and repair dead rows.")
 app.add_typer(dead_app, name="dead")
-aggregate_app = typer.Typer(help="Inspect one aggregate.", no_args_is_help=True)
+aggregate_app = typer.Typer(help="Inspect one aggregate.")
 app.add_typer(aggregate_app, name="aggregate")
-audit_app = typer.Typer(help="The operators' retry/skip trail.", no_args_is_help=True)
+audit_app = typer.Typer(help="The operators' retry/skip trail.")
 app.add_typer(audit_app, name="audit")
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
@@ -109,6 +109,50 @@ def _store(settings: Settings) -> Iterator[Any]:
             store.close()
 
 
+def _require_subcommand(ctx: typer.Context) -> None:
+    """A group run without its subcommand: the usage on stderr, then one line naming the
+    choices, exit 2 (as argparse does for a missing sub-command), never a bare help page
+    followed by an empty error."""
+    if ctx.invoked_subcommand is not None or ctx.resilient_parsing:
+        return
+    group: Any = ctx.command
+    choices = [name for name in group.list_commands(ctx) if not group.get_command(ctx, name).hidden]
+    typer.echo(ctx.get_usage(), err=True)
+    _fail(f"`{ctx.command_path}` needs a command: one of {', '.join(choices)} (see `{ctx.command_path} --help`)", 2)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"outbox-relay {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit."),
+    ] = False,
+) -> None:
+    _require_subcommand(ctx)
+
+
+@dead_app.callback(invoke_without_command=True)
+def _dead(ctx: typer.Context) -> None:
+    _require_subcommand(ctx)
+
+
+@aggregate_app.callback(invoke_without_command=True)
+def _aggregate(ctx: typer.Context) -> None:
+    _require_subcommand(ctx)
+
+
+@audit_app.callback(invoke_without_command=True)
+def _audit(ctx: typer.Context) -> None:
+    _require_subcommand(ctx)
+
+
 def _progress(total: int, label: str) -> Callable[[int], None]:
     """A progress bar on a terminal, nothing otherwise."""
     if not sys.stderr.isatty() or total <= 0:
@@ -165,15 +209,58 @@ def migrate(
     all_sources: Annotated[
         bool, typer.Option("--all-sources", help="Migrate every configured and discovered source, one after the other.")
     ] = False,
+    print_sql: Annotated[
+        bool,
+        typer.Option(
+            "--print-sql",
+            help="Connect to nothing: print the SQL migrate runs on a database without the table (the whole schema, "
+            "with the configured table, relay.on_done, ordering indexes, autovacuum and --no-notify-trigger), to "
+            "review it or apply it with a migration tool (Flyway, Alembic, Liquibase) in one transaction.",
+        ),
+    ] = False,
+    relay_role: Annotated[
+        str | None, typer.Option("--relay", help="With --print-sql: also the GRANTs of the role that runs the relay.")
+    ] = None,
+    operator_role: Annotated[
+        str | None, typer.Option("--operator", help="With --print-sql: also the GRANTs of the operators' role.")
+    ] = None,
+    writer_role: Annotated[
+        str | None, typer.Option("--writer", help="With --print-sql: also the GRANTs of the application's role.")
+    ] = None,
+    recreate_from_id: Annotated[
+        int | None,
+        typer.Option(
+            "--recreate-from-id",
+            min=1,
+            help="The outbox table was dropped but its migration record kept: recreate it, its ids starting at N "
+            "(above the highest id the dropped table used, so consumers deduplicating by message id take new rows "
+            "as new). Does nothing while the table exists.",
+        ),
+    ] = None,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
     The ordering indexes are created when relay.ordered_event_types is set; the table's
     mode is set to relay.on_done."""
     settings = _settings(config)
+    roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
+    if print_sql:
+        for flag, given in (
+            ("--all-sources", all_sources),
+            ("--drop-ordering-indexes", drop_ordering_indexes),
+            ("--recreate-from-id", recreate_from_id is not None),
+        ):
+            if given:
+                _fail(f"--print-sql prints the schema of one new table: {flag} does not apply", 2)
+        _print_migration_sql(_for_source(settings, source), no_notify_trigger, roles)
+        return
+    if any(roles.values()):
+        _fail("--relay, --operator and --writer go with --print-sql (`outbox-relay grants` prints the grants)", 2)
     if all_sources:
         if source is not None:
             _fail("--source and --all-sources exclude each other", 2)
+        if recreate_from_id is not None:
+            _fail("--recreate-from-id names one table: use it with --source, not --all-sources", 2)
         _migrate_all(settings, config, no_notify_trigger, drop_ordering_indexes)
         return
     settings = _for_source(settings, source)
@@ -187,10 +274,43 @@ def migrate(
             on_done=settings.relay.on_done,
             drop_ordering_indexes=drop_ordering_indexes,
             autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
+            recreate_from_id=recreate_from_id,
         )
     for note in notes:
         typer.echo(f"  {note}")
     typer.echo(f"migrated {settings.database.table}")
+
+
+def _print_migration_sql(settings: Settings, no_notify_trigger: bool, roles: dict[str, str | None]) -> None:
+    """migrate --print-sql: the statements of a fresh installation, then the grants asked for."""
+    from ..db.migrations import fresh_install_sql
+    from ..db.schema import BASE_INDEXES, ORDERING_INDEXES, TableSql
+
+    ordering = bool(settings.relay.ordered_event_types)
+    table = settings.database.table
+    try:
+        statements = fresh_install_sql(
+            TableSql(table),
+            on_done=settings.relay.on_done,
+            notify_trigger=not no_notify_trigger,
+            wanted_indexes=[*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())],
+            autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
+        )
+    except ValueError as exc:
+        _fail(f"database.autovacuum: {exc}", 2)
+        raise
+    header = [
+        f"-- outbox-relay {__version__}: what `outbox-relay migrate` runs on a database without {table}",
+        f"-- (relay.on_done = {settings.relay.on_done}; ordering indexes: {'yes' if ordering else 'no'}; "
+        f"wake-up trigger: {'no' if no_notify_trigger else 'yes'}).",
+        "-- Apply it as the table's owner in ONE transaction (psql --single-transaction -f FILE, or as one",
+        "-- migration of your tool): on a database that already has the table it fails at the migration record",
+        "-- and changes nothing. A later version's changes are new numbered steps that `outbox-relay migrate`",
+        "-- applies; --print-sql prints a fresh installation only.",
+    ]
+    typer.echo("\n".join([*header, *statements]))
+    if any(roles.values()):
+        typer.echo("\n".join(_grant_lines(settings, roles, before="apply the statements above first")))
 
 
 def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool, drop_ordering_indexes: bool) -> None:
@@ -210,6 +330,11 @@ def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool
                 drop_ordering_indexes=drop_ordering_indexes,
                 source=name,
                 all_sources=False,
+                print_sql=False,
+                relay_role=None,
+                operator_role=None,
+                writer_role=None,
+                recreate_from_id=None,
             )
         except typer.Exit as exc:
             if exc.exit_code:
@@ -747,13 +872,22 @@ def grants(
     all three, named outbox_relay, outbox_operator, outbox_writer). Only `migrate` needs
     the table's owner. Nothing is executed: pipe the output to psql as the owner."""
     settings = _for_source(_settings(config), source)
+    roles: dict[str, str | None] = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
+    if not any(roles.values()):
+        roles = {kind: f"outbox_{kind}" for kind in roles}
+    typer.echo("\n".join(_grant_lines(settings, roles)))
+
+
+def _grant_lines(
+    settings: Settings,
+    roles: dict[str, str | None],
+    before: str = "run `outbox-relay migrate` as the table's owner first",
+) -> list[str]:
+    """The GRANT statements of each role given (kind -> role), with a comment per role."""
     from psycopg import sql
 
     from ..db.schema import TableSql
 
-    roles = {"relay": relay_role, "operator": operator_role, "writer": writer_role}
-    if not any(roles.values()):
-        roles = {kind: f"outbox_{kind}" for kind in roles}
     try:
         import psycopg
 
@@ -762,10 +896,7 @@ def grants(
         database = None
     table_sql = TableSql(settings.database.table)
     where = "" if "." in settings.database.table else " (unqualified: schema public assumed)"
-    lines = [
-        f"-- outbox-relay grants for {settings.database.table}{where}; "
-        "run `outbox-relay migrate` as the table's owner first"
-    ]
+    lines = [f"-- outbox-relay grants for {settings.database.table}{where}; {before}"]
     for kind, role in roles.items():
         if not role:
             continue
@@ -788,7 +919,7 @@ def grants(
                 " ".join(statement.as_string(None).split()) + ";"
                 for statement in table_sql.statements("grant_read_all_stats", {"role": sql.Identifier(role)})
             ]
-    typer.echo("\n".join(lines))
+    return lines
 
 
 # --- demo ------------------------------------------------------------------------------
@@ -807,7 +938,7 @@ def demo(
 
 def main() -> None:
     try:
-        result = app(standalone_mode=False)
+        result = app(standalone_mode=False, prog_name="outbox-relay")
     except KeyboardInterrupt:
         sys.exit(130)
     except typer.Exit as exc:

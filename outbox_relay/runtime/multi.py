@@ -33,8 +33,9 @@ from typing import Any
 import structlog
 
 from ..config import Settings
+from ..core.startup import startup_gave_up
 from ..db.store import make_store
-from ..errors import BrokerUnavailable, DatabaseError, DatabaseRefused, DatabaseUnavailable
+from ..errors import DatabaseError, DatabaseRefused
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.sources_metrics import SourcesMetrics
 from ..observability.tracing import Tracing
@@ -318,21 +319,21 @@ class MultiRelay(RelayShell):
             self.stop_event.wait(0.1)
         else:
             return  # stop() was called meanwhile
-        broker_down = (self.breaker is not None and self.breaker.is_open) or not self.publisher.healthy()
-        self.stop(timeout_seconds=0)
-        if broker_down:
-            raise BrokerUnavailable(
-                f"the broker did not answer within relay.startup_timeout_seconds ({timeout:g} s): "
-                f"{self.publisher.describe_target()}"
-            )
+        problems: dict[str, str] = {}
+        if (self.breaker is not None and self.breaker.is_open) or not self.publisher.healthy():
+            why_down = self.publisher.trouble() or "no broker answered"
+            problems["target"] = f"cannot reach {self.publisher.describe_target()}: {why_down}"
+        sources = self.source_readiness()
+        unready = sorted((name, reason) for name, reason in sources.items() if reason is not None)
         if not listed:
-            raise DatabaseUnavailable(
-                f"discovery could not list the databases within relay.startup_timeout_seconds ({timeout:g} s)"
-            )
-        raise DatabaseUnavailable(
-            f"no source became ready within relay.startup_timeout_seconds ({timeout:g} s): "
-            + why.removeprefix("not ready: ")
-        )
+            problems["database"] = "discovery could not list the databases"
+        elif unready and len(unready) == len(sources):
+            more = f"; +{len(unready) - 50} more" if len(unready) > 50 else ""
+            problems["database"] = f"no source became ready ({'; '.join(f'{n}: {r}' for n, r in unready[:50])}{more})"
+        elif not problems:
+            problems["database"] = why.removeprefix("not ready: ")
+        self.stop(timeout_seconds=0)
+        raise startup_gave_up(problems, timeout)  # every dependency still down, one line
 
     def _start_threads(self) -> None:
         s = self.settings

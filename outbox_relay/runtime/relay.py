@@ -16,8 +16,9 @@ import time
 import structlog
 
 from ..config import Settings
+from ..core.startup import startup_gave_up
 from ..db.store import make_store
-from ..errors import BrokerUnavailable, ConfigError, DatabaseUnavailable, SchemaMissing
+from ..errors import ConfigError
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
@@ -107,11 +108,7 @@ class Relay(RelayShell):
             waited_before = True
             waited = time.monotonic() - started
             if timeout > 0 and waited >= timeout:
-                if "database" in problems:
-                    if problems["database"].startswith("table "):
-                        raise SchemaMissing(problems["database"])
-                    raise DatabaseUnavailable(problems["database"])
-                raise BrokerUnavailable(problems["target"])
+                raise startup_gave_up(problems, timeout)  # every dependency still down, one line
             if self.stop_event.is_set():
                 return False
             log.warning(

@@ -192,3 +192,36 @@ def test_two_concurrent_migrates_apply_each_step_once(pg_dsn, table, monkeypatch
     assert _recorded(pg_dsn, table) == [(s.number, s.name) for s in migrations.STEPS]
     with OutboxStore(pg_dsn, table, pool_size=1) as store:
         assert store.missing_ordering_indexes() == []
+
+
+def test_a_dropped_table_whose_record_was_kept_is_refused_then_recreated_with_ids_after_the_old_ones(pg_dsn, table):
+    """Someone dropped the outbox table but not <table>_migrations: migrate names the
+    option instead of 'run migrate first'; with it, the table and everything the schema
+    needs come back in one transaction, ids counting from the given one."""
+    from outbox_relay.errors import SchemaMissing
+
+    with OutboxStore(pg_dsn, table, pool_size=2) as store:
+        store.migrate(on_done=ON_DONE)
+        old_ids = insert_rows(pg_dsn, table, 5, dedup_key=None)
+        layout = _layout(pg_dsn, table)
+        run_sql(pg_dsn, table, "DROP TABLE {t}")
+
+        with pytest.raises(SchemaMissing, match=r"records 6 migration steps .*migrate --recreate-from-id N"):
+            store.migrate(on_done=ON_DONE)
+        assert run_sql(pg_dsn, table, "SELECT to_regclass(%s)", (table,)) == [(None,)]  # nothing half-made
+
+        notes = store.migrate(on_done=ON_DONE, recreate_from_id=max(old_ids) + 1000)
+        assert any(n.startswith("recreated ") and f"ids from {max(old_ids) + 1000}" in n for n in notes), notes
+        assert _recorded(pg_dsn, table) == [(s.number, s.name) for s in migrations.STEPS]
+        recreated = _layout(pg_dsn, table)
+        # The same columns, indexes, trigger and storage parameters (autovacuum included) as before.
+        assert {k: v for k, v in recreated.items() if k != "relfilenode"} == {
+            k: v for k, v in layout.items() if k != "relfilenode"
+        }
+        (new_id,) = insert_rows(pg_dsn, table, 1, dedup_key=None)
+        assert new_id == max(old_ids) + 1000
+        claimed = store.claim(owner="t", batch=10, lease_seconds=30, max_attempts=3)
+        assert [row.id for row in claimed.rows] == [new_id]
+        assert store.migrate(on_done=ON_DONE) == []  # nothing left to do
+        assert store.migrate(on_done=ON_DONE, recreate_from_id=1) == []  # the table exists: the option does nothing
+    assert _recorded(pg_dsn, table) == [(s.number, s.name) for s in migrations.STEPS]

@@ -47,6 +47,34 @@ def test_unknown_toml_section_and_key_name_the_closest(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[database]\ndsn = "host=db\ntable = "outbox"\n', ", line 2, column 15: not valid TOML: Illegal character"),
+        ("[relay]\nworkers = 3\n[relay]\n", ", line 3, column 7: not valid TOML: Cannot declare"),
+        ("[kafka]\nbootstrap_servers = [\n", " is not valid TOML: "),
+    ],
+)
+def test_a_broken_toml_file_is_named_with_its_line_and_column(tmp_path, text, expected):
+    path = tmp_path / "broken.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    message = str(info.value)
+    assert message.startswith(f"config file {str(path)!r}")
+    assert expected in message
+    assert "\n" not in message
+    assert "host=db" not in message  # the file's content (a DSN, a password) is never echoed
+
+
+def test_a_toml_file_that_is_not_utf8_is_named(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b'[relay]\nlease_owner = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as info:
+        load_settings(path)
+    assert str(info.value) == f"config file {str(path)!r} is not UTF-8 text (byte 26): TOML files are UTF-8"
+
+
+@pytest.mark.parametrize(
     "name", ["enable.idempotence", "acks", "message.timeout.ms", "delivery.timeout.ms", "message.max.bytes"]
 )
 def test_kafka_extra_cannot_override_what_the_guarantees_rest_on(name):

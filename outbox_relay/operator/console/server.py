@@ -28,6 +28,7 @@ def make_console_store(settings: Settings, *, pool_size: int = 4) -> OutboxStore
         # The console holds no session (no LISTEN, transaction-scoped locks only), so a
         # transaction pooler serves it like the relay's own statements.
         transaction_pooler=settings.database.transaction_pooler,
+        pool_max_idle_seconds=settings.database.pool_max_idle_seconds,
     )
 
 

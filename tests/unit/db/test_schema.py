@@ -20,6 +20,7 @@ EXTRA = {
     "value": sql.Literal("1000"),  # *_storage_parameter
     "table_oid": sql.Literal('"app"."outbox"'),
     "writers_within_seconds": sql.Literal(5.0),  # outbox_writers_since
+    "first_id": sql.Literal(1000),  # restart_ids
 }
 
 
