@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import shutil
 import sys
@@ -298,7 +297,9 @@ def statement_name(bench: Bench, query: str) -> str:
     letters = _letters(re.sub(r'"[^"]*"|\$\d+', " ", query))
     best, best_name, best_key = 0, "", ""
     for key, name in bench.statement_names:
-        common = len(os.path.commonprefix([letters, key]))
+        common = next(
+            (i for i, (a, b) in enumerate(zip(letters, key, strict=False)) if a != b), min(len(letters), len(key))
+        )
         if common > best or (common == best and len(key) < len(best_key)):
             best, best_name, best_key = common, name, key
     if best >= 40:
