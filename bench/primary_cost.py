@@ -39,8 +39,10 @@ event, since the two windows run the same writer at the same rate):
                       most 0.25 s; the writer's backends the same way. Not measurable on a
                       server on another host (reported missing).
   statements          pg_stat_statements (reset at each window's start; track = all,
-                      track_planning = on) of the bench database, the writer's insert
-                      excluded by its leading comment: calls per event, mean planning
+                      track_planning = on) of the bench database: the writer connects
+                      as a role of its own, so its insert and what the outbox's
+                      triggers run inside it (nested statements are tracked) are told
+                      from the relay's; per statement calls per event, mean planning
                       and execution ms, WAL bytes per event.
   insert -> done      keep: ``done_at - created_at`` of the rows the window's writer
                       committed (created_at is now() of the writer's one-statement
@@ -52,7 +54,10 @@ The server: without ``--dsn``, a throwaway cluster (initdb in a temp directory, 
 loopback port) from ``--pg-bin`` (default: Debian's PostgreSQL 15), with
 pg_stat_statements preloaded and the WAL level restarted per ``--wal-levels``. With
 ``--dsn``: that server (superuser; pg_stat_statements preloaded; its one WAL level);
-a database of the run's own is created and dropped there.
+a database and a writer role of the run's own are created and dropped there. Before a
+mode's windows the bench database is vacuumed (the catalogs the previous mode's DROP
+changed) and the script waits for autovacuum to be done; a note says when autovacuum
+still ran inside a window.
 
     .venv/bin/python bench/primary_cost.py --rates 0,20,200,2000 --modes keep,delete
     .venv/bin/python bench/primary_cost.py --rates 0,20 --modes keep --window-seconds 15 --warmup-seconds 3
@@ -64,12 +69,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+import secrets
 import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,7 +86,6 @@ import psycopg
 from psycopg import sql
 
 WRITER_APP = "costbench-writer"
-WRITER_MARK = "/* costbench-writer */"
 RELAY_APP = "outbox-relay"
 MODES = ("keep", "delete")
 
@@ -95,7 +100,7 @@ class Writer:
     def __init__(self, dsn: str, table: str, args: argparse.Namespace) -> None:
         self.dsn = dsn
         self.insert = sql.SQL(
-            WRITER_MARK + " INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES (%s, %s, %s, %s)"
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES (%s, %s, %s, %s)"
         ).format(c.ident(table))
         self.args = args
         self.committed = 0
@@ -202,6 +207,8 @@ class Bench:
     database: str
     bootstrap: str
     walinspect: bool
+    writer_dsn: str
+    writer_role: str
     statement_names: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -253,12 +260,15 @@ def reset_statements(bench: Bench) -> None:
     bench.admin.execute("SELECT pg_stat_statements_reset()")
 
 
-def statements(bench: Bench) -> list[dict[str, Any]]:
+def statements(bench: Bench, *, writer: bool) -> list[dict[str, Any]]:
+    """The bench database's statements of the writer's role (its insert and what the
+    outbox's triggers run inside it: nested statements are tracked) or of every other
+    role (the relay's, and autovacuum's none)."""
     rows = bench.admin.execute(
         "SELECT s.query, sum(s.calls), sum(s.plans), sum(s.total_plan_time), sum(s.total_exec_time), "
         "sum(s.wal_bytes), sum(s.rows) FROM pg_stat_statements AS s JOIN pg_database AS d ON d.oid = s.dbid "
-        "WHERE d.datname = %s AND NOT starts_with(s.query, %s) GROUP BY s.query",
-        (bench.database, WRITER_MARK),
+        "JOIN pg_roles AS r ON r.oid = s.userid WHERE d.datname = %s AND (r.rolname = %s) = %s GROUP BY s.query",
+        (bench.database, bench.writer_role, writer),
     ).fetchall()
     out = []
     for query, calls, plans, plan_ms, exec_ms, wal, nrows in rows:
@@ -315,19 +325,23 @@ class Window:
         # the samplers connect to the admin database: their queries stay out of the bench database's counters
         self.relay_cpu = lp.BackendCpu(bench.admin_dsn, lp.pids_by_application(bench.database, RELAY_APP))
         self.writer_cpu = lp.BackendCpu(bench.admin_dsn, lambda _conn: list(writer.pids) if writer else [])
+        self.autovacuum_cpu = lp.BackendCpu(bench.admin_dsn, autovacuum_workers(bench.database))
 
     def run(self, seconds: float) -> dict[str, Any]:
         reset_statements(self.bench)
         process0 = [r.cpu_seconds() for r in self.relays]
         self.relay_cpu.start()
         self.writer_cpu.start()
+        self.autovacuum_cpu.start()
         start = read_edge(self.bench, self.writer)
         lp.sleep_until(start.at + seconds)
         end = read_edge(self.bench, self.writer)
         relay_cpu = self.relay_cpu.stop()
         writer_cpu = self.writer_cpu.stop()
+        autovacuum_cpu = self.autovacuum_cpu.stop()
         process1 = [r.cpu_seconds() for r in self.relays]
-        stmts = statements(self.bench)
+        stmts = statements(self.bench, writer=False)
+        writer_stmts = statements(self.bench, writer=True)
         (wal_total,) = self.bench.admin.execute(
             "SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)", (end.lsn, start.lsn)
         ).fetchone()  # type: ignore[misc]
@@ -352,8 +366,35 @@ class Window:
             "relay_backends_exited": self.relay_cpu.lost_backends,
             "writer_backend_cpu_s": writer_cpu,
             "relay_process_cpu_s": process,
+            # autovacuum in the bench database during the window (its WAL is in the figures)
+            "autovacuum_workers": self.autovacuum_cpu.backends,
+            "autovacuum_cpu_s": autovacuum_cpu,
             "statements": stmts,
+            "writer_statements": writer_stmts,
         }
+
+
+def autovacuum_workers(database: str) -> Callable[[psycopg.Connection[Any]], list[int]]:
+    def run(conn: psycopg.Connection[Any]) -> list[int]:
+        rows = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE backend_type = 'autovacuum worker' AND datname = %s", (database,)
+        ).fetchall()
+        return [int(r[0]) for r in rows]
+
+    return run
+
+
+def settle(bench: Bench, timeout: float = 60.0) -> None:
+    """Before a mode's windows: VACUUM (ANALYZE) the bench database (the catalogs the
+    previous mode's DROP and this mode's migrate changed, the fresh tables), then wait
+    until no autovacuum worker is left in it, so that the windows do not pay for
+    earlier work."""
+    with psycopg.connect(bench.bench_dsn, autocommit=True) as conn:
+        conn.execute("VACUUM (ANALYZE)")
+    deadline = time.monotonic() + timeout
+    busy = autovacuum_workers(bench.database)
+    while busy(bench.admin) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 # --- one mode at one WAL level ---------------------------------------------------------------------
@@ -372,12 +413,19 @@ def measure_mode(bench: Bench, level: str, mode: str, args: argparse.Namespace) 
     relay_table = table_name(level, mode, "relay")
     for table in (base_table, relay_table):
         c.migrate(bench.bench_dsn, table, on_done=mode)
+        schema = sql.Identifier(table.split(".")[0])
+        role = sql.Identifier(bench.writer_role)
+        with psycopg.connect(bench.bench_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(schema, role))
+            conn.execute(sql.SQL("GRANT ALL ON ALL TABLES IN SCHEMA {} TO {}").format(schema, role))
+            conn.execute(sql.SQL("GRANT ALL ON ALL SEQUENCES IN SCHEMA {} TO {}").format(schema, role))
+    settle(bench)
     topic = f"costbench-{c.RUN_ID}-{level}-{mode}"
     c.create_topic(bench.bootstrap, topic, args.partitions)
     windows: dict[str, Any] = {}
 
     # writer alone, every rate, before any relay runs on this server
-    base_writer = Writer(bench.bench_dsn, base_table, args)
+    base_writer = Writer(bench.writer_dsn, base_table, args)
     for rate in args.rates:
         c.say(f"[{level} {mode} {rate:g}/s] baseline: writer alone ...")
         warm(bench, base_writer, rate, args.warmup_seconds)
@@ -388,7 +436,7 @@ def measure_mode(bench: Bench, level: str, mode: str, args: argparse.Namespace) 
 
     env = c.relay_env(bench.bench_dsn, relay_table, bench.bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=mode)
     relays = [c.RelayProcess(["--workers", str(args.workers)], env) for _ in range(args.replicas)]
-    writer = Writer(bench.bench_dsn, relay_table, args)
+    writer = Writer(bench.writer_dsn, relay_table, args)
     check: dict[str, Any] = {}
     try:
         for relay in relays:
@@ -528,6 +576,7 @@ def derive(pair: dict[str, Any], rate: float) -> dict[str, Any]:
         "wal_by_record": dict(sorted(records.items(), key=lambda kv: -abs(kv[1]))),
         "latency_ms": relay.get("latency_ms"),
         "checkpoints_in_windows": relay["checkpoints"] + base["checkpoints"],
+        "autovacuum_workers_in_windows": {"baseline": base["autovacuum_workers"], "relay": relay["autovacuum_workers"]},
         "statements": [
             {
                 "statement": s["statement"],
@@ -644,14 +693,32 @@ def main() -> int:
     try:
         with server(args, tmp) as (dsn, pg):
             bench_dsn = psycopg.conninfo.make_conninfo(dsn, dbname=database)
+            writer_role = f"costbench_writer_{c.RUN_ID}"
+            writer_password = secrets.token_hex(16)
+            writer_dsn = psycopg.conninfo.make_conninfo(bench_dsn, user=writer_role, password=writer_password)
             admin = psycopg.connect(dsn, autocommit=True, application_name="costbench-monitor")
             try:
                 walinspect = prepare(admin, database)
+                admin.execute(
+                    sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(
+                        sql.Identifier(writer_role), sql.Literal(writer_password)
+                    )
+                )
                 version = c.server_version(dsn)
                 namespace = argparse.Namespace(**{**vars(args), "dsn": bench_dsn})
                 with c.servers(namespace) as (_, bootstrap):
                     assert bootstrap is not None
-                    bench = Bench(admin, dsn, bench_dsn, database, bootstrap, walinspect, load_statement_names())
+                    bench = Bench(
+                        admin,
+                        dsn,
+                        bench_dsn,
+                        database,
+                        bootstrap,
+                        walinspect,
+                        writer_dsn,
+                        writer_role,
+                        load_statement_names(),
+                    )
                     for level in args.wal_levels:
                         if pg is not None and pg.settings.get("wal_level") != level:
                             c.say(f"restarting PostgreSQL with wal_level={level} ...")
@@ -665,6 +732,8 @@ def main() -> int:
             finally:
                 with contextlib.suppress(psycopg.Error):
                     admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(database)))
+                with contextlib.suppress(psycopg.Error):
+                    admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(writer_role)))
                 admin.close()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -758,6 +827,12 @@ def text_report(report: dict[str, Any], top: int) -> list[str]:
                 lines.append("WAL: " + ", ".join(records))
             if relay["checkpoints_in_windows"]:
                 lines.append(f"note: {relay['checkpoints_in_windows']} checkpoint(s) inside the windows")
+            vacuums = relay["autovacuum_workers_in_windows"]
+            if vacuums["baseline"] or vacuums["relay"]:
+                lines.append(
+                    f"note: autovacuum ran in the bench database (workers: baseline {vacuums['baseline']}, "
+                    f"relay {vacuums['relay']}); its WAL and transactions are in the figures"
+                )
     for res in report["results"]:
         ch = res["check"]
         lines.append(
