@@ -20,7 +20,7 @@ replication slot:
    insert->Kafka per event = the broker's LogAppendTime - the moment the writer's
    COMMIT returned (one clock, this machine's); over that window also the process's
    CPU, PostgreSQL's CPU (the whole server: every backend, the writer's included), the
-   CPU of the reader's own backends (below) and the WAL written (``pg_current_wal_lsn()``
+   CPU of the reader's own backends (below) and the WAL written (``pg_current_wal_insert_lsn()``
    before and after; the cluster is this run's own);
 3. **outage**: the process is stopped (SIGTERM) while the writer goes on for
    ``--stop-seconds``; just before the restart: WAL retained by the connector's
@@ -195,7 +195,10 @@ def per_1000(before: float | None, after: float | None, events: int) -> float | 
 
 
 def wal_lsn(conn: psycopg.Connection[Any]) -> str:
-    return str(conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0])  # type: ignore[index]
+    """The insert position: WAL already inserted counts even while it waits in the WAL
+    buffers (pg_current_wal_lsn(), the write position, lags by whatever asynchronous
+    commits left there: a backlog of a few hundred events did not move it at all)."""
+    return str(conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0])  # type: ignore[index]
 
 
 def wal_bytes(conn: psycopg.Connection[Any], start: str, end: str) -> int:
