@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import re
 import secrets
 import shutil
@@ -209,7 +210,7 @@ class Bench:
     walinspect: bool
     writer_dsn: str
     writer_role: str
-    statement_names: list[tuple[str, str]] = field(default_factory=list)
+    statement_names: list[tuple[list[str], str]] = field(default_factory=list)
 
 
 def read_edge(bench: Bench, writer: Writer | None) -> Edge:
@@ -290,36 +291,35 @@ def statements(bench: Bench, *, writer: bool) -> list[dict[str, Any]]:
     return out
 
 
-def _letters(text: str) -> str:
-    """The letters of a statement, comments and the words a placeholder may be filled
-    with (null, true, false: the store passes some as literals) left out."""
+def _words(text: str) -> list[str]:
+    """The words of a statement: comments, quoted identifiers (the tables), parameters
+    ($1 or %(name)s), placeholders ({table}) and the literals a placeholder may be
+    filled with (null, true, false) left out."""
     body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
-    body = re.sub(r"\b(null|true|false)\b", " ", body.lower())
-    return re.sub(r"[^a-z_]+", "", body)
+    body = re.sub(r'"[^"]*"|\$\d+|\{[^}]*\}|%\([^)]*\)s', " ", body.lower())
+    return [w for w in re.findall(r"[a-z_]+", body) if w not in {"null", "true", "false"}]
 
 
-def load_statement_names() -> list[tuple[str, str]]:
-    """(the letters of a section, its name) for the store's SQL sections. What
-    pg_stat_statements shows is a section with its identifiers filled in (quoted) and
-    its parameters numbered: without those, both are the same letters."""
+def load_statement_names() -> list[tuple[list[str], str]]:
+    """(words, name) of the store's SQL sections (outbox_relay/db/sql/*.sql)."""
     from outbox_relay.db.schema import _load_sections
 
-    return [(_letters(re.sub(r"\{[^}]*\}|%\([^)]*\)s", " ", text)), name) for name, text in _load_sections().items()]
+    return [(_words(text), name) for name, text in _load_sections().items()]
 
 
 def statement_name(bench: Bench, query: str) -> str:
-    """The section sharing the longest start with the statement (several sections
-    begin alike: the claim starts with the reap's CTE), when that is 40 letters or
-    more; else the statement's first 70 characters."""
-    letters = _letters(re.sub(r'"[^"]*"|\$\d+', " ", query))
-    best, best_name, best_key = 0, "", ""
+    """The section whose words are most like the statement's (several begin alike: the
+    claim starts with the reap's CTE, mark_idle and mark_busy differ by one word), when
+    they are alike enough; else the statement's first 70 characters."""
+    words = _words(query)
+    best, best_name = 0.0, ""
     for key, name in bench.statement_names:
-        common = next(
-            (i for i, (a, b) in enumerate(zip(letters, key, strict=False)) if a != b), min(len(letters), len(key))
-        )
-        if common > best or (common == best and len(key) < len(best_key)):
-            best, best_name, best_key = common, name, key
-    if best >= 40:
+        if not key or not words:
+            continue
+        ratio = difflib.SequenceMatcher(None, words, key, autojunk=False).ratio()
+        if ratio > best:
+            best, best_name = ratio, name
+    if best >= 0.8:
         return best_name
     return " ".join(query.split())[:70]
 
