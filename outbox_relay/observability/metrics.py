@@ -25,6 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.decision import Kind
 from ..core.service import PeriodicService
+from ..db.statement_counts import STATEMENT_KINDS, StatementCounts
 from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
 from ..db.vacuum_health import HorizonClock, HorizonWarning
 from ..model import PublisherObserver
@@ -202,6 +203,15 @@ class RelayMetrics(PublisherObserver):
             "Seconds since the outbox was last vacuumed (autovacuum or manual; NaN if never).",
             registry=r,
         )
+        self.statements_total = Counter(
+            "outbox_relay_statements",
+            "Statements the relay sent to its database, by kind (claim: took or reaped rows; claim_empty: found "
+            "nothing; finalize; extend_lease; mark_idle, mark_busy: the wake-up flag). Not yet counted in a process "
+            "serving several sources (stays 0 there).",
+            ["statement"],
+            registry=r,
+        )
+        self._statements = {kind: self.statements_total.labels(statement=kind) for kind in STATEMENT_KINDS}
         for status in STATUSES:
             self.queue_depth.labels(status=status).set(0)
         for outcome in OUTCOMES:
@@ -211,6 +221,17 @@ class RelayMetrics(PublisherObserver):
     def published(self, outcome: str, count: int = 1) -> None:
         if count:
             self._published[outcome].inc(count)
+
+    def count_statements_of(self, counts: StatementCounts) -> None:
+        """Count the store's statements (see db/statement_counts.py) from now on, with
+        those it has already sent; idempotent."""
+        so_far = counts.observe(self.statement_sent)
+        for kind, n in (so_far or {}).items():
+            if n:
+                self._statements[kind].inc(n)
+
+    def statement_sent(self, kind: str) -> None:
+        self._statements[kind].inc()
 
     # --- lifecycle hooks ----------------------------------------------------------------
     def record_claim(self, result: ClaimResult) -> None:
@@ -348,6 +369,7 @@ class StatsRefresher(PeriodicService):
     ) -> None:
         super().__init__(interval_seconds, run_first=True)
         self._store = store
+        metrics.count_statements_of(store.statement_counts)
         self._horizon_clock = HorizonClock()
         self._horizon_warning = HorizonWarning(xmin_horizon_warn_seconds, log)
         self._metrics = metrics

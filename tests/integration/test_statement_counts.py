@@ -1,0 +1,83 @@
+"""``outbox_relay_statements_total``: the statements a running relay sends, by kind,
+against a real PostgreSQL and a real broker, scraped over HTTP.
+
+- Delivered rows show up as ``claim`` and ``finalize`` statements.
+- An idle relay sends nothing but empty claims (and no wake-up flips without
+  inserts), at a rate bounded by its configuration: each worker sleeps
+  ``relay.poll_interval_seconds`` x U(0.5, 1.0) between idle claims and claims at
+  most twice per wake-up (the claim that finds nothing, and once more after marking
+  the relays idle), so at most ``4 x workers / poll_interval`` per second. A
+  regression into a busy loop would send hundreds.
+
+Counts only, no timing assertion: the window's length is measured, and the bound is a
+rate over it. (A cross-check against pg_stat_statements would need the extension
+preloaded; the suite's embedded server does not preload it.)
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from outbox_relay.db.statement_counts import STATEMENT_KINDS
+from outbox_relay.runtime.relay import Relay
+from tests.helpers.db import insert_rows, statuses
+from tests.integration.test_metrics_http import METRICS, Samples, poll, scrape, value
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKERS = 2
+POLL_INTERVAL_SECONDS = 0.5
+IDLE_WINDOW_SECONDS = 4.0
+
+
+def statements(samples: Samples) -> dict[str, float]:
+    return {kind: value(samples, "outbox_relay_statements_total", statement=kind) for kind in STATEMENT_KINDS}
+
+
+def test_statements_counted_and_idle_rate_bounded(make_settings, store, pg_dsn, table):
+    insert_rows(pg_dsn, table, 3, aggregate_type="order")
+    relay = Relay(
+        make_settings(metrics=METRICS, relay={"workers": WORKERS, "poll_interval_seconds": POLL_INTERVAL_SECONDS})
+    )
+    relay.start()
+    try:
+        port = relay.metrics_port
+        assert isinstance(port, int)
+
+        # the three rows delivered (done, or gone in delete mode): claims that took rows, and their finalizes
+        def delivered_all() -> bool:
+            left = statuses(pg_dsn, table)
+            return left.get("pending", 0) == 0 and left.get("processing", 0) == 0
+
+        def delivered(result: tuple[str, Samples]) -> bool:
+            counts = statements(result[1])
+            return counts["finalize"] >= 1 and delivered_all()
+
+        _text, samples = poll(lambda: scrape(port), delivered, timeout=60)
+        counts = statements(samples)
+        assert set(STATEMENT_KINDS) <= {k for k, v in counts.items() if v == v}, counts  # every kind exported
+        assert counts["claim"] >= 1, counts
+        assert 1 <= counts["finalize"] <= 3, counts
+        assert delivered_all()
+
+        # idle: a window of measured length with nothing to claim
+        time.sleep(2 * POLL_INTERVAL_SECONDS)  # the last batch's follow-up claims are over
+        _text, before = scrape(port)
+        started = time.monotonic()
+        time.sleep(IDLE_WINDOW_SECONDS)
+        _text, after = scrape(port)
+        seconds = time.monotonic() - started
+    finally:
+        relay.stop()
+
+    sent = {kind: statements(after)[kind] - statements(before)[kind] for kind in STATEMENT_KINDS}
+    bound_per_second = 4 * WORKERS / POLL_INTERVAL_SECONDS
+    assert sent["claim"] == 0, sent  # nothing to take
+    assert sent["finalize"] == 0 and sent["extend_lease"] == 0, sent
+    assert sent["mark_busy"] == 0, sent  # no insert, no notification, no wake-up
+    assert sent["claim_empty"] >= 1, sent  # the workers do poll
+    assert sent["claim_empty"] <= bound_per_second * seconds, (sent, seconds)
+    # at most one mark_idle per idle wait of each worker beside its claims
+    assert sum(sent.values()) <= (bound_per_second + 2 * WORKERS / POLL_INTERVAL_SECONDS) * seconds, (sent, seconds)
