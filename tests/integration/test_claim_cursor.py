@@ -423,11 +423,9 @@ def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot
             )
 
         full = claim_buffers(store._full_claim_statement, {})
-        fast = claim_buffers(
-            store._claim_statement,
-            {
-                "from_at": start[0], "from_id": start[1], "leases_from": None, "lease_scan": False,
-                "writers_check": True, "writers_within_seconds": 5.0,
-            },  # fmt: skip
-        )
+        fast_params = {
+            "from_at": start[0], "from_id": start[1], "leases_from": None, "lease_scan": False,
+            "writers_check": True, "writers_within_seconds": 5.0,
+        }  # fmt: skip
+        fast = claim_buffers(store._claim_statement, fast_params)
         assert fast * 10 < full, (fast, full)
