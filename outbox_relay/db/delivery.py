@@ -279,8 +279,8 @@ class DeliveryOps(StoreCore):
                     server_seconds = int(record[2]) / 1_000_000
                 if record[10] is not None:  # rows an open writer will commit start at or after this key
                     keys.append((record[10], 0))
-                if record[8] is not None:  # the look ran: the long writers it saw, its clock
-                    writers_look = WritersLook(_from_epoch_us(record[8]), parse_long_writers(record[7] or ""))
+                if record[7] is not None:  # the look ran: its clock, the long writers it saw
+                    writers_look = WritersLook(_from_epoch_us(record[7]), parse_long_writers(record[6] or ""))
             elif record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:

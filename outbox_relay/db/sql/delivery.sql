@@ -180,7 +180,7 @@ FROM (SELECT a.pid, a.xact_start,
 -- (microseconds, in the lease_version column: evaluated after the other parts, so it
 -- covers the scans and the UPDATE, not the network), what its look for open writers
 -- saw (outbox_writers: the young ones' oldest start in the created_at column, the long
--- writers in the payload column, the look's clock in the topic column) and its clock.
+-- writers in the event_type column, the look's clock in the payload column) and its clock.
 UNION ALL
 SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
