@@ -27,10 +27,12 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
   visible), the next claim is ONE "catch-up" claim, a fast claim that starts at that
   writer's start: it walks the dead entries from there up to where fast claims start
   (rate x the writer's age, once) and takes its rows, whose key then enters the window
-  like any other, so the fast claims that follow drain the rest. A look is applied
+  like any other, so the fast claims that follow drain the rest (the store sends it
+  at once when the claim whose look saw the writer end found nothing). A look is applied
   only when it was taken after the last one applied (the database's clock at the
   look), so a slow claim's older look cannot make the cursor forget a writer still
-  open;
+  open. A catch-up claim that fails quickly is sent again; one that runs out of its
+  statement timeout is not, and that writer's rows are left to the full claims;
 - the processing index, once per ``lease_scan_interval_seconds`` (at once again while
   the last look was cut by its LIMIT), at the clock of the last claim whose
   expired-lease scan was not cut by its LIMIT, less ``lease_margin_seconds``: every
@@ -66,7 +68,8 @@ from dataclasses import dataclass
 # LAG_SECONDS, and so walks the dead entries of the rows claimed in that time (the
 # write rate times LAG_SECONDS). Rows of a writer transaction still open when a claim
 # runs are covered beyond it where the relay may read other sessions (claim statement,
-# "writers_since"); the rest of the late rows wait for a full claim.
+# "outbox_writers"), by the window or a catch-up claim; the rest of the late rows wait
+# for a full claim.
 LAG_SECONDS = 0.1
 # An open writer transaction older than this no longer holds fast claims back (one
 # left open for minutes would make every fast claim walk the dead entries since its
@@ -86,7 +89,8 @@ RESCAN_QUIET_MAX_SECONDS = 300.0
 LEASE_SCAN_INTERVAL_SECONDS = 1.0
 
 # A full claim that fails faster than this (or than fast_above_seconds) is tried again
-# by the next claim; a slower one waits for its interval (DueCursor.failed).
+# by the next claim; a slower one waits for its interval (DueCursor.failed). A catch-up
+# claim that fails faster than this is sent again; a slower one is not.
 QUICK_FAILURE_SECONDS = 1.0
 
 Key = tuple[dt.datetime, int]  # (available_at, id): the order of the due index
@@ -281,7 +285,10 @@ class DueCursor:
         one comes after its interval — not at once, which would keep one worker in
         failing full claims while the fast claims go on."""
         with self._lock:
-            if plan.catch_up_from is not None:  # not sent after all: the next claim catches up
+            # A catch-up claim that failed quickly (a connection lost) is sent again by
+            # the next claim; one that ran out of its statement timeout is not (it would
+            # keep a worker in failing claims): those rows are left to the full claims.
+            if plan.catch_up_from is not None and elapsed_seconds < QUICK_FAILURE_SECONDS:
                 self._catch_up(plan.catch_up_from)
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
