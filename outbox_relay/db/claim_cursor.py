@@ -31,7 +31,8 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
   at once when the claim whose look saw the writer end found nothing). A look is applied
   only when it was taken after the last one applied (the database's clock at the
   look), so a slow claim's older look cannot make the cursor forget a writer still
-  open. A catch-up claim that fails quickly is sent again; one that runs out of its
+  open. A full claim due first takes the catch-up's place (it reads from the front).
+  A catch-up claim that fails quickly is sent again; one that runs out of its
   statement timeout is not, and that writer's rows are left to the full claims;
 - the processing index, once per ``lease_scan_interval_seconds`` (at once again while
   the last look was cut by its LIMIT), at the clock of the last claim whose
@@ -105,8 +106,9 @@ class ClaimPlan:
     lease_scan: bool = True  # look for expired leases and poison rows (always in a full claim)
     writers_check: bool = False  # a fast claim that looks for open writer transactions
     fast_start: Key | None = None  # a full claim: where a fast claim would have started
-    # A catch-up claim: the start of the long writer transaction(s) seen ended, where
-    # this fast claim starts instead of the window's start (None: not a catch-up).
+    # The start of the long writer transaction(s) seen ended that this claim covers: a
+    # fast one (a catch-up claim) starts there instead of at the window's start; a full
+    # one reads from the front anyway. None: none pending.
     catch_up_from: dt.datetime | None = None
     # Open writers younger than this hold the window at their start; older ones are
     # remembered for a catch-up claim (the look's threshold, a statement parameter).
@@ -204,13 +206,17 @@ class DueCursor:
             cheap = not self._slow  # nothing to save: every claim is full
             interval = self._full_interval()
             if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
+                # A full claim reads from the front: it takes over a pending catch-up
+                # (what it finds below the fast start enters the window, and the fast
+                # claims after it drain upwards through the ended writer's rows).
+                catch_up_from, self._catch_up_from = self._catch_up_from, None
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
                     self._last_lease_scan_at = now
                     self.full_claims += 1
-                    return ClaimPlan(full=True, start=None, fast_start=start)
-                return ClaimPlan(full=True, start=None, measured=False)
+                    return ClaimPlan(full=True, start=None, fast_start=start, catch_up_from=catch_up_from)
+                return ClaimPlan(full=True, start=None, measured=False, catch_up_from=catch_up_from)
             self.fast_claims += 1
             # A remembered long writer has ended: this one claim starts at its start
             # (the rows it committed are keyed there, below the window), once; the

@@ -344,3 +344,27 @@ def test_the_long_writers_the_claim_reports_are_read_to_the_microsecond() -> Non
         (17, started - dt.timedelta(microseconds=1)),
     }
     assert parse_long_writers("") == frozenset()
+
+
+def test_a_full_claim_takes_over_a_pending_catch_up() -> None:
+    """A full claim reads from the front: no catch-up after it (nor a second claim for
+    one, while every claim is full)."""
+    clock = Clock()
+    cursor = DueCursor(
+        lag_seconds=0.1, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0, clock=clock
+    )
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(100, 1000))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    assert cursor.catch_up_pending()
+    clock.now += 2  # a full claim is due
+    full = cursor.begin()
+    assert full.full and full.catch_up_from == key(40, 0)[0]
+    assert not cursor.catch_up_pending()
+    cursor.failed(full, 0.01)  # lost quickly: the next claim (full again) covers it
+    assert cursor.catch_up_pending()
+    again = cursor.begin()
+    assert again.full
+    cursor.end(again, [ClaimOutcome(lowest=key(40, 5000))], 0.001)
+    assert not cursor.catch_up_pending() and cursor.catch_up_claims == 0
+    assert cursor.begin().start == key(40, 5000)
