@@ -81,6 +81,10 @@ WRITERS_WITHIN_SECONDS = 5.0
 # a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS, so
 # looks come at least twice per window.
 WRITERS_CHECK_INTERVAL_SECONDS = 0.04
+# A look reported this much before the last one applied is not a claim's stale look
+# (a claim does not run that long after its look) but the server's clock set back: it
+# is applied, so that catch-ups do not stop until the clock passes the last look again.
+LOOK_CLOCK_STEP = dt.timedelta(seconds=60)
 # Full claims count as slow (fast claims take over) from this many seconds per row
 # claimed (+ 10): 0.5 ms against some 0.02-0.05 ms without MVCC pressure.
 FAST_ABOVE_SECONDS_PER_ROW = 0.0005
@@ -366,8 +370,9 @@ class DueCursor:
         has ended (committed or rolled back): claim once from its start. A look taken
         before the last one applied is ignored: it may predate a writer's first write,
         and would make the cursor forget a writer still open."""
-        if self._last_look_at is not None and look.looked_at <= self._last_look_at:
-            return
+        last = self._last_look_at
+        if last is not None and last - LOOK_CLOCK_STEP < look.looked_at <= last:
+            return  # (far older than the last: the server's clock was set back, not a stale look)
         self._last_look_at = look.looked_at
         ended = self._long_writers - look.long_writers
         if ended:

@@ -298,6 +298,11 @@ def test_a_look_taken_before_the_last_one_applied_is_ignored() -> None:
     assert not cursor.catch_up_pending()
     cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102.04))], 0.001)  # a newer one: ended
     assert cursor.catch_up_pending()
+    assert cursor.begin().start == key(40, 0)  # its catch-up
+    # The server's clock set back an hour: looks go on being applied.
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102.1 - 3600, (8, 50)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102.2 - 3600))], 0.001)
+    assert cursor.begin().start == key(50, 0)  # a writer seen after the step, ended
 
 
 def test_a_catch_up_claim_that_failed_quickly_is_sent_again_by_the_next_claim() -> None:
