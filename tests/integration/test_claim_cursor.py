@@ -434,8 +434,8 @@ def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot
 
 class _Traffic:
     """Rows flowing while a test runs: a writer inserting ``rows_per_insert`` rows every
-    ``interval_seconds`` (autocommit) and a claimer delivering what it claims, as a
-    relay's worker does. ``seen``: id -> times claimed, read under ``lock``."""
+    ``interval_seconds`` (autocommit) and two claimers delivering what they claim, as a
+    relay's workers do. ``seen``: id -> times claimed, read under ``lock``."""
 
     def __init__(
         self, dsn: str, table: str, store: OutboxStore, *, rows_per_insert: int = 10, interval_seconds: float = 0.02
@@ -472,7 +472,8 @@ class _Traffic:
             except BaseException as exc:
                 self._errors.append(exc)
 
-        self._threads = [threading.Thread(target=write), threading.Thread(target=claim)]
+        # Two claimers, as two workers: their looks for open writers overlap.
+        self._threads = [threading.Thread(target=write), threading.Thread(target=claim), threading.Thread(target=claim)]
         for thread in self._threads:
             thread.start()
 
@@ -666,3 +667,29 @@ def test_a_long_writer_the_relay_may_not_see_is_delivered_by_a_full_claim(
         with psycopg.connect(pg_dsn, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_the_claim_that_sees_a_long_writer_end_sends_the_catch_up_at_once(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """Nothing else flowing: the empty claim whose look saw the long writer gone sends
+    the catch-up claim in the same call, rather than leaving the rows to the worker's
+    next claim after its idle wait."""
+    store.due_cursor = _pressure_cursor(full_every_seconds=3600, writers_within_seconds=0.5)
+    seen: dict[int, int] = {}
+    with psycopg.connect(pg_dsn, autocommit=True) as writer:
+        _insert(writer, table, "first")
+        assert _claim_all(store, seen) == 1
+        with psycopg.connect(pg_dsn) as batch:
+            ids = [r[0] for r in batch.execute(sql.SQL(BATCH_INSERT).format(sql.Identifier(*table.split("."))), (100,))]
+            deadline = time.monotonic() + 1.0  # older than writers_within_seconds, seen by the looks meanwhile
+            while time.monotonic() < deadline:
+                _insert(writer, table, "quick")
+                assert _claim_all(store, seen) == 1
+                time.sleep(0.05)
+            assert store.due_cursor._long_writers, "the look did not see the long writer"
+            batch.commit()
+    time.sleep(0.05)  # the next claim looks again
+    result = store.claim(owner="t", batch=500, lease_seconds=30, max_attempts=5)
+    assert sorted(r.id for r in result.rows) == sorted(ids)
+    assert store.due_cursor.catch_up_claims == 1 and store.due_cursor.full_claims == 1
