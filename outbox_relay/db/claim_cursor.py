@@ -45,9 +45,11 @@ statement from the front of both indexes, comes round every (its duration /
 doubled for each full claim in a row that found nothing below the fast start (up to
 ``rescan_quiet_max_seconds``). Such rows are those of a writer transaction the look
 for open writers did not see (it wrote to the outbox only after the claims moved past
-its start and ended before the next look, or the relay may not read its start: a
-session of another role without pg_read_all_stats, whatever its age), of an
-explicit available_at in the past, or a row whose claim rolled back. The key of what
+its start and ended before the next look, the relay may not read its start: a
+session of another role without pg_read_all_stats, whatever its age, or it was
+prepared for a two-phase commit: a prepared transaction's locks belong to no session,
+so the look takes it for ended at PREPARE TRANSACTION, before its rows are
+committed), of an explicit available_at in the past, or a row whose claim rolled back. The key of what
 a full claim finds enters the window like any other, so the fast claims that follow
 start from it and drain all such rows at once.
 
