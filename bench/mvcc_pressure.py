@@ -16,6 +16,16 @@ heap and index size and dead tuples of the outbox, and the relay's
 holder opened the relay's ``status --json`` named it is measured too (a relay
 without that key reports "n/a").
 
+Batch-job scenario (``--batch-job-rows N``): instead of the samples above, the writer
+at ``--rate`` (e.g. 500), the holder opened after ``--baseline-seconds`` and kept for
+``--batch-job-warmup-seconds`` (so that the relay's full claims get slow and it turns to
+fast claims), then, for each value of ``--batch-job-open-seconds`` (e.g. ``20,60``), one
+batch transaction that writes N rows (in ten parts spread over its life, all keyed by
+its start) and stays open that long before its commit. Measured per batch job: seconds
+from its commit until none of its rows is pending or processing (delivered; polled
+every 0.1 s by primary key range, up to ``--batch-job-timeout-seconds``), and the full
+and fast claims the relay ran meanwhile (pg_stat_statements).
+
 ``--relay-root DIR``: run the relay (migrate and run) from another checkout, e.g. the
 code before a change: ``git worktree add --detach /tmp/mvcc-before main``, then
 ``--relay-root /tmp/mvcc-before``. The bench itself always comes from this checkout.
@@ -79,7 +89,39 @@ def parse_args() -> argparse.Namespace:
         "(auto_explain) into --server-log",
     )
     p.add_argument("--server-log", help="embedded PostgreSQL only: write its log (and auto_explain plans) here (a dir)")
-    return p.parse_args()
+    p.add_argument(
+        "--batch-job-rows",
+        type=int,
+        default=0,
+        help="run the batch-job scenario: rows each batch transaction writes (0: the sampled hold instead)",
+    )
+    p.add_argument(
+        "--batch-job-open-seconds",
+        default="20,60",
+        help="comma-separated: how long each batch transaction stays open before its commit (one job per value)",
+    )
+    p.add_argument(
+        "--batch-job-warmup-seconds",
+        type=float,
+        default=90.0,
+        help="holder open this long before the first batch job (the relay turns to fast claims meanwhile)",
+    )
+    p.add_argument(
+        "--batch-job-timeout-seconds",
+        type=float,
+        default=600.0,
+        help="the longest wait for a batch job's rows after its commit",
+    )
+    args = p.parse_args()
+    if args.batch_job_rows < 0:
+        p.error("--batch-job-rows must be 0 or more")
+    try:
+        args.batch_job_open = [float(v) for v in args.batch_job_open_seconds.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--batch-job-open-seconds must be comma-separated seconds, not {args.batch_job_open_seconds!r}")
+    if args.batch_job_rows and (not args.batch_job_open or min(args.batch_job_open) < 0):
+        p.error("--batch-job-open-seconds needs at least one value, none negative")
+    return args
 
 
 # --- servers -------------------------------------------------------------------------------
@@ -453,6 +495,117 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
     return summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
 
 
+# --- batch-job scenario ---------------------------------------------------------------------
+BATCH_JOB_PARTS = 10  # a batch transaction writes its rows in this many statements over its life
+
+
+def batch_job(
+    dsn: str, table: str, rows: int, open_seconds: float, label: str, payload_bytes: int
+) -> tuple[int, int, float]:
+    """One transaction that writes ``rows`` rows (aggregate_id ``label``) in parts spread
+    over ``open_seconds``, then commits: (lowest id, highest id, monotonic time of the commit)."""
+    stmt = sql.SQL(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT 'order', %(label)s, 'OrderImported', jsonb_build_object('seq', g, 'note', repeat('x', %(pad)s)) "
+        "FROM generate_series(1, %(n)s) AS g RETURNING id"
+    ).format(c.ident(table))
+    parts = [rows // BATCH_JOB_PARTS + (1 if i < rows % BATCH_JOB_PARTS else 0) for i in range(BATCH_JOB_PARTS)]
+    ids: list[int] = []
+    with psycopg.connect(dsn, application_name="bench-batch-job") as conn:
+        began = time.monotonic()
+        for i, n in enumerate(parts):
+            due = began + open_seconds * i / (BATCH_JOB_PARTS - 1)
+            time.sleep(max(0.0, due - time.monotonic()))
+            if n:
+                ids += [r[0] for r in conn.execute(stmt, {"label": label, "pad": max(0, payload_bytes - 40), "n": n})]
+        time.sleep(max(0.0, began + open_seconds - time.monotonic()))
+        conn.commit()
+        committed = time.monotonic()
+    return min(ids), max(ids), committed
+
+
+def wait_batch_delivered(
+    conn: psycopg.Connection[Any], table: str, label: str, id_range: tuple[int, int], timeout: float
+) -> tuple[float | None, int]:
+    """Seconds from now until none of the batch's rows is pending or processing (None:
+    not within ``timeout``), and how many were left at the end."""
+    query = sql.SQL(
+        "SELECT count(*) FROM {} WHERE id BETWEEN %s AND %s AND aggregate_id = %s "
+        "AND status IN ('pending', 'processing')"
+    ).format(c.ident(table))
+    started = time.monotonic()
+    left = -1
+    while time.monotonic() - started < timeout:
+        left = int(conn.execute(query, (*id_range, label)).fetchone()[0])  # type: ignore[index]
+        if left == 0:
+            return time.monotonic() - started, 0
+        time.sleep(0.1)
+    return None, left
+
+
+def run_batch_jobs(
+    args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, holder_kind: str
+) -> dict[str, Any]:
+    table = c.new_table(f"mvcc_{on_done}_{holder_kind}")
+    topic = f"bench-mvcc-{c.RUN_ID}-{on_done}-{holder_kind}"
+    c.create_topic(bootstrap, topic)
+    env = relay_env(args, dsn, table, bootstrap, topic, on_done)
+    relay_cli(env, "migrate")
+    c.say(f"[{args.label or 'relay'} {on_done} {holder_kind}] batch jobs, table {table}")
+    relay = Relay(["--workers", str(args.workers)], env)
+    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
+    holder = Holder(dsn, holder_kind)
+    jobs: list[dict[str, Any]] = []
+    try:
+        relay.wait_started()
+        mon = psycopg.connect(dsn, autocommit=True, application_name="bench-monitor")
+        writer.start()
+        time.sleep(args.baseline_seconds)
+        holder.open()
+        c.say(f"  holder open; batch jobs after {args.batch_job_warmup_seconds} s")
+        time.sleep(args.batch_job_warmup_seconds)
+        for i, open_seconds in enumerate(args.batch_job_open):
+            label = f"batch-job-{i}"
+            before = statement_totals(mon)
+            low, high, _ = batch_job(dsn, table, args.batch_job_rows, open_seconds, label, args.payload_bytes)
+            seconds, left = wait_batch_delivered(mon, table, label, (low, high), args.batch_job_timeout_seconds)
+            after = statement_totals(mon)
+            if writer.error is not None:
+                raise RuntimeError(f"writer failed: {writer.error}")
+            job = {
+                "open_s": open_seconds,
+                "rows": args.batch_job_rows,
+                "commit_to_delivered_s": round(seconds, 2) if seconds is not None else None,
+                "left_at_timeout": left if seconds is None else 0,
+                "full_claims": after["claim_full"][0] - before["claim_full"][0],
+                "fast_claims": after["claim_fast"][0] - before["claim_fast"][0],
+            }
+            jobs.append(job)
+            c.say("  " + " ".join(f"{k}={v}" for k, v in job.items()))
+        writer.stop_event.set()
+        writer.join(timeout=30)
+        mon.close()
+    finally:
+        writer.stop_event.set()
+        if holder.conn is not None or (holder_kind == "prepared" and holder.pid is not None):
+            with contextlib.suppress(Exception):
+                holder.release()
+        code = relay.stop()
+        warnings = relay.warnings(limit=20)
+        relay.cleanup()
+    return {
+        "label": args.label,
+        "on_done": on_done,
+        "holder": holder_kind,
+        "rate": args.rate,
+        "warmup_s": args.batch_job_warmup_seconds,
+        "written": writer.written,
+        "batch_jobs": jobs,
+        "relay_exit": code,
+        "relay_warnings": warnings,
+    }
+
+
 def wait_named(
     env: dict[str, str], port: int, holder: Holder, opened: float, timeout: float
 ) -> tuple[float | None, float | None]:
@@ -564,8 +717,9 @@ def main() -> int:
         for on_done in [m.strip() for m in args.on_done.split(",") if m.strip()]:
             for holder in [h.strip() for h in args.holders.split(",") if h.strip()]:
                 table = c.new_table(f"mvcc_{on_done}_{holder}")
+                run = run_batch_jobs if args.batch_job_rows else run_one
                 try:
-                    results.append(run_one(args, dsn, bootstrap, on_done, holder))
+                    results.append(run(args, dsn, bootstrap, on_done, holder))
                 finally:
                     if not args.keep:
                         c.drop_schema(dsn, table)
@@ -578,8 +732,29 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "runs": results,
     }
+    title = f"mvcc_pressure {report['date']} PostgreSQL {version}, relay {args.label or report['relay_root']}"
+    if args.batch_job_rows:
+        lines = [
+            title,
+            f"{'on_done':<8}{'holder':<10}{'rate':>6}{'rows':>7}{'open s':>8}{'commit -> delivered s':>23}"
+            f"{'full claims':>12}{'fast claims':>12}",
+        ]
+        for r in results:
+            for job in r["batch_jobs"]:
+                delivered = job["commit_to_delivered_s"]
+                shown = (
+                    delivered
+                    if delivered is not None
+                    else f">{args.batch_job_timeout_seconds:g} ({job['left_at_timeout']} left)"
+                )
+                lines.append(
+                    f"{r['on_done']:<8}{r['holder']:<10}{r['rate']:>6}{job['rows']:>7}{job['open_s']:>8g}"
+                    f"{shown!s:>23}{job['full_claims']:>12}{job['fast_claims']:>12}"
+                )
+        c.emit(report, lines, args.json)
+        return 0
     lines = [
-        f"mvcc_pressure {report['date']} PostgreSQL {version}, relay {args.label or report['relay_root']}",
+        title,
         f"{'on_done':<8}{'holder':<10}{'claim ms base':>14}{'claim ms held':>14}{'ratio':>7}"
         f"{'oldest max s':>13}{'lag max s':>10}{'backlog max':>12}{'heap MB':>9}{'index MB':>9}"
         f"{'dead tup':>10}{'named s':>8}",

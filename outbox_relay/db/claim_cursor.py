@@ -16,8 +16,24 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
   ``lag_seconds`` (or, when none did, at the lowest key of the newest claim before):
   a fast claim walks only the dead entries of rows claimed since then (rate x lag);
   every WRITERS_CHECK_INTERVAL_SECONDS one also looks for open writer transactions on
-  the outbox and reports the oldest one's start, kept in the window like a claimed
-  key, so that transaction's rows (keyed by its start) are taken after its commit;
+  the outbox and reports the oldest one's start among those younger than
+  ``writers_within_seconds``, kept in the window like a claimed key, so that
+  transaction's rows (keyed by its start) are taken after its commit;
+- a long writer (open for longer than ``writers_within_seconds``: an import, a
+  nightly recompute writing thousands of rows in one transaction) does not hold the
+  fast claims back: the same look reports each one (its backend pid and transaction
+  start) and the cursor remembers it. Once a later look no longer sees a remembered
+  writer (it committed or rolled back: its lock is released only after its commit is
+  visible), the next claim is ONE "catch-up" claim, a fast claim that starts at that
+  writer's start: it walks the dead entries from there up to where fast claims start
+  (rate x the writer's age, once) and takes its rows, whose key then enters the window
+  like any other, so the fast claims that follow drain the rest (the store sends it
+  at once when the claim whose look saw the writer end found nothing). A look is applied
+  only when it was taken after the last one applied (the database's clock at the
+  look), so a slow claim's older look cannot make the cursor forget a writer still
+  open. A full claim due first takes the catch-up's place (it reads from the front).
+  A catch-up claim that fails quickly is sent again; one that runs out of its
+  statement timeout is not, and that writer's rows are left to the full claims;
 - the processing index, once per ``lease_scan_interval_seconds`` (at once again while
   the last look was cut by its LIMIT), at the clock of the last claim whose
   expired-lease scan was not cut by its LIMIT, less ``lease_margin_seconds``: every
@@ -28,9 +44,12 @@ statement from the front of both indexes, comes round every (its duration /
 ``full_cost_share``) seconds within ``rescan_min_seconds``..``rescan_max_seconds``,
 doubled for each full claim in a row that found nothing below the fast start (up to
 ``rescan_quiet_max_seconds``). Such rows are those of a writer transaction the look
-for open writers did not see (it wrote only after the claims moved past its start,
-it is older than WRITERS_WITHIN_SECONDS, or the relay may not read its start), of an
-explicit available_at in the past, or a row whose claim rolled back. The key of what
+for open writers did not see (it wrote to the outbox only after the claims moved past
+its start and ended before the next look, the relay may not read its start: a
+session of another role without pg_read_all_stats, whatever its age, or it was
+prepared for a two-phase commit: a prepared transaction's locks belong to no session,
+so the look takes it for ended at PREPARE TRANSACTION, before its rows are
+committed), of an explicit available_at in the past, or a row whose claim rolled back. The key of what
 a full claim finds enters the window like any other, so the fast claims that follow
 start from it and drain all such rows at once.
 
@@ -52,16 +71,22 @@ from dataclasses import dataclass
 # LAG_SECONDS, and so walks the dead entries of the rows claimed in that time (the
 # write rate times LAG_SECONDS). Rows of a writer transaction still open when a claim
 # runs are covered beyond it where the relay may read other sessions (claim statement,
-# "writers_since"); the rest of the late rows wait for a full claim.
+# "outbox_writers"), by the window or a catch-up claim; the rest of the late rows wait
+# for a full claim.
 LAG_SECONDS = 0.1
 # An open writer transaction older than this no longer holds fast claims back (one
 # left open for minutes would make every fast claim walk the dead entries since its
-# start); its rows are found by a full claim.
+# start): it is remembered instead, and its rows are taken by one catch-up claim from
+# its start once a look no longer sees it.
 WRITERS_WITHIN_SECONDS = 5.0
 # How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
 # a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS, so
 # looks come at least twice per window.
 WRITERS_CHECK_INTERVAL_SECONDS = 0.04
+# A look reported this much before the last one applied is not a claim's stale look
+# (a claim does not run that long after its look) but the server's clock set back: it
+# is applied, so that catch-ups do not stop until the clock passes the last look again.
+LOOK_CLOCK_STEP = dt.timedelta(seconds=60)
 # Full claims count as slow (fast claims take over) from this many seconds per row
 # claimed (+ 10): 0.5 ms against some 0.02-0.05 ms without MVCC pressure.
 FAST_ABOVE_SECONDS_PER_ROW = 0.0005
@@ -71,7 +96,8 @@ RESCAN_QUIET_MAX_SECONDS = 300.0
 LEASE_SCAN_INTERVAL_SECONDS = 1.0
 
 # A full claim that fails faster than this (or than fast_above_seconds) is tried again
-# by the next claim; a slower one waits for its interval (DueCursor.failed).
+# by the next claim; a slower one waits for its interval (DueCursor.failed). A catch-up
+# claim that fails faster than this is sent again; a slower one is not.
 QUICK_FAILURE_SECONDS = 1.0
 
 Key = tuple[dt.datetime, int]  # (available_at, id): the order of the due index
@@ -86,6 +112,24 @@ class ClaimPlan:
     lease_scan: bool = True  # look for expired leases and poison rows (always in a full claim)
     writers_check: bool = False  # a fast claim that looks for open writer transactions
     fast_start: Key | None = None  # a full claim: where a fast claim would have started
+    # The start of the long writer transaction(s) seen ended that this claim covers: a
+    # fast one (a catch-up claim) starts there instead of at the window's start; a full
+    # one reads from the front anyway. None: none pending.
+    catch_up_from: dt.datetime | None = None
+    # Open writers younger than this hold the window at their start; older ones are
+    # remembered for a catch-up claim (the look's threshold, a statement parameter).
+    writers_within_seconds: float = WRITERS_WITHIN_SECONDS
+
+
+LongWriter = tuple[int, dt.datetime]  # (backend pid, transaction start): one open writer transaction
+
+
+@dataclass(frozen=True, slots=True)
+class WritersLook:
+    """What one look for open writer transactions saw."""
+
+    looked_at: dt.datetime  # the database's clock right after it read pg_locks / pg_stat_activity
+    long_writers: frozenset[LongWriter]  # those open for longer than writers_within_seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +140,7 @@ class ClaimOutcome:
     database_now: dt.datetime | None = None  # the statement's now()
     leases_exhausted: bool = False  # its expired-lease scan ran and did not stop at its LIMIT
     server_seconds: float | None = None  # how long the statement ran in the server
+    writers_look: WritersLook | None = None  # the statement looked for open writers
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +166,13 @@ class DueCursor:
         lease_scan_interval_seconds: float = LEASE_SCAN_INTERVAL_SECONDS,
         fast_above_seconds: float = 0.1,
         fast_above_seconds_per_row: float = FAST_ABOVE_SECONDS_PER_ROW,
+        writers_within_seconds: float = WRITERS_WITHIN_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self.writers_within_seconds = writers_within_seconds
+        self._long_writers: frozenset[LongWriter] = frozenset()  # seen open by the last look applied
+        self._last_look_at: dt.datetime | None = None  # the database's clock at that look
+        self._catch_up_from: dt.datetime | None = None  # a remembered writer ended: claim from its start
         self._lease_scan_interval = lease_scan_interval_seconds
         self._writers_check_interval = min(WRITERS_CHECK_INTERVAL_SECONDS, lag_seconds * 0.4)
         self._last_writers_check_at = float("-inf")
@@ -150,6 +200,7 @@ class DueCursor:
         self._leases_from: dt.datetime | None = None
         self.full_claims = 0
         self.fast_claims = 0
+        self.catch_up_claims = 0  # fast claims sent from an ended long writer's start
 
     def begin(self) -> ClaimPlan:
         """The next claim: full while full claims are cheap, or when one is due (and no
@@ -161,14 +212,29 @@ class DueCursor:
             cheap = not self._slow  # nothing to save: every claim is full
             interval = self._full_interval()
             if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
+                # A full claim reads from the front: it takes over a pending catch-up
+                # (what it finds below the fast start enters the window, and the fast
+                # claims after it drain upwards through the ended writer's rows).
+                catch_up_from, self._catch_up_from = self._catch_up_from, None
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
                     self._last_lease_scan_at = now
                     self.full_claims += 1
-                    return ClaimPlan(full=True, start=None, fast_start=start)
-                return ClaimPlan(full=True, start=None, measured=False)
+                    return ClaimPlan(full=True, start=None, fast_start=start, catch_up_from=catch_up_from)
+                return ClaimPlan(full=True, start=None, measured=False, catch_up_from=catch_up_from)
             self.fast_claims += 1
+            # A remembered long writer has ended: this one claim starts at its start
+            # (the rows it committed are keyed there, below the window), once; the
+            # window then holds the key of what it finds, and the claims after it
+            # drain the rest. A start already at or below it needs no catch-up.
+            catch_up_from = self._catch_up_from
+            self._catch_up_from = None
+            if catch_up_from is not None and (catch_up_from, 0) < start:
+                start = (catch_up_from, 0)
+                self.catch_up_claims += 1
+            else:
+                catch_up_from = None
             # Expired leases are rare (a relay died or hung): a fast claim looks for
             # them once per interval, or at once while the last look found more than
             # its LIMIT, instead of walking the processing index's dead entries each time.
@@ -186,6 +252,8 @@ class DueCursor:
                 leases_from=self._leases_from,
                 lease_scan=lease_scan,
                 writers_check=writers_check,
+                catch_up_from=catch_up_from,
+                writers_within_seconds=self.writers_within_seconds,
             )
 
     def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
@@ -205,6 +273,9 @@ class DueCursor:
             keys = [o.lowest for o in outcomes if o.lowest is not None]
             if keys:
                 self._window.append((now, min(keys)))
+            looks = sorted((o.writers_look for o in outcomes if o.writers_look is not None), key=lambda w: w.looked_at)
+            for look in looks:
+                self._apply_look(look)
             if plan.lease_scan:
                 self._leases_left = any(not o.leases_exhausted for o in outcomes)
             for outcome in outcomes:
@@ -226,6 +297,11 @@ class DueCursor:
         one comes after its interval — not at once, which would keep one worker in
         failing full claims while the fast claims go on."""
         with self._lock:
+            # A catch-up claim that failed quickly (a connection lost) is sent again by
+            # the next claim; one that ran out of its statement timeout is not (it would
+            # keep a worker in failing claims): those rows are left to the full claims.
+            if plan.catch_up_from is not None and elapsed_seconds < QUICK_FAILURE_SECONDS:
+                self._catch_up(plan.catch_up_from)
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
                 if elapsed_seconds < max(self._fast_above, QUICK_FAILURE_SECONDS):
@@ -233,6 +309,11 @@ class DueCursor:
                 else:  # its interval counts from its end
                     self._last_full_at = self._clock()
                     self._record_full_cost(elapsed_seconds, 0, None)
+
+    def catch_up_pending(self) -> bool:
+        """A remembered long writer has ended and no claim has started from its start yet."""
+        with self._lock:
+            return self._catch_up_from is not None
 
     def fast_claims_in_use(self) -> bool:
         """Full claims are slow (see _record_full_cost): vacuum is being held back and
@@ -285,6 +366,24 @@ class DueCursor:
         brings the interval back at once."""
         base = min(self._rescan_max, max(self._rescan_min, self._full_cost / self._cost_share))
         return min(base * 2.0 ** min(self._quiet_full_claims, 16), max(base, self._rescan_quiet_max))
+
+    def _apply_look(self, look: WritersLook) -> None:
+        """Remember the long writers a look saw open; a remembered one it no longer sees
+        has ended (committed or rolled back): claim once from its start. A look taken
+        before the last one applied is ignored: it may predate a writer's first write,
+        and would make the cursor forget a writer still open."""
+        last = self._last_look_at
+        if last is not None and last - LOOK_CLOCK_STEP < look.looked_at <= last:
+            return  # (far older than the last: the server's clock was set back, not a stale look)
+        self._last_look_at = look.looked_at
+        ended = self._long_writers - look.long_writers
+        if ended:
+            self._catch_up(min(started for _, started in ended))
+        self._long_writers = look.long_writers
+
+    def _catch_up(self, started: dt.datetime) -> None:
+        if self._catch_up_from is None or started < self._catch_up_from:
+            self._catch_up_from = started
 
     def _expire(self, now: float) -> None:
         while self._window and now - self._window[0][0] > self._lag:

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..core.ordering import OrderingRule
 from ..model import Claimed, FinalizeItem
-from .claim_cursor import ClaimOutcome, ClaimPlan
+from .claim_cursor import ClaimOutcome, ClaimPlan, LongWriter, WritersLook
 from .pooler import execute_with_settings
 from .store_core import StoreCore
 
@@ -60,6 +60,23 @@ def finalize_params(items: Sequence[FinalizeItem]) -> dict[str, Any]:
         "errors": [i.error for i in others],
         "refunds": [1 if i.refund_attempt else 0 for i in others],
     }
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+
+def _from_epoch_us(text: str | int) -> dt.datetime:
+    """A time sent as microseconds since the Unix epoch (exact: no float on the way)."""
+    return _EPOCH + dt.timedelta(microseconds=int(text))
+
+
+def parse_long_writers(text: str) -> frozenset[LongWriter]:
+    """delivery.sql "outbox_writers" long_writers: 'pid:start_us' pairs, comma-separated."""
+    writers: set[LongWriter] = set()
+    for pair in filter(None, text.split(",")):
+        pid, started_us = pair.split(":")
+        writers.add((int(pid), _from_epoch_us(started_us)))
+    return frozenset(writers)
 
 
 def _bigint_array(values: Sequence[int]) -> str:
@@ -116,6 +133,17 @@ class DeliveryOps(StoreCore):
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (never publish what may not be ours).
+        result = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        # An empty claim whose look saw a long writer transaction end: its rows are
+        # committed below where fast claims start, and the catch-up claim that takes
+        # them is the next claim. Sent at once rather than after the worker's idle wait.
+        if not result.rows and self.due_cursor.catch_up_pending():
+            result = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        return result
+
+    def _claim_once(
+        self, ordering: OrderingRule, params: dict[str, Any], *, run_length: int, ordered_after: str | None
+    ) -> ClaimResult:
         rows: list[Claimed] = []
         plan = self.due_cursor.begin()
         outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
@@ -154,6 +182,7 @@ class DeliveryOps(StoreCore):
             leases_from=plan.leases_from,
             lease_scan=plan.lease_scan,
             writers_check=plan.writers_check,
+            writers_within_seconds=float(plan.writers_within_seconds),
             full_claim=plan.full,
         )
         if not ordering.enabled:
@@ -243,6 +272,7 @@ class DeliveryOps(StoreCore):
         database_now: dt.datetime | None = None
         server_seconds: float | None = None
         expired_seen = 0
+        writers_look: WritersLook | None = None
         for record in cur.fetchall():
             if record[0] is None:  # the statement's clock, expired leases looked at, open writers
                 expired_seen, database_now = int(record[1]), record[13]
@@ -250,6 +280,8 @@ class DeliveryOps(StoreCore):
                     server_seconds = int(record[2]) / 1_000_000
                 if record[10] is not None:  # rows an open writer will commit start at or after this key
                     keys.append((record[10], 0))
+                if record[7] is not None:  # the look ran: its clock, the long writers it saw
+                    writers_look = WritersLook(_from_epoch_us(record[7]), parse_long_writers(record[6] or ""))
             elif record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:
@@ -262,6 +294,7 @@ class DeliveryOps(StoreCore):
                 database_now=database_now,
                 leases_exhausted=bool(params.get("lease_scan", True)) and expired_seen < int(params["candidates"]),
                 server_seconds=server_seconds,
+                writers_look=writers_look,
             )
         )
         return reaped

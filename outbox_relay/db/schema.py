@@ -162,7 +162,9 @@ class TableSql:
             "due_from_id": sql.SQL("NULL"),
             "leases_from": sql.SQL("NULL"),
             "lease_scan": sql.SQL("true"),
-            "writers_since": sql.SQL("NULL::timestamptz"),
+            "writers_look": sql.SQL(
+                "SELECT NULL::timestamptz AS since, NULL::text AS long_writers, NULL::bigint AS looked_at_us"
+            ),
             "claim_report": sql.SQL(""),
         }
 

@@ -30,7 +30,7 @@ from ..errors import (
     DatabaseUnavailable,
     SchemaMissing,
 )
-from .claim_cursor import WRITERS_WITHIN_SECONDS, DueCursor
+from .claim_cursor import DueCursor
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
 from .statement_counts import StatementCounts
@@ -202,14 +202,7 @@ class StoreCore:
             due_from_id=sql.Placeholder("from_id"),
             leases_from=sql.Placeholder("leases_from"),
             lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
-            writers_since=sql.SQL("CASE WHEN {}::boolean THEN {} END").format(
-                sql.Placeholder("writers_check"),
-                self.sql.query(
-                    "outbox_writers_since",
-                    table_oid=sql.Literal(self.sql.regclass_text),
-                    writers_within_seconds=sql.Literal(WRITERS_WITHIN_SECONDS),
-                ),
-            ),
+            writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
             claim_report=sql.SQL(EXECUTABLE["claim_report"]),
         )
         # A full claim (from the front of both indexes) is the statement with its start

@@ -14,6 +14,7 @@ import random
 import re
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from psycopg import sql
 
 from outbox_relay.db.claim_cursor import DueCursor
 from outbox_relay.db.store import OutboxStore
-from tests.helpers.db import DELETE_MODE, run_sql
+from tests.helpers.db import DELETE_MODE, run_sql, wait_for
 
 INSERT = (
     "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
@@ -423,8 +424,272 @@ def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot
             )
 
         full = claim_buffers(store._full_claim_statement, {})
-        fast = claim_buffers(
-            store._claim_statement,
-            {"from_at": start[0], "from_id": start[1], "leases_from": None, "lease_scan": False, "writers_check": True},
-        )
+        fast_params = {
+            "from_at": start[0], "from_id": start[1], "leases_from": None, "lease_scan": False,
+            "writers_check": True, "writers_within_seconds": 5.0,
+        }  # fmt: skip
+        fast = claim_buffers(store._claim_statement, fast_params)
         assert fast * 10 < full, (fast, full)
+
+
+class _Traffic:
+    """Rows flowing while a test runs: a writer inserting ``rows_per_insert`` rows every
+    ``interval_seconds`` (autocommit) and two claimers delivering what they claim, as a
+    relay's workers do. ``seen``: id -> times claimed, read under ``lock``."""
+
+    def __init__(
+        self, dsn: str, table: str, store: OutboxStore, *, rows_per_insert: int = 10, interval_seconds: float = 0.02
+    ) -> None:
+        self.seen: dict[int, int] = {}
+        self.lock = threading.Lock()
+        self.written = 0
+        self._errors: list[BaseException] = []
+        self._stop = threading.Event()
+        insert = sql.SQL(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+            "SELECT 'order', 'bg', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, %s)"
+        ).format(sql.Identifier(*table.split(".")))
+
+        def write() -> None:
+            try:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    while not self._stop.is_set():
+                        conn.execute(insert, (rows_per_insert,))
+                        self.written += rows_per_insert
+                        self._stop.wait(interval_seconds)
+            except BaseException as exc:  # reported by stop()
+                self._errors.append(exc)
+
+        def claim() -> None:
+            try:
+                while not self._stop.is_set():
+                    local: dict[int, int] = {}
+                    if _claim_all(store, local, batch=500) == 0:
+                        self._stop.wait(0.005)
+                    with self.lock:
+                        for row_id, n in local.items():
+                            self.seen[row_id] = self.seen.get(row_id, 0) + n
+            except BaseException as exc:
+                self._errors.append(exc)
+
+        # Two claimers, as two workers: their looks for open writers overlap.
+        self._threads = [threading.Thread(target=write), threading.Thread(target=claim), threading.Thread(target=claim)]
+        for thread in self._threads:
+            thread.start()
+
+    def claimed(self, ids: set[int]) -> bool:
+        with self.lock:
+            return ids <= self.seen.keys()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        assert not self._errors, self._errors
+        assert all(n == 1 for n in self.seen.values())  # each claimed once: finalized at once
+
+
+def _pressure_cursor(*, full_every_seconds: float, writers_within_seconds: float = 1.0) -> DueCursor:
+    """Fast claims from the start (as under a held snapshot); a full claim every
+    ``full_every_seconds``; writers open longer than ``writers_within_seconds`` are long."""
+    return DueCursor(
+        lag_seconds=0.1,
+        rescan_min_seconds=full_every_seconds,
+        rescan_max_seconds=full_every_seconds,
+        rescan_quiet_max_seconds=full_every_seconds,
+        fast_above_seconds=0.0,
+        writers_within_seconds=writers_within_seconds,
+    )
+
+
+def _key_of(dsn: str, table: str, row_id: int) -> tuple[Any, int]:
+    [(available_at,)] = run_sql(dsn, table, "SELECT available_at FROM {t} WHERE id = %s", (row_id,))
+    return (available_at, row_id)
+
+
+BATCH_INSERT = (
+    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
+    "SELECT 'order', 'batch', 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, %s) RETURNING id"
+)
+
+
+def test_a_long_writer_transactions_rows_are_claimed_soon_after_its_commit_without_a_full_claim(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """A batch job writes thousands of rows in one transaction that stays open for
+    longer than writers_within_seconds, while other rows flow and a snapshot is held.
+    Its rows are keyed by its start, far below where fast claims start by its commit;
+    the cursor remembered it open, and once it is gone one catch-up claim from its
+    start, and the fast claims after it, take them all. Full claims come once an hour
+    here: only the catch-up could have found them."""
+    with _held_snapshot(pg_dsn):
+        store.due_cursor = _pressure_cursor(full_every_seconds=3600, writers_within_seconds=1.0)
+        run_sql(pg_dsn, table, BULK_INSERT)
+        assert _claim_all(store, {}, batch=1000) == 1000  # the one full claim; every later claim is fast
+        traffic = _Traffic(pg_dsn, table, store)
+        batch = psycopg.connect(pg_dsn)
+        try:
+            insert = sql.SQL(BATCH_INSERT).format(sql.Identifier(*table.split(".")))
+            batch_ids = {r[0] for r in batch.execute(insert, (1000,)).fetchall()}
+            time.sleep(1.5)  # open for longer than writers_within_seconds
+            batch_ids |= {r[0] for r in batch.execute(insert, (2000,)).fetchall()}
+            time.sleep(1.0)
+            started = batch.execute("SELECT now()").fetchone()
+            assert started is not None
+            start = store.due_cursor.start_key()
+            assert start is not None and start > (started[0], max(batch_ids)), "the test must exercise rows below"
+            batch.commit()
+            committed_at = time.monotonic()
+        finally:
+            batch.close()
+        try:
+            wait_for(lambda: traffic.claimed(batch_ids), timeout=10, interval=0.02, message="the batch's rows")
+            delay = time.monotonic() - committed_at
+        finally:
+            traffic.stop()
+        assert traffic.written > 0 and len(batch_ids) == 3000
+        assert store.due_cursor.full_claims == 1, "a full claim came round"
+        assert store.due_cursor.catch_up_claims >= 1
+        assert delay <= 10  # bounded wait; the claim after the next look (0.04 s) takes them
+
+
+def test_a_long_writer_that_rolls_back_costs_one_catch_up_claim_and_loses_nothing(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    with _held_snapshot(pg_dsn):
+        store.due_cursor = _pressure_cursor(full_every_seconds=3600, writers_within_seconds=0.5)
+        run_sql(pg_dsn, table, BULK_INSERT)
+        assert _claim_all(store, {}, batch=1000) == 1000
+        traffic = _Traffic(pg_dsn, table, store)
+        try:
+            with psycopg.connect(pg_dsn) as batch:
+                batch.execute(sql.SQL(BATCH_INSERT).format(sql.Identifier(*table.split("."))), (500,))
+                time.sleep(1.5)
+                batch.rollback()
+            wait_for(lambda: store.due_cursor.catch_up_claims >= 1, timeout=10, interval=0.02, message="a catch-up")
+            time.sleep(0.3)
+        finally:
+            traffic.stop()
+        wait_for(lambda: _claim_all(store, traffic.seen, batch=1000) == 0, timeout=10, message="the rest")
+        left = run_sql(pg_dsn, table, "SELECT count(*) FROM {t} WHERE status IN ('pending', 'processing')")
+        assert left == [(0,)]
+        assert len(traffic.seen) == traffic.written
+        assert store.due_cursor.full_claims == 1
+
+
+def _move_the_fast_start_past(pg_dsn: str, table: str, store: OutboxStore, seen: dict[int, int]) -> None:
+    """Write and claim newer rows for a while: fast claims then start above any older key."""
+    with psycopg.connect(pg_dsn, autocommit=True) as writer:
+        for _ in range(3):
+            for _ in range(5):
+                _insert(writer, table, "quick")
+            assert _claim_all(store, seen) == 5
+            time.sleep(0.15)
+
+
+def _delivered_by_a_full_claim(pg_dsn: str, table: str, store: OutboxStore, seen: dict[int, int], row_id: int) -> None:
+    start = store.due_cursor.start_key()
+    assert start is not None and start > _key_of(pg_dsn, table, row_id), "the test must exercise a row below"
+    fulls_before = store.due_cursor.full_claims
+    deadline = time.monotonic() + 15
+    while row_id not in seen and time.monotonic() < deadline:
+        _claim_all(store, seen)
+        time.sleep(0.05)
+    assert seen.get(row_id) == 1, "the row below the fast start was skipped"
+    assert store.due_cursor.full_claims > fulls_before  # found by a full claim
+
+
+def test_a_row_whose_claim_rolled_back_is_delivered(pg_dsn: str, table: str, store: OutboxStore) -> None:
+    """A claim that rolled back (its connection lost before COMMIT) leaves its rows
+    pending, while the other claims moved on past them."""
+    store.due_cursor = _pressure_cursor(full_every_seconds=1.0)
+    seen: dict[int, int] = {}
+    with psycopg.connect(pg_dsn, autocommit=True) as writer:
+        _insert(writer, table, "first")
+        assert _claim_all(store, seen) == 1
+        row_id = _insert(writer, table, "rolled-back")
+    # The claim's own UPDATE, from a session of the relay (its application_name: the
+    # look for open writers leaves it out), rolled back after the others claimed past it.
+    with psycopg.connect(pg_dsn, application_name="outbox-relay") as claim:
+        claim.execute(
+            sql.SQL(
+                "UPDATE {} SET status = 'processing', lease_owner = 'gone', lease_until = now() + interval '30 s', "
+                "lease_version = lease_version + 1, attempts = attempts + 1 WHERE id = %s"
+            ).format(sql.Identifier(*table.split("."))),
+            (row_id,),
+        )
+        _move_the_fast_start_past(pg_dsn, table, store, seen)
+        claim.rollback()
+    _delivered_by_a_full_claim(pg_dsn, table, store, seen, row_id)
+
+
+def test_a_row_with_an_explicit_past_available_at_is_delivered(pg_dsn: str, table: str, store: OutboxStore) -> None:
+    store.due_cursor = _pressure_cursor(full_every_seconds=1.0)
+    seen: dict[int, int] = {}
+    _move_the_fast_start_past(pg_dsn, table, store, seen)
+    [(row_id,)] = run_sql(
+        pg_dsn,
+        table,
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, available_at) "
+        "VALUES ('order', 'past', 'OrderCreated', '{{}}'::jsonb, now() - interval '10 minutes') RETURNING id",
+    )
+    _delivered_by_a_full_claim(pg_dsn, table, store, seen, row_id)
+
+
+def test_a_long_writer_the_relay_may_not_see_is_delivered_by_a_full_claim(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """Without pg_read_all_stats the relay's role does not see another role's
+    transaction start: such a writer, however long, is neither held in the window nor
+    remembered for a catch-up; its rows wait for a full claim."""
+    role = "t_relay_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        for statement in store.sql.grants("relay", role):
+            if "pg_read_all_stats" not in statement.as_string(conn):
+                conn.execute(statement)
+    try:
+        with OutboxStore(psycopg.conninfo.make_conninfo(pg_dsn, user=role), table, pool_size=2) as relay_store:
+            relay_store.due_cursor = _pressure_cursor(full_every_seconds=1.0, writers_within_seconds=0.5)
+            seen: dict[int, int] = {}
+            with psycopg.connect(pg_dsn, autocommit=True) as writer:
+                _insert(writer, table, "first")
+            assert _claim_all(relay_store, seen) == 1
+            with psycopg.connect(pg_dsn) as hidden:  # another role (the suite's superuser)
+                hidden_id = _insert(hidden, table, "hidden")
+                _move_the_fast_start_past(pg_dsn, table, relay_store, seen)
+                time.sleep(0.6)  # older than writers_within_seconds
+                _claim_all(relay_store, seen)
+                hidden.commit()
+            _delivered_by_a_full_claim(pg_dsn, table, relay_store, seen, hidden_id)
+            assert relay_store.due_cursor.catch_up_claims == 0
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_the_claim_that_sees_a_long_writer_end_sends_the_catch_up_at_once(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """Nothing else flowing: the empty claim whose look saw the long writer gone sends
+    the catch-up claim in the same call, rather than leaving the rows to the worker's
+    next claim after its idle wait."""
+    store.due_cursor = _pressure_cursor(full_every_seconds=3600, writers_within_seconds=0.5)
+    seen: dict[int, int] = {}
+    with psycopg.connect(pg_dsn, autocommit=True) as writer:
+        _insert(writer, table, "first")
+        assert _claim_all(store, seen) == 1
+        with psycopg.connect(pg_dsn) as batch:
+            ids = [r[0] for r in batch.execute(sql.SQL(BATCH_INSERT).format(sql.Identifier(*table.split("."))), (100,))]
+            deadline = time.monotonic() + 1.0  # older than writers_within_seconds, seen by the looks meanwhile
+            while time.monotonic() < deadline:
+                _insert(writer, table, "quick")
+                assert _claim_all(store, seen) == 1
+                time.sleep(0.05)
+            assert store.due_cursor._long_writers, "the look did not see the long writer"
+            batch.commit()
+    time.sleep(0.05)  # the next claim looks again
+    result = store.claim(owner="t", batch=500, lease_seconds=30, max_attempts=5)
+    assert sorted(r.id for r in result.rows) == sorted(ids)
+    assert store.due_cursor.catch_up_claims == 1 and store.due_cursor.full_claims == 1

@@ -54,13 +54,15 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- store fills them with parameters, anything else gets NULL: the whole claim from the
 -- front. due_at: a claimed due row's key, where later claims start.
 -- {lease_scan}: false in most fast claims (the cursor looks for expired leases once a
--- second); true otherwise. {writers_since}: in a fast claim (that looks: 25 times a
--- second), when the oldest
--- transaction that holds a write lock on the outbox began (outbox_writers_since), so
--- that the due scan starts no later than the rows such a transaction will commit
--- (their available_at defaults to its start); NULL elsewhere. The claim reports it, and
--- the cursor keeps it like a claimed key: the claims after that transaction's commit,
--- which no longer see its lock, still start at or below its rows.
+-- second); true otherwise. {writers_look}: in a fast claim, the look for open writer
+-- transactions (outbox_writers; it reads the catalogs only when %(writers_check)s,
+-- 25 times a second): since, when the oldest young transaction that holds a write
+-- lock on the outbox began, so that the due scan starts no later than the rows such a
+-- transaction will commit (their available_at defaults to its start). The claim
+-- reports it, and the cursor keeps it like a claimed key: the claims after that
+-- transaction's commit, which no longer see its lock, still start at or below its
+-- rows. The claim also reports the long writers the look saw (the cursor claims once
+-- from the start of each after it ends). Elsewhere a row of NULLs.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
@@ -77,7 +79,7 @@ WITH victims AS (
     WHERE o.id = victims.id
     RETURNING o.id, o.lease_version, victims.lease_owner
 ), writers AS MATERIALIZED (
-    SELECT {writers_since} AS since
+    {writers_look}
 ), expired AS (
     SELECT id, 0 AS part, lease_until AS sort_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
@@ -136,33 +138,54 @@ SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text,
 FROM reaped
 {claim_report}
 
--- name: outbox_writers_since
--- The start of the oldest other transaction that has written to the outbox and not yet
--- ended (its RowExclusiveLock is held until then), leaving out this relay's own
--- sessions (same application_name: their claims and finalizes never commit new rows).
--- Only transactions younger than {writers_within_seconds}: one left open for longer (a
--- forgotten BEGIN that wrote a row) would otherwise pin every fast claim to its start;
--- its rows are found by a full claim. Another role's session shows its xact_start only to a role with pg_read_all_stats
--- (pg_monitor); without it this is NULL and only the cursor's window covers such rows.
-(SELECT min(a.xact_start)
- FROM pg_catalog.pg_locks AS l
- JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
- WHERE l.locktype = 'relation' AND l.relation = {table_oid}::regclass AND l.mode = 'RowExclusiveLock'
-   AND l.granted AND l.pid <> pg_backend_pid()
-   AND a.application_name IS DISTINCT FROM current_setting('application_name')
-   AND a.xact_start >= now() - make_interval(secs => {writers_within_seconds}))
+-- name: outbox_writers
+-- The other transactions that have written to the outbox and not yet ended (their
+-- RowExclusiveLock is held until then, and released only after their commit is
+-- visible), leaving out this relay's own sessions (same application_name: their claims
+-- and finalizes never commit new rows). One row, read only when %(writers_check)s:
+-- - since: the start of the oldest of them younger than %(writers_within_seconds)s.
+--   Only those: one left open for longer (an import writing for minutes, a forgotten
+--   BEGIN that wrote a row) would otherwise pin every fast claim to its start;
+-- - long_writers: the older ones, as 'pid:start' (start: its xact_start in microseconds
+--   since the Unix epoch, exactly its rows' default available_at), comma-separated,
+--   oldest first ('' when none): the cursor remembers them and, once a look no longer
+--   sees one, claims once from its start;
+-- - looked_at_us: the database's clock just after the catalogs were read (microseconds
+--   since the Unix epoch), so that the cursor applies looks in the order they were taken.
+-- Another role's session shows its xact_start only to a role with pg_read_all_stats
+-- (pg_monitor); without it such a writer is in neither column, and only the cursor's
+-- window or a full claim covers its rows.
+SELECT min(w.xact_start) FILTER (WHERE NOT w.is_long) AS since,
+       CASE WHEN %(writers_check)s::boolean THEN
+           coalesce(string_agg(w.pid::text || ':' || w.start_us::text, ',' ORDER BY w.xact_start)
+                        FILTER (WHERE w.is_long), '')
+       END AS long_writers,
+       CASE WHEN %(writers_check)s::boolean THEN
+           (extract(epoch FROM clock_timestamp()) * 1000000)::bigint
+       END AS looked_at_us
+FROM (SELECT a.pid, a.xact_start,
+             (extract(epoch FROM a.xact_start) * 1000000)::bigint AS start_us,
+             a.xact_start < now() - make_interval(secs => %(writers_within_seconds)s::float8) AS is_long
+      FROM pg_catalog.pg_locks AS l
+      JOIN pg_catalog.pg_stat_activity AS a ON a.pid = l.pid
+      WHERE %(writers_check)s::boolean
+        AND l.locktype = 'relation' AND l.relation = {table_oid}::regclass AND l.mode = 'RowExclusiveLock'
+        AND l.granted AND l.pid <> pg_backend_pid()
+        AND a.application_name IS DISTINCT FROM current_setting('application_name')
+        AND a.xact_start IS NOT NULL) AS w
 
 -- name: claim_report
 -- Appended to "claim" by the store (claim_cursor.py): one more row (reaped = NULL)
 -- with how many expired leases the statement looked at, how long it ran in the server
 -- (microseconds, in the lease_version column: evaluated after the other parts, so it
--- covers the scans and the UPDATE, not the network), the start of the oldest open
--- writer transaction it saw (outbox_writers_since; in the created_at column) and its clock.
+-- covers the scans and the UPDATE, not the network), what its look for open writers
+-- saw (outbox_writers: the young ones' oldest start in the created_at column, the long
+-- writers in the event_type column, the look's clock in the payload column) and its clock.
 UNION ALL
 SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       (SELECT since FROM writers), NULL, NULL, now()
+       NULL, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
+       NULL, (SELECT since FROM writers), NULL, NULL, now()
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first

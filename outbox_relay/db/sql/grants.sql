@@ -55,7 +55,7 @@ GRANT SELECT ON {state_table} TO {role}
 -- name: grant_read_all_stats
 -- The relay's xmin horizon gauge and `status` name the session that holds vacuum back,
 -- and its fast claims see when an open writer transaction began (delivery.sql
--- outbox_writers_since):
+-- outbox_writers):
 -- PostgreSQL shows another role's transaction start only to members of
 -- pg_read_all_stats (or pg_monitor, which includes it). Granting a predefined role
 -- needs a superuser (or, from PostgreSQL 16, a role with ADMIN on it).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
+from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor, WritersLook
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -216,3 +216,160 @@ def test_small_full_claims_that_take_tens_of_milliseconds_switch_to_fast_claims_
     # (40 ms from call to answer, 1 ms in the server) is no sign of dead entries.
     assert not after_three(0.040, 40, server_seconds=0.001)
     assert after_three(0.045, 40, server_seconds=0.040)
+
+
+def look(seconds: float, *writers: tuple[int, float]) -> WritersLook:
+    """A look for open writers at T0 + seconds that saw these (pid, started at T0 + s) long writers."""
+    return WritersLook(
+        looked_at=T0 + dt.timedelta(seconds=seconds),
+        long_writers=frozenset((pid, T0 + dt.timedelta(seconds=started)) for pid, started in writers),
+    )
+
+
+def fast_cursor(clock: Clock) -> DueCursor:
+    """Fast claims from the start; no full claim after the first for an hour."""
+    cursor = DueCursor(
+        lag_seconds=0.1, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0, clock=clock
+    )
+    first = cursor.begin()
+    assert first.full
+    cursor.end(first, [ClaimOutcome(lowest=key(100, 1000))], 0.001)
+    return cursor
+
+
+def test_a_long_writer_seen_open_then_gone_gets_one_catch_up_claim_from_its_start() -> None:
+    clock = Clock()
+    cursor = fast_cursor(clock)
+    for i in range(3):  # a writer open since T0 + 40 s (long: older than writers_within_seconds)
+        clock.now += 0.05
+        plan = cursor.begin()
+        assert not plan.full and plan.start == key(100, 1000) and plan.catch_up_from is None
+        cursor.end(plan, [ClaimOutcome(writers_look=look(101 + i, (7, 40)))], 0.001)
+    clock.now += 0.05
+    assert not cursor.catch_up_pending()
+    plan = cursor.begin()
+    cursor.end(plan, [ClaimOutcome(writers_look=look(104))], 0.001)  # no longer open: committed or rolled back
+    assert cursor.catch_up_pending()
+    catch_up = cursor.begin()
+    assert not catch_up.full and catch_up.start == key(40, 0) and catch_up.catch_up_from == key(40, 0)[0]
+    assert cursor.catch_up_claims == 1 and not cursor.catch_up_pending()
+    # What it claimed (the writer's rows) enters the window: the next fast claims drain from there.
+    cursor.end(catch_up, [ClaimOutcome(lowest=key(40, 5000), writers_look=look(105))], 0.02)
+    drain = cursor.begin()
+    assert not drain.full and drain.catch_up_from is None and drain.start == key(40, 5000)
+    cursor.end(drain, [ClaimOutcome(lowest=key(40, 6000))], 0.001)
+    clock.now += 1  # drained, the window moves on; no second catch-up, no full claim
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(106, 9000))], 0.001)
+    clock.now += 1
+    assert cursor.begin().start == key(106, 9000)
+    assert cursor.full_claims == 1 and cursor.catch_up_claims == 1
+
+
+def test_a_writer_still_open_and_claims_without_a_look_never_send_a_catch_up() -> None:
+    clock = Clock()
+    cursor = fast_cursor(clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40), (8, 50)))], 0.001)
+    for i in range(5):
+        clock.now += 0.01
+        cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(101 + i, 2000 + i))], 0.001)  # no look this time
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102, (8, 50), (7, 40)))], 0.001)
+    assert not cursor.catch_up_pending()
+    assert cursor.begin().catch_up_from is None
+
+
+def test_the_catch_up_starts_at_the_earliest_of_the_writers_that_ended() -> None:
+    clock = Clock()
+    cursor = fast_cursor(clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40), (8, 30), (9, 60)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102, (9, 60)))], 0.001)  # 7 and 8 ended
+    assert cursor.begin().start == key(30, 0)
+    # The same pid in a new transaction (a new start) is another writer: the old one ended.
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(103, (9, 70)))], 0.001)
+    assert cursor.begin().start == key(60, 0)
+
+
+def test_a_look_taken_before_the_last_one_applied_is_ignored() -> None:
+    """Two claims look at about the same time; the older look (taken before the writer
+    first wrote) ends last: it must not make the cursor forget the writer still open."""
+    clock = Clock()
+    cursor = fast_cursor(clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101.99))], 0.001)  # stale: ignored
+    assert not cursor.catch_up_pending()
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102.04))], 0.001)  # a newer one: ended
+    assert cursor.catch_up_pending()
+    assert cursor.begin().start == key(40, 0)  # its catch-up
+    # The server's clock set back an hour: looks go on being applied.
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102.1 - 3600, (8, 50)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102.2 - 3600))], 0.001)
+    assert cursor.begin().start == key(50, 0)  # a writer seen after the step, ended
+
+
+def test_a_catch_up_claim_that_failed_quickly_is_sent_again_by_the_next_claim() -> None:
+    clock = Clock()
+    cursor = fast_cursor(clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    catch_up = cursor.begin()
+    assert catch_up.start == key(40, 0)
+    cursor.failed(catch_up, 0.01)  # a connection lost
+    assert cursor.catch_up_pending()
+    again = cursor.begin()
+    assert again.start == key(40, 0)
+    cursor.failed(again, 10.0)  # its statement timeout: not again, left to the full claims
+    assert not cursor.catch_up_pending()
+    assert cursor.begin().start == key(100, 1000)
+
+
+def test_no_catch_up_when_fast_claims_already_start_below_the_writers_rows() -> None:
+    clock = Clock()
+    cursor = fast_cursor(clock)  # fast claims start at T0 + 100 s
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 150)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    plan = cursor.begin()
+    assert plan.start == key(100, 1000) and plan.catch_up_from is None
+    assert cursor.catch_up_claims == 0 and not cursor.catch_up_pending()
+
+
+def test_the_look_threshold_is_the_cursors_setting() -> None:
+    clock = Clock()
+    cursor = DueCursor(writers_within_seconds=1.5, rescan_min_seconds=3600, fast_above_seconds=0.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 0.001)
+    plan = cursor.begin()
+    assert not plan.full and plan.writers_check and plan.writers_within_seconds == 1.5
+
+
+def test_the_long_writers_the_claim_reports_are_read_to_the_microsecond() -> None:
+    from outbox_relay.db.delivery import parse_long_writers
+
+    started = dt.datetime(2026, 12, 3, 8, 40, 1, 123457, tzinfo=dt.UTC)
+    started_us = (started - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1)
+    assert parse_long_writers(f"4242:{started_us},17:{started_us - 1}") == {
+        (4242, started),
+        (17, started - dt.timedelta(microseconds=1)),
+    }
+    assert parse_long_writers("") == frozenset()
+
+
+def test_a_full_claim_takes_over_a_pending_catch_up() -> None:
+    """A full claim reads from the front: no catch-up after it (nor a second claim for
+    one, while every claim is full)."""
+    clock = Clock()
+    cursor = DueCursor(
+        lag_seconds=0.1, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0, clock=clock
+    )
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(100, 1000))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    assert cursor.catch_up_pending()
+    clock.now += 2  # a full claim is due
+    full = cursor.begin()
+    assert full.full and full.catch_up_from == key(40, 0)[0]
+    assert not cursor.catch_up_pending()
+    cursor.failed(full, 0.01)  # lost quickly: the next claim (full again) covers it
+    assert cursor.catch_up_pending()
+    again = cursor.begin()
+    assert again.full
+    cursor.end(again, [ClaimOutcome(lowest=key(40, 5000))], 0.001)
+    assert not cursor.catch_up_pending() and cursor.catch_up_claims == 0
+    assert cursor.begin().start == key(40, 5000)
