@@ -913,6 +913,9 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "message.timeout.ms": int(settings.delivery_timeout_seconds * 1000),
         "message.max.bytes": k.message_max_bytes,
         "compression.type": k.compression_type,
+        # The Java producer's placement of keyed messages by default (librdkafka's own
+        # default, consistent_random, hashes keys with CRC32: other partitions).
+        "partitioner": k.effective_partitioner,
         "security.protocol": k.security_protocol,
         # The relay never holds more than relay.max_in_flight_bytes of claimed rows (plus
         # one row above the budget, claimed alone), so the producer's queue is sized to
