@@ -236,6 +236,14 @@ class KafkaSettings(_Section):
         "aggregates to other partitions (see Message formats). `kafka.extra.partitioner` may set it instead, "
         "not both with different values.",
     )
+    timestamp: Literal["send_time", "created_at"] = Field(
+        default="send_time",
+        description="The record's timestamp (CreateTime): send_time (default) = when the relay produces it; "
+        "created_at = the row's created_at (millisecond precision). A topic with message.timestamp.type="
+        "LogAppendTime replaces either with the broker's clock. With created_at, a backlog delivered late "
+        "carries old timestamps: time-based retention (retention.ms) may delete it soon after it arrives, "
+        "and a broker with message.timestamp.before.max.ms refuses records older than that.",
+    )
     message_format: Literal["contract", "cloudevents-binary", "cloudevents-structured", "debezium"] = Field(
         default="contract",
         description="Wire format of every message (Kafka and HTTP): contract, cloudevents-binary, "

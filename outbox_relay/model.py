@@ -130,6 +130,9 @@ class Message:
     extra: dict[str, object] = field(default_factory=dict)  # free for plug-ins' own use
     #: The wire format ``key``/``value``/``headers`` are in (``kafka.message_format``).
     format: MessageFormat = MessageFormat.CONTRACT
+    #: The record's timestamp in milliseconds since the Unix epoch (``kafka.timestamp =
+    #: "created_at"``: the row's ``created_at``); None: the producer's clock at send time.
+    timestamp_ms: int | None = None
 
     @property
     def message_id(self) -> str:

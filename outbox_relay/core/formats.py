@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from ..model import Claimed
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MILLISECOND = dt.timedelta(milliseconds=1)
+
 CONTRACT_TOPIC_TEMPLATE = "outbox.{aggregate_type}"
 #: Debezium's outbox event router default (``route.topic.replacement = outbox.event.${routedByValue}``).
 DEBEZIUM_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
@@ -144,6 +147,8 @@ class WireFormat:
     format: MessageFormat = MessageFormat.CONTRACT
     topic_template: str = CONTRACT_TOPIC_TEMPLATE
     cloudevents_source: str = default_cloudevents_source("outbox")
+    #: ``kafka.timestamp = "created_at"``: records carry the row's creation time.
+    created_at_timestamp: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WireFormat:
@@ -154,7 +159,13 @@ class WireFormat:
         if fmt is MessageFormat.DEBEZIUM and "topic_template" not in kafka.model_fields_set:
             template = DEBEZIUM_TOPIC_TEMPLATE
         source = kafka.cloudevents_source or default_cloudevents_source(settings.database.table)
-        return cls(fmt, template, source)
+        return cls(fmt, template, source, kafka.timestamp == "created_at")
+
+    def timestamp_ms(self, row: Claimed) -> int | None:
+        """The record timestamp of ``row`` (None: the producer stamps it when it sends)."""
+        if not self.created_at_timestamp:
+            return None
+        return (row.created_at - _EPOCH) // _MILLISECOND  # exact: no float rounding
 
     def topic(self, row: Claimed) -> str:
         return row.topic or _routed_topic(self.topic_template, row.aggregate_type, row.event_type)

@@ -800,6 +800,7 @@ class KafkaPublisher(Publisher):
                         key=message.key,
                         headers=wire_headers,
                         on_delivery=callback,
+                        timestamp=message.timestamp_ms or 0,  # 0: librdkafka stamps it at send time
                     )
                     break
                 except BufferError:

@@ -317,6 +317,7 @@ class RejectionIsolator:
                     key=message.key,
                     headers=headers,
                     on_delivery=verdict.on_delivery,
+                    timestamp=message.timestamp_ms or 0,  # the same record as first produced
                 )
                 return None
             except BufferError:
