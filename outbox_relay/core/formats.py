@@ -136,7 +136,7 @@ class Encoded:
 
     topic: str
     key: str
-    value: str
+    value: str | None  # None: a tombstone
     headers: list[tuple[str, str]]
 
 
@@ -176,9 +176,12 @@ class WireFormat:
         extra = parse_row_headers(row.headers)
         if not topic:
             raise FormatError("empty topic")
-        if row.payload is None:
+        if row.partition is not None and row.partition < 0:
+            raise FormatError(f"partition {row.partition} is negative: a partition number is 0 or more")
+        tombstone = row.tombstone
+        if row.payload is None and not tombstone:
             raise FormatError("payload not fetched: the row is larger than the target accepts")
-        payload = row.payload
+        payload = None if tombstone else row.payload
         fmt = self.format
         message_id = str(row.id)
         if fmt is MessageFormat.CONTRACT:
@@ -203,9 +206,13 @@ class WireFormat:
             ("subject", row.aggregate_id),
             ("time", rfc3339(row.created_at)),
         ]
-        if fmt is MessageFormat.CLOUDEVENTS_BINARY:
+        # A tombstone's value is null, which cannot hold a structured envelope: it goes in
+        # binary content mode in both CloudEvents formats (an event without data, so
+        # without a data content type).
+        if fmt is MessageFormat.CLOUDEVENTS_BINARY or payload is None:
             headers = [(CE_PREFIX + name, value) for name, value in attributes]
-            headers.append((CONTENT_TYPE_HEADER, DATA_CONTENT_TYPE))
+            if payload is not None:
+                headers.append((CONTENT_TYPE_HEADER, DATA_CONTENT_TYPE))
             headers.extend((CE_PREFIX + name, value) for name, value in extensions)
             headers.append(("message_id", message_id))
             headers.extend(plain)

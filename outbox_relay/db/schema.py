@@ -163,6 +163,9 @@ class TableSql:
             "lease_scan": sql.SQL("true"),
             "writers_since": sql.SQL("NULL::timestamptz"),
             "claim_report": sql.SQL(""),
+            # enqueue(tombstone=..., partition=...): the record columns, only when asked for.
+            "record_columns": sql.SQL(""),
+            "record_values": sql.SQL(""),
         }
 
     def index_name(self, key: str) -> str:

@@ -78,7 +78,7 @@ def build_message(row: Claimed, topic_template: str | WireFormat, ordering: Orde
         encoded = wire.encode(row)
     except FormatError as exc:
         raise MessageFormatError(str(exc)) from None
-    # Positional: this runs once per message, and keyword matching of 15 arguments
+    # Positional: this runs once per message, and keyword matching of 16 arguments
     # costs more than the rest of the construction (the order is Message's fields').
     return Message(
         row.id,
@@ -96,6 +96,7 @@ def build_message(row: Claimed, topic_template: str | WireFormat, ordering: Orde
         {},
         wire.format,
         wire.timestamp_ms(row),
+        row.partition,
     )
 
 
