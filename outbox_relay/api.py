@@ -10,9 +10,14 @@ from functools import lru_cache
 from typing import Any
 
 from psycopg import Connection
+from psycopg.sql import SQL, Composable
 from psycopg.types.json import Jsonb
 
 from .db.schema import TableSql
+
+_RECORD_COLUMNS = SQL(", tombstone, partition")
+_RECORD_VALUES = SQL(", %(tombstone)s, %(partition)s")
+_NOTHING = SQL("")
 
 
 @lru_cache(maxsize=64)
@@ -67,6 +72,8 @@ def enqueue(
     dedup_key: str | None = None,
     delay: float | timedelta = 0.0,
     trace_context: bool = True,
+    tombstone: bool = False,
+    partition: int | None = None,
 ) -> EnqueueResult:
     """Insert one outbox row on ``conn``, inside the caller's transaction; return its id.
 
@@ -92,6 +99,18 @@ def enqueue(
     active, the current W3C trace context is stored in the row's headers
     (``traceparent``, ``tracestate``), so the relay's span joins the caller's trace.
     A ``traceparent`` in ``headers`` wins; ``trace_context=False`` stores nothing.
+
+    ``tombstone=True`` (Kafka): the message's value is null, so a compacted topic
+    deletes the key (``aggregate_id``), e.g. to erase a person's data. Pass
+    ``payload=None``: a tombstone carries no payload. The HTTP publisher cannot send
+    one: such a row goes dead there with the reason.
+
+    ``partition`` (Kafka): the partition to write to, 0 or more; None (default) leaves
+    it to ``kafka.partitioner``. A partition the topic does not have sends the row dead
+    with the reason. Ignored by the HTTP publisher.
+
+    Both need the table's ``tombstone`` and ``partition`` columns (``outbox-relay
+    migrate``); without them, an enqueue that uses neither still works.
     """
     if headers is not None:
         if not isinstance(headers, Mapping) or not all(
@@ -106,6 +125,10 @@ def enqueue(
     for name, value in (("aggregate_type", aggregate_type), ("aggregate_id", aggregate_id), ("event_type", event_type)):
         if not isinstance(value, str) or not value:
             raise ValueError(f"{name} must be a non-empty string")
+    if tombstone and payload is not None:
+        raise ValueError("a tombstone carries no payload: pass payload=None with tombstone=True")
+    if partition is not None and (isinstance(partition, bool) or not isinstance(partition, int) or partition < 0):
+        raise ValueError(f"partition must be an int of 0 or more (or None), not {partition!r}")
     if isinstance(payload, str | bytes):
         payload_value: Any = Jsonb(json.loads(payload))
     else:
@@ -126,12 +149,19 @@ def enqueue(
         "delay_seconds": delay_seconds,
         "dedup_key": dedup_key,
         "lock_key": f"outbox-relay:{table}:{aggregate_id}",
+        "tombstone": tombstone,
+        "partition": partition,
     }
+    # The record columns only when asked for: a plain enqueue works on a table that
+    # migrate has not given them yet (an application upgraded before its migrate).
+    asked = tombstone or partition is not None
+    columns: Composable = _RECORD_COLUMNS if asked else _NOTHING
+    values: Composable = _RECORD_VALUES if asked else _NOTHING
     with conn.cursor() as cur:
         if ordered:
             cur.execute(sql.query("aggregate_lock"), params)
         if dedup_key is None:
-            cur.execute(sql.query("enqueue"), params)
+            cur.execute(sql.query("enqueue", record_columns=columns, record_values=values), params)
             row = cur.fetchone()
             assert row is not None
             return EnqueueResult(row[0])
@@ -139,7 +169,7 @@ def enqueue(
         # the row is delivered and deleted or purged), then the row linked to it.
         cur.execute(sql.query("enqueue_dedup_key"), params)
         if cur.fetchone() is not None:
-            cur.execute(sql.query("enqueue_dedup"), params)
+            cur.execute(sql.query("enqueue_dedup", record_columns=columns, record_values=values), params)
             row = cur.fetchone()
             if row is not None:
                 return EnqueueResult(row[0])

@@ -16,7 +16,7 @@ import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -48,6 +48,9 @@ _MANAGED_PRODUCER_PROPERTIES = {
     "delivery.timeout.ms": "use kafka.delivery_timeout_seconds (checked against the lease)",
     "message.max.bytes": "use kafka.message_max_bytes (bigger rows go dead before they are fetched)",
 }
+# librdkafka's built-in partitioners (its `partitioner` property).
+Partitioner = Literal["murmur2_random", "murmur2", "consistent_random", "consistent", "random", "fnv1a", "fnv1a_random"]
+PARTITIONERS: tuple[str, ...] = get_args(Partitioner)
 # kafka.extra names whose values are secrets (scrubbed from every log line).
 _SECRET_EXTRA_RE = re.compile(r"password|secret|\.pem$|sasl\.oauthbearer\.config|token", re.IGNORECASE)
 # Standard Webhooks symmetric secrets: "whsec_" + base64 of 24 to 64 random bytes.
@@ -237,6 +240,22 @@ class KafkaSettings(_Section):
         default_factory=dict,
         description="Any other librdkafka producer property, passed through as is (JSON object in env).",
     )
+    partitioner: Partitioner = Field(
+        default="murmur2_random",
+        description="Partitioner of keyed messages (librdkafka's `partitioner`). murmur2_random: the Java "
+        "producer's placement, so an aggregate lands where Kafka Connect, Debezium or a Java service puts the same "
+        "key (librdkafka's own default, consistent_random, hashes with CRC32: other partitions). Changing it moves "
+        "aggregates to other partitions (see Message formats). `kafka.extra.partitioner` may set it instead, "
+        "not both with different values.",
+    )
+    timestamp: Literal["send_time", "created_at"] = Field(
+        default="send_time",
+        description="The record's timestamp (CreateTime): send_time (default) = when the relay produces it; "
+        "created_at = the row's created_at (millisecond precision). A topic with message.timestamp.type="
+        "LogAppendTime replaces either with the broker's clock. With created_at, a backlog delivered late "
+        "carries old timestamps: time-based retention (retention.ms) may delete it soon after it arrives, "
+        "and a broker with message.timestamp.before.max.ms refuses records older than that.",
+    )
     message_format: Literal["contract", "cloudevents-binary", "cloudevents-structured", "debezium"] = Field(
         default="contract",
         description="Wire format of every message (Kafka and HTTP): contract, cloudevents-binary, "
@@ -277,6 +296,28 @@ class KafkaSettings(_Section):
             if name in _MANAGED_PRODUCER_PROPERTIES:
                 raise ValueError(f"{name!r} cannot be set through kafka.extra: {_MANAGED_PRODUCER_PROPERTIES[name]}")
         return value
+
+    @model_validator(mode="after")
+    def _check_partitioner(self) -> KafkaSettings:
+        """``kafka.extra.partitioner`` (a librdkafka property passed through as is) keeps
+        working and wins over the default; set together with ``kafka.partitioner`` it
+        must say the same, else which one applies would be a guess."""
+        passed = self.extra.get("partitioner")
+        if passed is None:
+            return self
+        if passed not in PARTITIONERS:
+            known = ", ".join(PARTITIONERS)
+            raise ValueError(f"kafka.extra.partitioner {passed!r} is not one of librdkafka's: {known}")
+        if "partitioner" in self.model_fields_set and passed != self.partitioner:
+            raise ValueError(
+                f"kafka.partitioner ({self.partitioner}) and kafka.extra.partitioner ({passed}) disagree: set only one"
+            )
+        return self
+
+    @property
+    def effective_partitioner(self) -> str:
+        """The partitioner the producer is given: ``kafka.extra.partitioner`` when set."""
+        return self.extra.get("partitioner", self.partitioner)
 
     @field_validator("topic_template")
     @classmethod

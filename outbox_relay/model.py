@@ -30,6 +30,8 @@ class Claimed:
     headers: str | None  # JSON text or None
     created_at: dt.datetime
     size_bytes: int = 0  # payload + headers as text, as the claim measured them
+    tombstone: bool = False  # send a null value (a delete on a compacted topic), not the payload
+    partition: int | None = None  # the partition the row asks for; None: the partitioner chooses
 
 
 @dataclass(slots=True)  # not frozen: one per row of every batch, and a frozen __init__ costs ~3x
@@ -125,7 +127,7 @@ class Message:
     id: int
     topic: str
     key: str
-    value: str  # the payload as JSON text
+    value: str | None  # the payload as JSON text; None: a tombstone (the row's ``tombstone``)
     headers: list[tuple[str, str]]
     aggregate_type: str
     aggregate_id: str
@@ -140,6 +142,12 @@ class Message:
     extra: dict[str, object] = field(default_factory=dict)  # free for plug-ins' own use
     #: The wire format ``key``/``value``/``headers`` are in (``kafka.message_format``).
     format: MessageFormat = MessageFormat.CONTRACT
+    #: The record's timestamp in milliseconds since the Unix epoch (``kafka.timestamp =
+    #: "created_at"``: the row's ``created_at``); None: the producer's clock at send time.
+    timestamp_ms: int | None = None
+    #: The partition the row asks for (its ``partition`` column); None: the partitioner
+    #: chooses from the key (``kafka.partitioner``).
+    partition: int | None = None
 
     @property
     def message_id(self) -> str:

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from ..model import Claimed
 
 
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_MILLISECOND = dt.timedelta(milliseconds=1)
+
 CONTRACT_TOPIC_TEMPLATE = "outbox.{aggregate_type}"
 #: Debezium's outbox event router default (``route.topic.replacement = outbox.event.${routedByValue}``).
 DEBEZIUM_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
@@ -133,7 +136,7 @@ class Encoded:
 
     topic: str
     key: str
-    value: str
+    value: str | None  # None: a tombstone
     headers: list[tuple[str, str]]
 
 
@@ -144,6 +147,8 @@ class WireFormat:
     format: MessageFormat = MessageFormat.CONTRACT
     topic_template: str = CONTRACT_TOPIC_TEMPLATE
     cloudevents_source: str = default_cloudevents_source("outbox")
+    #: ``kafka.timestamp = "created_at"``: records carry the row's creation time.
+    created_at_timestamp: bool = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> WireFormat:
@@ -154,7 +159,13 @@ class WireFormat:
         if fmt is MessageFormat.DEBEZIUM and "topic_template" not in kafka.model_fields_set:
             template = DEBEZIUM_TOPIC_TEMPLATE
         source = kafka.cloudevents_source or default_cloudevents_source(settings.database.table)
-        return cls(fmt, template, source)
+        return cls(fmt, template, source, kafka.timestamp == "created_at")
+
+    def timestamp_ms(self, row: Claimed) -> int | None:
+        """The record timestamp of ``row`` (None: the producer stamps it when it sends)."""
+        if not self.created_at_timestamp:
+            return None
+        return (row.created_at - _EPOCH) // _MILLISECOND  # exact: no float rounding
 
     def topic(self, row: Claimed) -> str:
         return row.topic or _routed_topic(self.topic_template, row.aggregate_type, row.event_type)
@@ -165,9 +176,12 @@ class WireFormat:
         extra = parse_row_headers(row.headers)
         if not topic:
             raise FormatError("empty topic")
-        if row.payload is None:
+        if row.partition is not None and row.partition < 0:
+            raise FormatError(f"partition {row.partition} is negative: a partition number is 0 or more")
+        tombstone = row.tombstone
+        if row.payload is None and not tombstone:
             raise FormatError("payload not fetched: the row is larger than the target accepts")
-        payload = row.payload
+        payload = None if tombstone else row.payload
         fmt = self.format
         message_id = str(row.id)
         if fmt is MessageFormat.CONTRACT:
@@ -192,9 +206,13 @@ class WireFormat:
             ("subject", row.aggregate_id),
             ("time", rfc3339(row.created_at)),
         ]
-        if fmt is MessageFormat.CLOUDEVENTS_BINARY:
+        # A tombstone's value is null, which cannot hold a structured envelope: it goes in
+        # binary content mode in both CloudEvents formats (an event without data, so
+        # without a data content type).
+        if fmt is MessageFormat.CLOUDEVENTS_BINARY or payload is None:
             headers = [(CE_PREFIX + name, value) for name, value in attributes]
-            headers.append((CONTENT_TYPE_HEADER, DATA_CONTENT_TYPE))
+            if payload is not None:
+                headers.append((CONTENT_TYPE_HEADER, DATA_CONTENT_TYPE))
             headers.extend((CE_PREFIX + name, value) for name, value in extensions)
             headers.append(("message_id", message_id))
             headers.extend(plain)

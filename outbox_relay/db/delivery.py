@@ -285,7 +285,9 @@ class DeliveryOps(StoreCore):
             elif record[0]:
                 reaped.append((record[1], record[2], record[12]))
             else:
-                rows.append(Claimed(*record[1:12]))
+                row = Claimed(*record[1:12])
+                row.tombstone, row.partition = record[14], record[15]
+                rows.append(row)
                 if record[13] is not None:
                     keys.append((record[13], record[1]))
         outcomes.append(

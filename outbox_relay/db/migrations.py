@@ -114,6 +114,12 @@ def _add_autovacuum_applied(run: MigrationRun) -> None:
     run.conn.execute(run.sql.query("add_autovacuum_applied"))
 
 
+def _add_record_columns(run: MigrationRun) -> None:
+    """``tombstone`` and ``partition``: a row may ask for a null value (a delete on a
+    compacted topic) and for its partition."""
+    run.conn.execute(run.sql.query("add_record_columns"))
+
+
 STEPS: tuple[Step, ...] = (
     Step(1, "create_table", _create_table),
     Step(2, "add_dedup_key", _add_dedup_key),
@@ -121,6 +127,7 @@ STEPS: tuple[Step, ...] = (
     Step(4, "create_audit_table", _create_audit_table),
     Step(5, "create_dedup_keys", _create_dedup_keys),
     Step(6, "add_autovacuum_applied", _add_autovacuum_applied),
+    Step(7, "add_record_columns", _add_record_columns),
 )
 #: The last step of the layouts made before steps were recorded (see the module docstring).
 BASELINE = 5

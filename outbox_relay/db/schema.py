@@ -166,6 +166,9 @@ class TableSql:
                 "SELECT NULL::timestamptz AS since, NULL::text AS long_writers, NULL::bigint AS looked_at_us"
             ),
             "claim_report": sql.SQL(""),
+            # enqueue(tombstone=..., partition=...): the record columns, only when asked for.
+            "record_columns": sql.SQL(""),
+            "record_values": sql.SQL(""),
         }
 
     def index_name(self, key: str) -> str:

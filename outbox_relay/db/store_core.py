@@ -341,7 +341,11 @@ class StoreCore:
     def _schema_current(self, conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute(
             self.sql.query("schema_current"),
-            {"dedup_keys": self.sql.regclass_of("dedup_keys"), "state_table": self.sql.regclass_of("relay_state")},
+            {
+                "dedup_keys": self.sql.regclass_of("dedup_keys"),
+                "state_table": self.sql.regclass_of("relay_state"),
+                "table": self.sql.regclass_text,
+            },
         ).fetchone()
         return bool(row and row[0])
 

@@ -80,7 +80,7 @@ def build_message(row: Claimed, topic_template: str | WireFormat, ordering: Orde
         encoded = wire.encode(row)
     except FormatError as exc:
         raise MessageFormatError(str(exc)) from None
-    # Positional: this runs once per message, and keyword matching of 13 arguments
+    # Positional: this runs once per message, and keyword matching of 16 arguments
     # costs more than the rest of the construction (the order is Message's fields').
     return Message(
         row.id,
@@ -97,6 +97,8 @@ def build_message(row: Claimed, topic_template: str | WireFormat, ordering: Orde
         ordering.order_key(row.event_type, row.aggregate_id) if ordering is not None else None,
         {},
         wire.format,
+        wire.timestamp_ms(row),
+        row.partition,
     )
 
 

@@ -118,6 +118,13 @@ BODY_LIMIT_BYTES = 64 * 1024
 ERROR_BODY_CHARS = 300
 RETRYABLE_4XX = frozenset({408, 429})
 MAX_RETRY_AFTER_SECONDS = 86400.0  # a Retry-After beyond a day is capped to a day
+#: A tombstone row (``tombstone = true``: a null Kafka value, a delete on a compacted
+#: topic) has no body to POST and no HTTP equivalent the relay could choose for every
+#: receiver: it goes dead with this reason rather than being sent as something else.
+TOMBSTONE_OVER_HTTP = (
+    "cannot send over HTTP: the row is a tombstone (a null Kafka value for a compacted topic); "
+    "the HTTP publisher has no body to send for it"
+)
 _RESERVED_HEADERS = frozenset({"idempotency-key", "content-length", "host", "transfer-encoding"})
 _TOKEN_RE = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _VALUE_RE = re.compile(r"^[\x20-\x7e\t]*$")  # visible ASCII, space and tab; no CR/LF
@@ -397,6 +404,8 @@ class HttpPublisher(Publisher):
     def send(self, message: Message, *, timeout_seconds: float | None = None) -> Outcome:
         """POST one message and classify the response; never raises an outcome."""
         timeout = self.timeout_seconds if timeout_seconds is None else min(self.timeout_seconds, timeout_seconds)
+        if message.value is None:
+            return PermanentError(TOMBSTONE_OVER_HTTP)
         try:
             url = self.url_for(message)
             headers = self.headers_for(message)

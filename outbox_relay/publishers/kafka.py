@@ -97,6 +97,9 @@ REPLACE_CODES = frozenset(
 )
 
 
+#: produce()'s partition for "the partitioner chooses" (librdkafka's RD_KAFKA_PARTITION_UA).
+UNASSIGNED = -1
+
 UNPROVEN_ACK = (
     "kafka: acknowledged by a DUPLICATE_SEQUENCE_NUMBER answer (the broker says it already "
     "stored this batch, without an offset); not taken as proof of delivery: publishing it again"
@@ -214,6 +217,9 @@ def classify(err: KafkaError) -> Outcome:
             AUTHORIZATION_RETRY_SECONDS,
             f"{text} (the principal may not write to this topic: fix its ACL; the rows wait)",
         )
+    if code == E._UNKNOWN_PARTITION:
+        # Only a row's own ``partition`` can name one: the partitioner picks existing ones.
+        return PermanentError(f"{text} (the row's partition is not one of the topic's partitions)")
     if code in PERMANENT_CODES:
         return PermanentError(text)
     # Unknown codes stay retryable: the attempt budget sends them dead eventually,
@@ -800,6 +806,8 @@ class KafkaPublisher(Publisher):
                         key=message.key,
                         headers=wire_headers,
                         on_delivery=callback,
+                        timestamp=message.timestamp_ms or 0,  # 0: librdkafka stamps it at send time
+                        partition=UNASSIGNED if message.partition is None else message.partition,
                     )
                     break
                 except BufferError:
@@ -913,6 +921,9 @@ def producer_config(settings: Settings) -> dict[str, Any]:
         "message.timeout.ms": int(settings.delivery_timeout_seconds * 1000),
         "message.max.bytes": k.message_max_bytes,
         "compression.type": k.compression_type,
+        # The Java producer's placement of keyed messages by default (librdkafka's own
+        # default, consistent_random, hashes keys with CRC32: other partitions).
+        "partitioner": k.effective_partitioner,
         "security.protocol": k.security_protocol,
         # The relay never holds more than relay.max_in_flight_bytes of claimed rows (plus
         # one row above the budget, claimed alone), so the producer's queue is sized to

@@ -317,6 +317,8 @@ class RejectionIsolator:
                     key=message.key,
                     headers=headers,
                     on_delivery=verdict.on_delivery,
+                    timestamp=message.timestamp_ms or 0,  # the same record as first produced
+                    partition=-1 if message.partition is None else message.partition,  # -1: the partitioner decides
                 )
                 return None
             except BufferError:

@@ -468,3 +468,31 @@ def test_unreachable_target_opens_the_breaker_instead_of_burning_attempts(make_s
         down.stop()
     assert relay.breaker.opened_count >= 1
     assert all(state(pg_dsn, table, i)["attempts"] < settings.relay.max_attempts for i in ids)
+
+
+def test_a_tombstone_goes_dead_without_a_request_and_a_partition_is_ignored(
+    make_settings, store, pg_dsn, table, target
+):
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        tombstone = enqueue(
+            conn,
+            aggregate_type="order",
+            aggregate_id="agg-1",
+            event_type="Erased",
+            payload=None,
+            tombstone=True,
+            table=table,
+        )
+    placed = add_row(pg_dsn, table, "E", partition=3)
+    settings = http_settings(make_settings, target)
+    publisher = HttpPublisher.from_settings(settings)
+    try:
+        worker_for(settings, store, publisher).run_once()
+    finally:
+        publisher.close()
+    s = state(pg_dsn, table, tombstone)
+    assert s["status"] == "dead" and s["attempts"] == 1
+    assert "the row is a tombstone" in s["last_error"] and "HTTP publisher has no body" in s["last_error"]
+    assert target.requests_for(tombstone) == []
+    assert state(pg_dsn, table, placed)["status"] == "done"  # partition: a Kafka placement, nothing over HTTP
+    assert len(target.requests_for(placed)) == 1

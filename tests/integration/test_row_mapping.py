@@ -2,10 +2,11 @@
 would cost a dict or a call per row on the relay's hottest statement). So the column
 names the server reports for every statement that builds a ``Claimed`` must be, in
 order, the dataclass's fields: reordering a RETURNING list fails here instead of
-silently swapping two fields. The store takes ``Claimed(*record[1:12])`` from the
-plain claim (column 0 says whether the row was reaped, the last is the reaped row's
-owner), ``Claimed(*row[:-1])`` from the ordered heads (the last column is the
-round-robin cursor) and ``Claimed(*row)`` from the ordered runs."""
+silently swapping two fields. The store takes ``Claimed(*record[1:12])`` plus
+``tombstone``, ``partition`` from ``record[14:16]`` from the plain claim (column 0 says
+whether the row was reaped, column 12 is the reaped row's owner, 13 a due row's key),
+``Claimed(*row[:-1])`` from the ordered heads (the last column is the round-robin
+cursor) and ``Claimed(*row)`` from the ordered runs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from outbox_relay.db.pooler import execute_with_settings
 from outbox_relay.db.store import CLAIM_SETTINGS
 from outbox_relay.model import Claimed
-from tests.helpers.db import make_row
+from tests.helpers.db import make_row, run_sql
 
 # The one column whose SQL name differs from its field: what the claim measured.
 SQL_NAME_OF = {"size_bytes": "row_bytes"}
@@ -65,16 +66,22 @@ def _columns(store, pg_dsn, name: str) -> list[str]:
 def test_every_statement_that_builds_a_claimed_returns_its_fields_in_order(store, pg_dsn, table, statement, taken):
     make_row(pg_dsn, table)  # something to claim, so every branch of the plan has a row
     columns = _columns(store, pg_dsn, statement)
-    assert columns[taken] == CLAIMED_COLUMNS
+    if statement == "claim":
+        columns = [*columns[taken], *columns[14:16]]
+    else:
+        columns = columns[taken]
+    assert columns == CLAIMED_COLUMNS
 
 
 def test_the_plain_claim_keeps_the_reaped_columns_where_the_store_reads_them(store, pg_dsn, table):
     """Reaped rows are read as (record[1], record[2], record[12]): id, version, owner;
-    record[13] is a claimed due row's key, where the claim cursor starts later claims."""
+    record[13] is a claimed due row's key, where the claim cursor starts later claims;
+    record[14:16] the claimed row's tombstone and partition."""
     columns = _columns(store, pg_dsn, "claim")
     assert columns[0] == "reaped" and columns[1:3] == ["id", "lease_version"] and columns[12] == "reaped_owner"
     assert columns[13] == "due_at"
-    assert len(columns) == 14
+    assert columns[14:] == ["tombstone", "partition"]
+    assert len(columns) == 16
 
 
 def test_a_claimed_row_carries_each_column_in_its_own_field(store, pg_dsn, table):
@@ -91,7 +98,9 @@ def test_a_claimed_row_carries_each_column_in_its_own_field(store, pg_dsn, table
         attempts=2,
         lease_version=7,
     )
+    run_sql(pg_dsn, table, "UPDATE {t} SET tombstone = true, partition = 4 WHERE id = %s", (row_id,))
     [claimed] = store.claim(owner="mapping", batch=10, lease_seconds=30, max_attempts=5).rows
+    assert (claimed.tombstone, claimed.partition) == (True, 4)
     assert (claimed.id, claimed.lease_version, claimed.attempts) == (row_id, 8, 3)
     assert (claimed.aggregate_type, claimed.aggregate_id, claimed.event_type, claimed.topic) == (
         "type-a",

@@ -83,6 +83,34 @@ def test_kafka_extra_cannot_override_what_the_guarantees_rest_on(name):
     assert f"'{name}' cannot be set through kafka.extra" in str(info.value)
 
 
+def test_the_partitioner_defaults_to_the_java_producers_placement():
+    from outbox_relay.publishers.kafka import producer_config
+
+    assert producer_config(load_settings(None))["partitioner"] == "murmur2_random"
+    chosen = load_settings(None, kafka={"partitioner": "fnv1a_random"})
+    assert producer_config(chosen)["partitioner"] == "fnv1a_random"
+
+
+def test_a_partitioner_in_kafka_extra_wins_or_conflicts_clearly():
+    from outbox_relay.publishers.kafka import producer_config
+
+    passed = load_settings(None, kafka={"extra": {"partitioner": "consistent_random"}})
+    assert producer_config(passed)["partitioner"] == "consistent_random"
+    same = load_settings(None, kafka={"partitioner": "murmur2", "extra": {"partitioner": "murmur2"}})
+    assert producer_config(same)["partitioner"] == "murmur2"
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, kafka={"partitioner": "murmur2_random", "extra": {"partitioner": "consistent_random"}})
+    assert "kafka.partitioner (murmur2_random) and kafka.extra.partitioner (consistent_random) disagree" in str(
+        info.value
+    )
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, kafka={"extra": {"partitioner": "murmur3"}})
+    assert "kafka.extra.partitioner 'murmur3' is not one of librdkafka's" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load_settings(None, kafka={"partitioner": "crc32"})
+    assert "kafka.partitioner" in str(info.value)
+
+
 def test_secrets_given_through_kafka_extra_are_scrubbed():
     settings = load_settings(
         None,

@@ -126,15 +126,17 @@ WITH victims AS (
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,
               o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes,
-              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at
+              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at, o.tombstone, o.partition
 )
 SELECT false AS reaped, claimed.id, claimed.lease_version, claimed.attempts, claimed.aggregate_type,
        claimed.aggregate_id, claimed.event_type, claimed.payload, claimed.topic, claimed.headers,
-       claimed.created_at, claimed.row_bytes, NULL::text AS reaped_owner, claimed.due_at
+       claimed.created_at, claimed.row_bytes, NULL::text AS reaped_owner, claimed.due_at,
+       claimed.tombstone, claimed.partition
 FROM claimed
 UNION ALL
 SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
-       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner, NULL::timestamptz
+       NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner, NULL::timestamptz,
+       NULL::boolean, NULL::int
 FROM reaped
 {claim_report}
 
@@ -185,7 +187,7 @@ UNION ALL
 SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
        NULL, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
-       NULL, (SELECT since FROM writers), NULL, NULL, now()
+       NULL, (SELECT since FROM writers), NULL, NULL, now(), NULL, NULL
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first
@@ -260,7 +262,7 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
-          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition
 )
 -- last_aggregate: where the next claim's round-robin starts. Computed here because
 -- "after" must follow the column's collation (the skip scan's order), which for
@@ -321,7 +323,7 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
-          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition
 
 -- name: finalize
 -- Every outcome of a batch in ONE fenced statement (one round trip): the decisions

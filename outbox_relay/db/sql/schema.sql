@@ -124,10 +124,13 @@ UPDATE {state_table} SET on_done = %(on_done)s WHERE on_done <> %(on_done)s RETU
 SELECT on_done FROM {state_table}
 
 -- name: schema_current
--- Has migrate brought this table to this version (state mode, dedup key table)?
+-- Has migrate brought this table to this version (state mode, dedup key table, the
+-- record columns tombstone and partition that every claim reads)?
 SELECT to_regclass(%(dedup_keys)s) IS NOT NULL
    AND EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = to_regclass(%(state_table)s) AND attname = 'on_done' AND NOT attisdropped)
+   AND (SELECT count(*) FROM pg_attribute
+        WHERE attrelid = to_regclass(%(table)s) AND attname IN ('tombstone', 'partition') AND NOT attisdropped) = 2
 
 -- name: create_dedup_keys
 -- enqueue(dedup_key=...): one row per key ever enqueued, so that a key is refused
@@ -214,6 +217,16 @@ SELECT to_regclass(%(audit_table)s) IS NOT NULL
 -- still equal to it is migrate's own and may follow a new default; any other value is
 -- an operator's and is kept.
 ALTER TABLE {state_table} ADD COLUMN IF NOT EXISTS autovacuum_applied jsonb NOT NULL DEFAULT '{{}}'::jsonb
+
+-- name: add_record_columns
+-- What a row may ask of its Kafka record besides key and value (migration step 7):
+-- tombstone = true sends a null value (a compacted topic then deletes the key; the
+-- payload is not sent), partition = the partition to write to (NULL: the partitioner
+-- chooses from the key). Neither rewrites the table: a constant default and a
+-- nullable column are catalog changes only (PostgreSQL 11+), under a brief exclusive lock.
+ALTER TABLE {table}
+    ADD COLUMN IF NOT EXISTS tombstone boolean NOT NULL DEFAULT false,
+    ADD COLUMN IF NOT EXISTS partition integer NULL
 
 -- name: autovacuum_state
 SELECT (SELECT reloptions FROM pg_class WHERE oid = %(table)s::regclass) AS reloptions,

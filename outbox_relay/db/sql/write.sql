@@ -7,9 +7,12 @@
 -- Every time is the database's clock (now()), never a worker's.
 
 -- name: enqueue
-INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at)
+-- {record_columns} / {record_values}: the tombstone and partition columns, only when the
+-- caller asks for either (so that a plain enqueue also works on a table migrate has not
+-- yet given those columns).
+INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at {record_columns})
 VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
-        now() + make_interval(secs => %(delay_seconds)s))
+        now() + make_interval(secs => %(delay_seconds)s) {record_values})
 RETURNING id
 
 -- name: enqueue_dedup_key
@@ -26,9 +29,10 @@ RETURNING dedup_key
 -- unique index on dedup_key still refuses a key held by a row an older enqueue()
 -- wrote without a key row.
 WITH new_row AS (
-    INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key)
+    INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key
+                         {record_columns})
     VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
-            now() + make_interval(secs => %(delay_seconds)s), %(dedup_key)s)
+            now() + make_interval(secs => %(delay_seconds)s), %(dedup_key)s {record_values})
     ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING id
 ), linked AS (

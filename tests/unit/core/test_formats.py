@@ -237,3 +237,24 @@ def test_relay_reads_traceparent_as_the_w3c_propagator_does(value):
     injected: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(injected, context=trace.set_span_in_context(trace.NonRecordingSpan(parsed)))
     assert dict(w3c_headers(parsed)) == injected
+
+
+@pytest.mark.parametrize("fmt", ["contract", "debezium", "cloudevents-binary", "cloudevents-structured"])
+def test_a_tombstone_has_a_null_value_its_key_and_its_headers(fmt):
+    m = build_message(claimed(tombstone=True, payload="null"), wire(fmt))
+    assert m.value is None and m.key == "order 7/ü"
+    names = [name for name, _ in m.headers]
+    assert "content-type" not in names  # no data, no data content type (and never a structured envelope)
+    if fmt.startswith("cloudevents"):
+        assert {"ce_id", "ce_type", "ce_subject", "ce_tenant"} <= set(names)  # binary content mode
+
+
+def test_partition_and_created_at_timestamp_reach_the_message():
+    stamped = WireFormat(MessageFormat.CONTRACT, created_at_timestamp=True)
+    m = build_message(claimed(partition=5), stamped)
+    assert m.partition == 5
+    assert m.timestamp_ms == 1767315845123  # 2026-01-02T01:04:05.123456Z, milliseconds cut, never rounded up
+    plain = build_message(claimed(), wire("contract"))
+    assert plain.partition is None and plain.timestamp_ms is None
+    with pytest.raises(MessageFormatError, match="partition -1 is negative"):
+        build_message(claimed(partition=-1), wire("contract"))

@@ -1,0 +1,25 @@
+"""enqueue()'s tombstone and partition arguments are checked before anything is written."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from outbox_relay import enqueue
+
+
+def call(**extra: Any) -> None:
+    extra.setdefault("payload", None)
+    enqueue(None, aggregate_type="customer", aggregate_id="c-1", event_type="CustomerErased", **extra)  # type: ignore[arg-type]
+
+
+def test_a_tombstone_carries_no_payload():
+    with pytest.raises(ValueError, match="a tombstone carries no payload: pass payload=None"):
+        call(tombstone=True, payload={"name": "x"})
+
+
+@pytest.mark.parametrize("partition", [-1, 1.5, "2", True])
+def test_a_partition_is_an_int_of_zero_or_more(partition):
+    with pytest.raises(ValueError, match="partition must be an int of 0 or more"):
+        call(partition=partition, payload={})
