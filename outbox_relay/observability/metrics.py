@@ -206,8 +206,8 @@ class RelayMetrics(PublisherObserver):
         self.statements_total = Counter(
             "outbox_relay_statements",
             "Statements the relay sent to its database, by kind (claim: took or reaped rows; claim_empty: found "
-            "nothing; finalize; extend_lease; mark_idle, mark_busy: the wake-up flag). Not yet counted in a process "
-            "serving several sources (stays 0 there).",
+            "nothing; finalize; extend_lease; mark_idle, mark_busy: the wake-up flag); per source in a process "
+            "serving several.",
             ["statement"],
             registry=r,
         )

@@ -29,6 +29,7 @@ PER_SOURCE_FAMILIES = frozenset(
         "outbox_relay_stats_refresh_errors",
         "outbox_relay_claim_batch_size",
         "outbox_relay_publish_latency_seconds",
+        "outbox_relay_statements",
         # MVCC pressure of each source's table (what holds its vacuum back, how vacuum keeps up)
         "outbox_relay_xmin_horizon_age_seconds",
         "outbox_relay_dead_tuples",

@@ -169,6 +169,8 @@ def test_two_static_sources_deliver_to_their_own_topics(databases, broker, topic
         assert metric(text, "outbox_relay_dead_tuples", source=source) is not None
         assert metric(text, "outbox_relay_xmin_horizon_age_seconds", source=source) is not None
         assert metric(text, "outbox_relay_table_size_bytes", part="indexes", source=source) > 0
+        # each source's own statements, counted by its store
+        assert metric(text, "outbox_relay_statements_total", statement="finalize", source=source) >= 1
     for unlabelled in (
         "outbox_relay_dead_tuples ",
         "outbox_relay_xmin_horizon_age_seconds ",
