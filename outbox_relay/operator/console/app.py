@@ -3,7 +3,8 @@
 Pages: overview, dead rows (filters, pagination by id, counts per event type and
 error), one row, one aggregate, the audit log, plus a preview -> confirm flow for
 every retry/skip. API: ``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``,
-``GET /api/dead/{id}``, ``POST /api/dead/retry|skip``, ``GET /api/audit``. A console
+``GET /api/dead/{id}``, ``POST /api/dead/retry|skip``, ``POST /api/replay``,
+``GET /api/audit``. A console
 of several sources (sources.py) lists them on its overview and every other page and
 API call names one with ``?source=NAME``, carried by every link and form.
 
@@ -192,6 +193,7 @@ class Console(ConsolePages, ConsoleApi):
             Route("/api/dead/{row_id:int}", api(self.api_dead_row)),
             Route("/api/dead/retry", api(self.api_retry), methods=["POST"]),
             Route("/api/dead/skip", api(self.api_skip), methods=["POST"]),
+            Route("/api/replay", api(self.api_replay), methods=["POST"]),
             Route("/api/audit", api(self.api_audit)),
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ]
