@@ -111,13 +111,15 @@ def _add_autovacuum_applied(run: MigrationRun) -> None:
 
 
 def _add_audit_replay(run: MigrationRun) -> None:
-    """The audit trail's action may also be ``replay`` (delivered rows sent again)."""
+    """The audit trail's action may also be ``replay`` (delivered rows sent again), and
+    it records the rows a replay could not send (``rows_failed``)."""
     audit = run.sql.audit_regclass_text
     for (name,) in run.conn.execute(run.sql.query("audit_action_checks"), {"audit_table": audit}).fetchall():
         run.conn.execute(run.sql.query("drop_audit_check", constraint=sql.Identifier(name)))
     run.conn.execute(
         run.sql.query("add_audit_replay_check", constraint=sql.Identifier(run.sql.audit_action_check_name))
     )
+    run.conn.execute(run.sql.query("add_audit_rows_failed"))
 
 
 STEPS: tuple[Step, ...] = (

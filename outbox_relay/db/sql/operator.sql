@@ -173,10 +173,12 @@ RETURNING id
 UPDATE {audit_table} SET finished_at = now() WHERE id = %(audit_id)s
 
 -- name: audit_list
--- Newest first, keyset pagination before %(before_id)s.
+-- Newest first, keyset pagination before %(before_id)s. rows_failed (a replay's rows
+-- that could not be sent) is read through to_jsonb, so the trail of a table that
+-- migrate has not yet given the column still lists (NULL).
 SELECT id, started_at, finished_at, actor, source, action, selector::text AS selector,
-       rows_matched, rows_changed, reason
-FROM {audit_table}
+       rows_matched, rows_changed, (to_jsonb(a) ->> 'rows_failed')::bigint AS rows_failed, reason
+FROM {audit_table} AS a
 WHERE (%(before_id)s::bigint IS NULL OR id < %(before_id)s::bigint)
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -272,10 +274,8 @@ ORDER BY m.id
 UPDATE {audit_table} SET rows_changed = rows_changed + %(n)s WHERE id = %(audit_id)s
 
 -- name: audit_finish_replay
--- A replay's end: the messages that could not be sent are recorded with the selection.
-UPDATE {audit_table}
-SET finished_at = now(), selector = selector || jsonb_build_object('failed', %(failed)s::bigint)
-WHERE id = %(audit_id)s
+-- A replay's end, with the rows that could not be sent.
+UPDATE {audit_table} SET finished_at = now(), rows_failed = %(failed)s WHERE id = %(audit_id)s
 
 -- name: audit_allows_replay
 -- Whether migrate has let the audit trail record replays (step add_audit_replay).

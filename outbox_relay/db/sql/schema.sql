@@ -220,6 +220,10 @@ ALTER TABLE {audit_table} DROP CONSTRAINT {constraint}
 -- The audit trail also records replays of delivered rows (operator/replay.py).
 ALTER TABLE {audit_table} ADD CONSTRAINT {constraint} CHECK (action IN ('retry', 'skip', 'replay'))
 
+-- name: add_audit_rows_failed
+-- The rows a replay could not send (NULL for a retry or skip).
+ALTER TABLE {audit_table} ADD COLUMN rows_failed bigint NULL
+
 -- name: audit_table_exists
 SELECT to_regclass(%(audit_table)s) IS NOT NULL
 
