@@ -11,6 +11,7 @@ in the mode each test needs, whatever the suite's mode."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import uuid
@@ -298,6 +299,44 @@ def test_console_replay_dry_run_then_confirm(console_url, pg_dsn, keep_table, br
     messages = read_topic(broker.bootstrap_servers, target, 40)
     assert sorted(m["message_id"] for m in messages) == ids
     assert {m["headers"]["replayed"] for m in messages} == {str(result["audit_id"])}
+    assert snapshot(pg_dsn, table) == before
+
+
+def test_console_pages_preview_then_confirm_with_a_reason(console_url, pg_dsn, keep_table, broker, topic_prefix):
+    table = keep_table
+    target = f"{topic_prefix}.pages"
+    create_topic(broker.bootstrap_servers, target)
+    ids = seed_done(pg_dsn, table, 25, created_ago_seconds=600, aggregate_type="shipment", aggregates=5)
+    seed_done(pg_dsn, table, 5, created_ago_seconds=600, aggregate_type="order")
+    before = snapshot(pg_dsn, table)
+    with httpx.Client(base_url=console_url, follow_redirects=False, timeout=120) as http:
+        assert http.post("/login", data={"name": "alice", "token": TOKEN}).status_code == 303
+        empty = http.get("/replay")
+        assert empty.status_code == 200 and 'id="replay-filters"' in empty.text and "preview-count" not in empty.text
+
+        preview = http.get("/replay", params={"aggregate_type": "shipment", "to_topic": target})
+        assert preview.status_code == 200
+        assert "25</strong> delivered rows would be" in preview.text and target in preview.text
+        assert f">{ids[0]}<" in preview.text  # the sample
+        assert topic_size(broker.bootstrap_servers, target) == 0 and snapshot(pg_dsn, table) == before
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', preview.text).group(1)
+        form = {"aggregate_type": "shipment", "to_topic": target, "csrf_token": csrf}
+        assert http.post("/replay/apply", data=dict(form, csrf_token="forged", reason="r")).status_code == 403
+        no_reason = http.post("/replay/apply", data=dict(form, reason=" "))
+        assert no_reason.status_code == 400 and "say why" in no_reason.text
+        assert topic_size(broker.bootstrap_servers, target) == 0
+
+        done = http.post("/replay/apply", data=dict(form, reason="the shipping consumer starts over"))
+        assert done.status_code == 303 and done.headers["location"].startswith("/audit?done=")
+        audit_id = int(done.headers["location"].split("=")[1])
+        audit_page = http.get(done.headers["location"])
+        assert "alice" in audit_page.text and "the shipping consumer starts over" in audit_page.text
+        assert "replay" in audit_page.text
+
+    messages = read_topic(broker.bootstrap_servers, target, 25)
+    assert sorted(m["message_id"] for m in messages) == ids
+    assert {m["headers"]["replayed"] for m in messages} == {str(audit_id)}
+    assert_aggregates_in_id_order(sorted(messages, key=lambda m: m["partition"]))
     assert snapshot(pg_dsn, table) == before
 
 
