@@ -261,7 +261,7 @@ WITH scanned AS (
     SELECT id, aggregate_type, aggregate_id, event_type, payload::text AS payload, topic,
            headers::text AS headers, created_at
     FROM {table} JOIN scanned USING (id)
-    WHERE {done_filter}
+    WHERE {done_filter} AND id > %(after_id)s AND id <= %(upto_id)s  -- the window's bounds, for the join's index scan
     ORDER BY id
     LIMIT %(chunk)s
 )
