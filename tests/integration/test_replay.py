@@ -408,3 +408,33 @@ def _done_count(dsn: str, table: str, ids: list[int]) -> int:
             f"SELECT count(*) FROM {quoted(table)} WHERE id = ANY(%s) AND status = 'done'", (list(ids),)
         ).fetchone()
         return int(row[0]) if row else 0
+
+
+def test_the_operator_role_of_grants_may_replay(pg_dsn, keep_table, broker, topic_prefix):
+    """The operator grants (`outbox-relay grants --operator`) are enough to replay: read
+    delivered rows, record the replay in the audit trail and its outcome."""
+    table = keep_table
+    role = "t_replay_op_" + uuid.uuid4().hex[:8]
+    target = f"{topic_prefix}.as-operator"
+    create_topic(broker.bootstrap_servers, target, partitions=1)
+    ids = seed_done(pg_dsn, table, 12, created_ago_seconds=600)
+    with psycopg.connect(pg_dsn, autocommit=True) as owner:
+        owner.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        printed = cli("grants", "--operator", role, env=cli_env(pg_dsn, table))
+        assert printed.returncode == 0, printed.stderr
+        with psycopg.connect(pg_dsn, autocommit=True) as owner:
+            for line in printed.stdout.splitlines():
+                if line.startswith("GRANT "):
+                    owner.execute(line)
+        as_operator = psycopg.conninfo.make_conninfo(pg_dsn, user=role)
+        env = cli_env(as_operator, table, broker.bootstrap_servers)
+        out = json.loads(run_cli("replay", "--since", "1h", "--to-topic", target, "--reason", "r", "--json", env=env))
+        assert (out["sent"], out["failed"]) == (12, 0)
+        [entry] = json.loads(run_cli("audit", "list", "--json", env=env))
+        assert (entry["action"], entry["rows_changed"], entry["rows_failed"]) == ("replay", 12, 0)
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as owner:
+            owner.execute(f'DROP OWNED BY "{role}"')
+            owner.execute(f'DROP ROLE "{role}"')
+    assert sorted(m["message_id"] for m in read_topic(broker.bootstrap_servers, target, 12)) == ids
