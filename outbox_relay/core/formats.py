@@ -27,6 +27,10 @@ RFC 3339 (UTC). A row header ``ce_<name>`` (``name`` lower-case letters and digi
 becomes a CloudEvents extension attribute in both CloudEvents formats; the
 attributes the relay sets cannot be overridden.
 
+A replay (``outbox-relay replay``) sends a delivered row's message again, unchanged
+but for one added header, ``replayed`` (``REPLAYED_HEADER``), whose value is the
+replay's audit id; it is added by the replay, never by live delivery.
+
 The HTTP publisher speaks the matching HTTP binding (``http_headers``): in the
 CloudEvents formats the ``ce_`` headers become ``ce-`` headers (values
 percent-encoded as the HTTP binding requires) and ``content-type`` the request's
@@ -70,6 +74,8 @@ CONTENT_TYPE_HEADER = "content-type"
 # message_id would break deduplication, and switching formats must not change
 # which rows are valid).
 RESERVED_HEADERS = frozenset({"message_id", "event_type", "aggregate_type", "aggregate_id"})
+# The header that marks a message sent again by a replay (operator/replay.py).
+REPLAYED_HEADER = "replayed"
 # The W3C trace context: forwarded under its own name (Kafka and HTTP alike); the
 # relay's tracing replaces it with its own span's context.
 TRACE_HEADERS = ("traceparent", "tracestate")

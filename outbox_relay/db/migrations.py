@@ -120,6 +120,18 @@ def _add_record_columns(run: MigrationRun) -> None:
     run.conn.execute(run.sql.query("add_record_columns"))
 
 
+def _add_audit_replay(run: MigrationRun) -> None:
+    """The audit trail's action may also be ``replay`` (delivered rows sent again), and
+    it records the rows a replay could not send (``rows_failed``)."""
+    audit = run.sql.audit_regclass_text
+    for (name,) in run.conn.execute(run.sql.query("audit_action_checks"), {"audit_table": audit}).fetchall():
+        run.conn.execute(run.sql.query("drop_audit_check", constraint=sql.Identifier(name)))
+    run.conn.execute(
+        run.sql.query("add_audit_replay_check", constraint=sql.Identifier(run.sql.audit_action_check_name))
+    )
+    run.conn.execute(run.sql.query("add_audit_rows_failed"))
+
+
 STEPS: tuple[Step, ...] = (
     Step(1, "create_table", _create_table),
     Step(2, "add_dedup_key", _add_dedup_key),
@@ -128,6 +140,7 @@ STEPS: tuple[Step, ...] = (
     Step(5, "create_dedup_keys", _create_dedup_keys),
     Step(6, "add_autovacuum_applied", _add_autovacuum_applied),
     Step(7, "add_record_columns", _add_record_columns),
+    Step(8, "add_audit_replay", _add_audit_replay),
 )
 #: The last step of the layouts made before steps were recorded (see the module docstring).
 BASELINE = 5

@@ -132,6 +132,11 @@ class TableSql:
         return ".".join('"' + part + '"' for part in ([self.schema_name] if self.schema_name else []) + [audit])
 
     @cached_property
+    def audit_action_check_name(self) -> str:
+        """The CHECK constraint of the audit table's action column (what may be recorded)."""
+        return _short(self.table_name, "audit_action_check")
+
+    @cached_property
     def notify_trigger_name(self) -> str:
         return _short(self.table_name, "notify_trg")
 
@@ -156,6 +161,7 @@ class TableSql:
             # Operator console / CLI: the audit trail and the one dead-row filter both use.
             "audit_table": self._qualified(_short(base, "audit")),
             "dead_filter": sql.SQL(_strip_comments(QUERIES["dead_filter"])),
+            "done_filter": sql.SQL(_strip_comments(QUERIES["done_filter"])),  # a replay's rows
             # Where the claim's index scans start (claim_cursor.py); the store passes
             # parameters, any other caller gets the claim from the front of both indexes.
             "due_from_at": sql.SQL("NULL"),

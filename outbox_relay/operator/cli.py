@@ -22,6 +22,7 @@ from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
 from ..core.ordering import OrderingRule
 from ..db.store import DeadSummary
 from ..errors import ConfigError, OutboxRelayError
+from .controls_cli import controls_app
 from .operations import (
     CLI_WORDING,
     Action,
@@ -47,6 +48,7 @@ aggregate_app = typer.Typer(help="Inspect one aggregate.")
 app.add_typer(aggregate_app, name="aggregate")
 audit_app = typer.Typer(help="The operators' retry/skip trail.")
 app.add_typer(audit_app, name="audit")
+app.add_typer(controls_app)  # replay (controls_cli.py)
 
 ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
 SourceOpt = Annotated[

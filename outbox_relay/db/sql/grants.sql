@@ -24,8 +24,8 @@ GRANT SELECT, UPDATE (status, available_at, attempts, lease_owner, lease_until, 
 GRANT SELECT, UPDATE ON {state_table} TO {role}
 
 -- name: grant_operator
--- `status`, `dead list|retry|skip`, `aggregate show`, `audit list`, `purge` and the
--- console: read every row; retry/skip change a dead row's status, attempts, due time
+-- `status`, `dead list|retry|skip`, `replay`, `aggregate show`, `audit list`, `purge` and
+-- the console: read every row (replay only reads, and publishes); retry/skip change a dead row's status, attempts, due time
 -- and last_error, and append to the audit trail (never rewrite who did what: only the
 -- progress columns); purge deletes old done rows, then the dedup keys older than the
 -- cutoff whose row is gone. The commands read the table's mode from the state table.
@@ -33,8 +33,8 @@ GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, UPDATE (status, available_at, attempts, last_error, done_at), DELETE ON {table} TO {role};
 GRANT SELECT, DELETE ON {dedup_keys} TO {role};
 GRANT SELECT ON {state_table} TO {role};
-GRANT SELECT, INSERT (actor, source, action, selector, rows_matched, reason), UPDATE (rows_changed, finished_at)
-    ON {audit_table} TO {role}
+GRANT SELECT, INSERT (actor, source, action, selector, rows_matched, reason),
+    UPDATE (rows_changed, rows_failed, finished_at) ON {audit_table} TO {role}
 
 -- name: grant_writer
 -- `enqueue()`: insert the application's columns only (never status, attempts or a

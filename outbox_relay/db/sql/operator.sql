@@ -173,10 +173,12 @@ RETURNING id
 UPDATE {audit_table} SET finished_at = now() WHERE id = %(audit_id)s
 
 -- name: audit_list
--- Newest first, keyset pagination before %(before_id)s.
+-- Newest first, keyset pagination before %(before_id)s. rows_failed (a replay's rows
+-- that could not be sent) is read through to_jsonb, so the trail of a table that
+-- migrate has not yet given the column still lists (NULL).
 SELECT id, started_at, finished_at, actor, source, action, selector::text AS selector,
-       rows_matched, rows_changed, reason
-FROM {audit_table}
+       rows_matched, rows_changed, (to_jsonb(a) ->> 'rows_failed')::bigint AS rows_failed, reason
+FROM {audit_table} AS a
 WHERE (%(before_id)s::bigint IS NULL OR id < %(before_id)s::bigint)
 ORDER BY id DESC
 LIMIT %(limit)s
@@ -212,3 +214,71 @@ LIMIT %(limit)s
 SELECT (SELECT count(*) FROM {table}
         WHERE aggregate_id = %(aggregate_id)s AND status IN ('pending', 'processing'))
      + (SELECT count(*) FROM {table} WHERE aggregate_id = %(aggregate_id)s AND status = 'dead')
+
+-- name: done_filter
+-- The predicate of a replay (operator/replay.py): delivered rows, with the same bound
+-- parameters as dead_filter (error_contains aside). A delivered row is done with no
+-- last_error (finalize clears it); a row an operator skipped is done too but carries
+-- the skip's reason in last_error and was never published, so it is never replayed.
+status = 'done' AND last_error IS NULL
+AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+AND (%(event_type)s::text IS NULL OR event_type = %(event_type)s::text)
+AND (%(aggregate_type)s::text IS NULL OR aggregate_type = %(aggregate_type)s::text)
+AND (%(aggregate_id)s::text IS NULL OR aggregate_id = %(aggregate_id)s::text)
+AND (%(since)s::timestamptz IS NULL OR created_at >= %(since)s::timestamptz)
+AND (%(until)s::timestamptz IS NULL OR created_at < %(until)s::timestamptz)
+
+-- name: replay_count_upto
+-- No index covers done rows: a sequential count, bounded by the caller's budget.
+SELECT count(*) FROM (SELECT 1 FROM {table} WHERE {done_filter} LIMIT %(upto)s) AS counted
+
+-- name: replay_sample
+-- The first few rows a replay would send (a dry run's sample), in id order.
+SELECT id, aggregate_type, aggregate_id, event_type, topic, created_at, done_at
+FROM {table}
+WHERE {done_filter}
+ORDER BY id
+LIMIT %(limit)s
+
+-- name: replay_bounds
+-- Where a replay's walk ends: the highest id when it starts, so rows written (and
+-- delivered) while it runs are not chased.
+SELECT coalesce(max(id), 0) FROM {table}
+
+-- name: replay_walk
+-- One step of a replay's walk of the table in id order (the primary key), like purge:
+-- at most %(window)s rows after %(after_id)s and up to %(upto_id)s are looked at, and
+-- of those at most %(chunk)s matching delivered rows are returned, whole, in id order.
+-- One short read; no row is locked or changed. The first column is the last id looked
+-- at (NULL: nothing left), on every row, and the one row with NULL columns when
+-- nothing in the window matched.
+WITH scanned AS (
+    SELECT id FROM {table}
+    WHERE id > %(after_id)s AND id <= %(upto_id)s
+    ORDER BY id
+    LIMIT %(window)s
+), matched AS (
+    SELECT id, aggregate_type, aggregate_id, event_type, payload::text AS payload, topic,
+           headers::text AS headers, created_at, tombstone, partition
+    FROM {table} JOIN scanned USING (id)
+    WHERE {done_filter} AND id > %(after_id)s AND id <= %(upto_id)s  -- the window's bounds, for the join's index scan
+    ORDER BY id
+    LIMIT %(chunk)s
+)
+SELECT (SELECT max(id) FROM scanned) AS last_scanned, m.*
+FROM (SELECT 1) AS one LEFT JOIN matched AS m ON true
+ORDER BY m.id
+
+-- name: audit_add_changed
+-- A replay's messages the target acknowledged, added after each chunk.
+UPDATE {audit_table} SET rows_changed = rows_changed + %(n)s WHERE id = %(audit_id)s
+
+-- name: audit_finish_replay
+-- A replay's end, with the rows that could not be sent.
+UPDATE {audit_table} SET finished_at = now(), rows_failed = %(failed)s WHERE id = %(audit_id)s
+
+-- name: audit_allows_replay
+-- Whether migrate has let the audit trail record replays (step add_audit_replay).
+SELECT EXISTS (SELECT 1 FROM pg_constraint
+               WHERE conrelid = to_regclass(%(audit_table)s) AND contype = 'c'
+                 AND pg_get_constraintdef(oid) LIKE '%%replay%%')

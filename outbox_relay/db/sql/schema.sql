@@ -209,6 +209,24 @@ CREATE TABLE IF NOT EXISTS {audit_table} (
     reason        text        NULL
 )
 
+-- name: audit_action_checks
+-- The CHECK constraints of the audit table's action column (step add_audit_replay
+-- replaces the one create_audit_table made, whatever PostgreSQL named it).
+SELECT conname FROM pg_constraint
+WHERE conrelid = to_regclass(%(audit_table)s) AND contype = 'c'
+  AND pg_get_constraintdef(oid) LIKE '%%action%%'
+
+-- name: drop_audit_check
+ALTER TABLE {audit_table} DROP CONSTRAINT {constraint}
+
+-- name: add_audit_replay_check
+-- The audit trail also records replays of delivered rows (operator/replay.py).
+ALTER TABLE {audit_table} ADD CONSTRAINT {constraint} CHECK (action IN ('retry', 'skip', 'replay'))
+
+-- name: add_audit_rows_failed
+-- The rows a replay could not send (NULL for a retry or skip).
+ALTER TABLE {audit_table} ADD COLUMN rows_failed bigint NULL
+
 -- name: audit_table_exists
 SELECT to_regclass(%(audit_table)s) IS NOT NULL
 

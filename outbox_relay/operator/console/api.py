@@ -1,6 +1,6 @@
 """The console's JSON API: ``GET /api/sources`` (filtered, sorted and paged:
 source_list.py), ``GET /api/status``, ``GET /api/dead``, ``GET /api/dead/{id}``,
-``POST /api/dead/retry|skip``, ``GET /api/audit``; every call but the first takes
+``POST /api/dead/retry|skip``, ``POST /api/replay``, ``GET /api/audit``; every call but the first takes
 ``?source=NAME`` (required when the console serves several)."""
 
 from __future__ import annotations
@@ -22,6 +22,15 @@ from ..operations import (
     check_dead_change,
     jsonable,
     preview_dead,
+)
+from ..replay import (
+    API_REPLAY_WORDING,
+    CONSOLE_MAX_REPLAY_ROWS,
+    check_replay,
+    delete_mode_refusal,
+    open_publisher,
+    preview_replay,
+    replay_delivered,
 )
 from .auth import Principal, csrf_ok
 from .base import MAX_IDS, BadRequest
@@ -219,6 +228,101 @@ class ConsoleApi(ConsoleSecurity):
         if not conditions:
             raise BadRequest('the filter is empty: send "all": true to mean every dead row')
         return dict(flt)
+
+    async def api_replay(self, request: Request, who: Principal) -> Response:
+        """Replay delivered rows (operator/replay.py): ``{"ids": [...]}`` or ``{"filter":
+        {...}}``, ``"to_topic"``, ``"dry_run"``, ``"reason"`` (required unless a dry run)."""
+        src = await self._source(request)
+        if request.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            return self._json_error(415, "send the request as application/json")
+        try:
+            doc = json.loads(await self._body(request))
+        except ValueError:
+            raise BadRequest("the body is not JSON") from None
+        if not isinstance(doc, dict):
+            raise BadRequest('the body must be an object: {"ids": [...]} or {"filter": {...}}')
+        unknown = sorted(set(doc) - {"ids", "filter", "to_topic", "dry_run", "reason"})
+        if unknown:
+            raise BadRequest(f"unknown field {unknown[0]!r}")
+        dry_run = doc.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise BadRequest("dry_run must be true or false")
+        if not dry_run:
+            refusal = self._act_refusal(request, who)
+            if refusal is not None:
+                return refusal
+        reason, to_topic = doc.get("reason"), doc.get("to_topic")
+        if reason is not None and not isinstance(reason, str):
+            raise BadRequest("reason must be text")
+        if to_topic is not None and not isinstance(to_topic, str):
+            raise BadRequest("to_topic must be text")
+        try:
+            reason, to_topic = check_replay(
+                ids=doc.get("ids") is not None,
+                filtered=doc.get("filter") is not None,
+                reason=reason,
+                dry_run=dry_run,
+                to_topic=to_topic,
+                wording=API_REPLAY_WORDING,
+            )
+        except OperatorRuleError as exc:
+            raise BadRequest(str(exc)) from None
+        flt = doc.get("filter")
+        if isinstance(flt, dict):
+            if "error_contains" in flt:
+                raise BadRequest("error_contains does not apply to delivered rows")
+            if not any(v not in (None, "") for k, v in flt.items() if k != "limit"):
+                raise BadRequest("the filter is empty: give at least one condition (a time range, an event type…)")
+        selector = self._api_selector(doc)
+        budget_ms = self.count_budget_ms
+
+        def run() -> dict[str, Any]:
+            if src.store.on_done_mode() == "delete":
+                raise BadRequest(delete_mode_refusal(src.table))
+            selector_ = self._filter(src, selector) if isinstance(selector, dict) else selector
+            if dry_run:
+                preview = preview_replay(src.store, selector_, to_topic=to_topic, budget_ms=budget_ms)
+                answer: dict[str, Any] = jsonable(dict(preview.as_json(), sent=0, dry_run=True))
+                return answer
+            src.store.require_replay_audit()
+            matched = src.store.replay_count(selector_, budget_ms=budget_ms)
+            if not matched.exact or matched.n > CONSOLE_MAX_REPLAY_ROWS:
+                raise BadRequest(
+                    f"{matched} rows match: the console replays at most {CONSOLE_MAX_REPLAY_ROWS} "
+                    "per request; narrow the filter, give a limit, or use `outbox-relay replay`"
+                )
+            publisher = open_publisher(src.settings)
+            try:
+                result = replay_delivered(
+                    src.store,
+                    publisher,
+                    src.settings,
+                    selector_,
+                    to_topic=to_topic,
+                    actor=who.user,
+                    source=who.source,
+                    reason=reason,
+                    chunk_size=self.settings.console.chunk_size,
+                    budget_ms=budget_ms,
+                    matched=matched,
+                )
+            finally:
+                publisher.close()
+            return result.as_json()
+
+        return JSONResponse(await run_in_threadpool(run))
+
+    def _act_refusal(self, request: Request, who: Principal) -> Response | None:
+        """Why this caller may not change anything now (read-only console, foreign
+        origin, missing CSRF token of a session), or None."""
+        if not who.can_act:
+            return self._json_error(403, "the console is read-only: set console.token to enable its actions")
+        refusal = self._origin_refusal(request)
+        if refusal is not None:
+            return self._json_error(403, refusal)
+        if not csrf_ok(who, request.headers.get("x-csrf-token")):
+            return self._json_error(403, "missing or wrong X-CSRF-Token for this session")
+        return None
 
     async def api_audit(self, request: Request, who: Principal) -> Response:
         src = await self._source(request)

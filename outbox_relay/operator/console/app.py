@@ -2,8 +2,9 @@
 
 Pages: overview, dead rows (filters, pagination by id, counts per event type and
 error), one row, one aggregate, the audit log, plus a preview -> confirm flow for
-every retry/skip. API: ``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``,
-``GET /api/dead/{id}``, ``POST /api/dead/retry|skip``, ``GET /api/audit``. A console
+every retry/skip and for a replay of delivered rows (replay_pages.py). API:
+``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``, ``GET /api/dead/{id}``,
+``POST /api/dead/retry|skip``, ``POST /api/replay``, ``GET /api/audit``. A console
 of several sources (sources.py) lists them on its overview and every other page and
 API call names one with ``?source=NAME``, carried by every link and form.
 
@@ -42,6 +43,7 @@ from .api import ConsoleApi
 from .auth import LoginThrottle, Principal, Sessions
 from .base import BadRequest, NoSuchSource
 from .pages import ConsolePages
+from .replay_pages import ReplayPages
 from .source_list import SourceBoard
 from .sources import ConsoleSources, StoreFactory
 
@@ -139,7 +141,7 @@ class _Guard:
         await self.app(scope, receive, send_with_headers)
 
 
-class Console(ConsolePages, ConsoleApi):
+class Console(ConsolePages, ReplayPages, ConsoleApi):
     """One console process: settings, a store, sessions, templates, routes."""
 
     def __init__(self, settings: Settings, sources: ConsoleSources) -> None:
@@ -180,6 +182,8 @@ class Console(ConsolePages, ConsoleApi):
             Route("/dead", page(self.dead_rows)),
             Route("/dead/preview", page(self.dead_preview)),
             Route("/dead/apply", page(self.dead_apply), methods=["POST"]),
+            Route("/replay", page(self.replay_page)),
+            Route("/replay/apply", page(self.replay_apply), methods=["POST"]),
             Route("/rows/{row_id:int}", page(self.row_page)),
             Route("/aggregates/{aggregate_id:path}", page(self.aggregate_page)),
             Route("/audit", page(self.audit_page)),
@@ -192,6 +196,7 @@ class Console(ConsolePages, ConsoleApi):
             Route("/api/dead/{row_id:int}", api(self.api_dead_row)),
             Route("/api/dead/retry", api(self.api_retry), methods=["POST"]),
             Route("/api/dead/skip", api(self.api_skip), methods=["POST"]),
+            Route("/api/replay", api(self.api_replay), methods=["POST"]),
             Route("/api/audit", api(self.api_audit)),
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ]
