@@ -318,9 +318,21 @@ def fresh_install_sql(
     # Step 2 adds dedup_key to older tables: a new table has it. Step 3: the state table
     # (created with its on_done column). Steps 4 to 6: the companion tables and columns.
     out += [_render(statement) for statement in table_sql.statements("create_state_table")]
-    out.append(_render(table_sql.query("create_audit_table")))
+    # Step 8 (add_audit_replay) replaces the audit table's action check with one that
+    # also allows 'replay', under its own name: a new table is created with that check.
+    audit = _render(table_sql.query("create_audit_table"))
+    old_check = "CHECK (action IN ('retry', 'skip'))"
+    if audit.count(old_check) != 1:
+        raise AssertionError("create_audit_table's action check changed: update fresh_install_sql")
+    new_check = _render(
+        table_sql.query("add_audit_replay_check", constraint=sql.Identifier(table_sql.audit_action_check_name))
+    )
+    out.append(audit.replace(old_check, new_check[new_check.index("CONSTRAINT") :].rstrip(";")))
     out.append(_render(table_sql.query("create_dedup_keys")))
     out.append(_render(table_sql.query("add_autovacuum_applied")))
+    # Step 7: the record columns; step 8: the audit's rows_failed.
+    out.append(_render(table_sql.query("add_record_columns")))
+    out.append(_render(table_sql.query("add_audit_rows_failed")))
     out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
     # Every-run steps on a new table: the autovacuum parameters and their record, the
     # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).

@@ -10,6 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from outbox_relay.db.migrations import STEPS
 from outbox_relay.db.store import OutboxStore
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import ON_DONE, insert_rows, run_sql
@@ -24,7 +25,7 @@ def test_migrate_after_the_table_was_dropped_names_the_way_out_then_recreates(pg
     refused = cli("migrate", env=env)
     assert refused.returncode == 1
     (line,) = refused.stderr.splitlines()
-    assert "does not exist but" in line and "records 6 migration steps" in line
+    assert "does not exist but" in line and f"records {len(STEPS)} migration steps" in line
     assert "outbox-relay migrate --recreate-from-id N" in line
     assert "run `outbox-relay migrate` first" not in line  # not the advice the user just followed
 

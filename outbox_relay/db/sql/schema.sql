@@ -224,8 +224,9 @@ ALTER TABLE {audit_table} DROP CONSTRAINT {constraint}
 ALTER TABLE {audit_table} ADD CONSTRAINT {constraint} CHECK (action IN ('retry', 'skip', 'replay'))
 
 -- name: add_audit_rows_failed
--- The rows a replay could not send (NULL for a retry or skip).
-ALTER TABLE {audit_table} ADD COLUMN rows_failed bigint NULL
+-- The rows a replay could not send (NULL for a retry or skip). IF NOT EXISTS: a table
+-- recreated by `migrate --recreate-from-id` keeps its audit table, which has it already.
+ALTER TABLE {audit_table} ADD COLUMN IF NOT EXISTS rows_failed bigint NULL
 
 -- name: audit_table_exists
 SELECT to_regclass(%(audit_table)s) IS NOT NULL
