@@ -8,20 +8,32 @@ line on stderr, never a traceback (docs/reference/logs-and-exit-codes.md).
 from __future__ import annotations
 
 import json
-import logging
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Annotated, Any, TypeVar
 
 import typer
 
 from .._version import __version__
-from ..config import Settings, load_settings, parse_duration
-from ..core.filters import FILTER_NAMES, DeadFilter, parse_filter
+from ..config import Settings, parse_duration
+from ..core.filters import DeadFilter
 from ..core.ordering import OrderingRule
 from ..db.store import DeadSummary
-from ..errors import ConfigError, OutboxRelayError
+from .cli_common import (
+    AggregateIdOpt,
+    AggregateTypeOpt,
+    ConfigOpt,
+    EventTypeOpt,
+    SinceOpt,
+    SourceOpt,
+    UntilOpt,
+)
+from .cli_common import errors as _errors
+from .cli_common import fail as _fail
+from .cli_common import filter_from_options as _filter
+from .cli_common import for_source as _for_source
+from .cli_common import open_store as _store
+from .cli_common import progress as _progress
+from .cli_common import settings_from as _settings
 from .controls_cli import controls_app
 from .operations import (
     CLI_WORDING,
@@ -50,65 +62,7 @@ audit_app = typer.Typer(help="The operators' retry/skip trail.")
 app.add_typer(audit_app, name="audit")
 app.add_typer(controls_app)  # replay (controls_cli.py)
 
-ConfigOpt = Annotated[str | None, typer.Option("--config", "-c", help="TOML settings file (or OUTBOX_RELAY_CONFIG).")]
-SourceOpt = Annotated[
-    str | None,
-    typer.Option("--source", help="The source (outbox) to work on, by name; needed when several are configured."),
-]
 T = TypeVar("T")
-
-
-def _fail(message: str, code: int) -> None:
-    typer.echo(f"outbox-relay: error: {message}", err=True)
-    raise typer.Exit(code)
-
-
-def _settings(config: str | None, **overrides: Any) -> Settings:
-    try:
-        settings = load_settings(config, **{k: v for k, v in overrides.items() if v})
-    except ConfigError as exc:
-        _fail(str(exc), 2)
-        raise  # unreachable
-    from ..observability.logs import configure_logging
-
-    configure_logging(settings.log.level, settings.log.format, secrets=settings.secret_values)
-    return settings
-
-
-def _for_source(settings: Settings, source: str | None) -> Settings:
-    """The settings of the source named by --source (sources.py)."""
-    from ..sources import source_settings
-
-    with _errors():
-        return source_settings(settings, source)
-    raise AssertionError("unreachable")
-
-
-@contextmanager
-def _errors() -> Iterator[None]:
-    """Our exceptions -> one line and an exit code."""
-    try:
-        yield
-    except ConfigError as exc:
-        _fail(str(exc), 2)
-    except OutboxRelayError as exc:
-        _fail(str(exc), 1)
-
-
-@contextmanager
-def _store(settings: Settings) -> Iterator[Any]:
-    from ..db.store import make_store
-
-    # A one-shot command reports a connection failure as one line (see _errors); the
-    # pool's own multi-line retry warnings would only repeat it on stderr.
-    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
-    store = make_store(settings, pool_size=2, application_name="outbox-relay-cli")
-    with _errors():
-        store.open(fail_fast=True)
-        try:
-            yield store
-        finally:
-            store.close()
 
 
 def _require_subcommand(ctx: typer.Context) -> None:
@@ -153,24 +107,6 @@ def _aggregate(ctx: typer.Context) -> None:
 @audit_app.callback(invoke_without_command=True)
 def _audit(ctx: typer.Context) -> None:
     _require_subcommand(ctx)
-
-
-def _progress(total: int, label: str) -> Callable[[int], None]:
-    """A progress bar on a terminal, nothing otherwise."""
-    if not sys.stderr.isatty() or total <= 0:
-        return lambda _n: None
-    done = [0]
-
-    def update(n: int) -> None:
-        done[0] += n
-        width = 30
-        filled = int(width * min(done[0], total) / total)
-        sys.stderr.write(f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total}")
-        if done[0] >= total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return update
 
 
 # --- run / migrate ---------------------------------------------------------------------
@@ -431,31 +367,9 @@ def _mb(size_bytes: int) -> str:
 
 # --- dead letters ----------------------------------------------------------------------
 # The filters of `dead list|retry|skip` (the console's API takes the same names).
-EventTypeOpt = Annotated[str | None, typer.Option("--event-type", help="Only this event type.")]
-AggregateTypeOpt = Annotated[str | None, typer.Option("--aggregate-type", help="Only this aggregate type.")]
-AggregateIdOpt = Annotated[str | None, typer.Option("--aggregate-id", help="Only this aggregate.")]
 ErrorContainsOpt = Annotated[
     str | None, typer.Option("--error-contains", help="Only rows whose last_error contains TEXT (case-insensitive).")
 ]
-SinceOpt = Annotated[
-    str | None, typer.Option("--since", help="Only rows created at or after: a duration ago (2h, 7d) or a timestamp.")
-]
-UntilOpt = Annotated[
-    str | None, typer.Option("--until", help="Only rows created before: a duration ago (2h, 7d) or a timestamp.")
-]
-
-
-def _filter(store: Any, **values: Any) -> DeadFilter:
-    """CLI filter options -> DeadFilter; a bad value exits 2 naming the option."""
-    try:
-        return parse_filter({k: v for k, v in values.items() if v is not None}, store.database_now)
-    except ValueError as exc:
-        message = str(exc)
-        name = message.split(":", 1)[0]
-        if name in FILTER_NAMES:  # "since: ..." -> "--since: ..."
-            message = "--" + name.replace("_", "-") + message[len(name) :]
-        _fail(message, 2)
-        raise  # unreachable
 
 
 def _print_summary(summary: DeadSummary | None, indent: str = "  ") -> None:

@@ -311,7 +311,7 @@ class MultiRelay(RelayShell):
         deadline = time.monotonic() + timeout
         while not self.stop_event.is_set():
             listed = self._discovery is None or self._discovery.listed.is_set()
-            ready, why = self.readiness()
+            ready, why = self.readiness_of_dependencies(held_back=False)  # a held-back topic is not a dependency down
             if ready and listed:
                 return
             if time.monotonic() >= deadline:
@@ -330,8 +330,8 @@ class MultiRelay(RelayShell):
         elif unready and len(unready) == len(sources):
             more = f"; +{len(unready) - 50} more" if len(unready) > 50 else ""
             problems["database"] = f"no source became ready ({'; '.join(f'{n}: {r}' for n, r in unready[:50])}{more})"
-        elif not problems:
-            problems["database"] = why.removeprefix("not ready: ")
+        elif not problems:  # listing and sources ruled out: what remains comes from the target
+            problems["target"] = why.removeprefix("not ready: ")
         self.stop(timeout_seconds=0)
         raise startup_gave_up(problems, timeout)  # every dependency still down, one line
 

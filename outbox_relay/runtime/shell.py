@@ -206,6 +206,11 @@ class RelayShell:
         return False, f"unhealthy: {alive}/{len(workers)} workers alive"
 
     def readiness(self) -> tuple[bool, str]:
+        return self.readiness_of_dependencies(held_back=True)
+
+    def readiness_of_dependencies(self, *, held_back: bool) -> tuple[bool, str]:
+        """Readiness; ``held_back=False`` leaves out the topics the target holds back
+        (an ACL, a missing topic): the broker answers, so start-up need not wait for them."""
         if not self._started:
             return False, f"not ready: {self._waiting_for or 'starting'}"
         database_problem = self._database_problem()
@@ -215,9 +220,9 @@ class RelayShell:
             return False, not_ready_because("broker circuit breaker open", self.publisher.trouble())
         if not self.publisher.healthy():
             return False, not_ready_because("broker unreachable", self.publisher.trouble())
-        held_back = self.publisher.held_back()
-        if held_back is not None:
-            return False, f"not ready: {held_back}"
+        held = self.publisher.held_back() if held_back else None
+        if held is not None:
+            return False, f"not ready: {held}"
         return self._source_readiness()
 
     # --- stop -------------------------------------------------------------------------

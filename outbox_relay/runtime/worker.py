@@ -233,6 +233,9 @@ class Worker:
                     self.wakeup.wake_one()  # a backlog: get another worker going
                 self.start_batch(batch, submitter)  # with a submitter: built and submitted on its thread
                 if pipelined:
+                    # A crash while finishing the previous batch (which returns its own
+                    # bytes) must still return this one's: run() releases _in_flight.
+                    self._in_flight = batch
                     if in_flight is not None:
                         self.finish_batch(in_flight)
                     in_flight = batch
@@ -425,8 +428,14 @@ class Worker:
                 batch.lease = self.keeper.track(
                     rows, self.owner, max_seconds=cfg.publish_timeout_seconds + cfg.lease_seconds
                 )
-            batch.trace.publishing(batch.messages)
-            batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
+            try:
+                batch.trace.publishing(batch.messages)
+                batch.pending = self.publisher.submit(batch.messages, timeout_seconds=cfg.publish_timeout_seconds)
+            except BaseException:
+                # Nothing will wait for this batch: its leases must run out, not be extended.
+                if batch.lease is not None and self.keeper is not None:
+                    self.keeper.untrack(batch.lease)
+                raise
         return batch
 
     def _release_bytes(self, batch: ClaimedBatch) -> None:
