@@ -58,7 +58,7 @@ dead_app = typer.Typer(help="Inspect and repair dead rows.")
 app.add_typer(dead_app, name="dead")
 aggregate_app = typer.Typer(help="Inspect one aggregate.")
 app.add_typer(aggregate_app, name="aggregate")
-audit_app = typer.Typer(help="The operators' retry/skip trail.")
+audit_app = typer.Typer(help="The operators' trail: retries, skips and replays.")
 app.add_typer(audit_app, name="audit")
 app.add_typer(controls_app)  # replay (controls_cli.py)
 
@@ -673,7 +673,7 @@ def audit_list(
     config: ConfigOpt = None,
     source: SourceOpt = None,
 ) -> None:
-    """Every retry/skip by an operator (CLI or console), newest first."""
+    """Every retry, skip and replay by an operator (CLI, console or API), newest first."""
     settings = _for_source(_settings(config), source)
     with _store(settings) as store:
         store.require_table()
@@ -686,10 +686,14 @@ def audit_list(
         typer.echo("no audit entries")
         return
     for e in entries:
-        state = f"{e['rows_changed']} changed" + ("" if e["finished_at"] else " (unfinished: interrupted or running)")
+        done = "sent" if e["action"] == "replay" else "changed"
+        failed = f", {e['rows_failed']} not sent" if e.get("rows_failed") else ""
+        state = f"{e['rows_changed']} {done}{failed}" + (
+            "" if e["finished_at"] else " (unfinished: interrupted or running)"
+        )
         matched = "?" if e["rows_matched"] is None else e["rows_matched"]
         typer.echo(
-            f"{e['id']:>6}  {e['started_at']:%Y-%m-%d %H:%M:%S%z}  {e['action']:<5} {e['source']}:{e['actor']}  "
+            f"{e['id']:>6}  {e['started_at']:%Y-%m-%d %H:%M:%S%z}  {e['action']:<6} {e['source']}:{e['actor']}  "
             f"{json.dumps(e['selector'])}  matched {matched}, {state}  reason: {e['reason'] or 'none given'}"
         )
 

@@ -262,6 +262,8 @@ def test_a_tombstone_stays_a_tombstone_and_a_rows_partition_its_own_topics_only(
 
     run_cli("replay", str(tomb), str(placed), "--reason", "rebuild", env=env)
     run_cli("replay", str(tomb), str(placed), "--to-topic", other, "--reason", "new consumer", env=env)
+    trail = run_cli("audit", "list", env=env).splitlines()
+    assert len(trail) == 2 and all(" replay " in line and "matched 2, 2 sent " in line for line in trail), trail
 
     for topic in (own, other):
         consumer = Consumer(
