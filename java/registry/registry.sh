@@ -75,7 +75,10 @@ start() {
   echo "$pid" > "$state/registry.pid"
   echo "$port" > "$state/registry.port"
   deadline=$(( $(date +%s) + ${REGISTRY_START_TIMEOUT:-120} ))
-  until curl -sf -o /dev/null "$(url_of "$port")/subjects"; do
+  # ready = this process says it listens on the port, and the API answers there (an answer
+  # alone could come from another server already holding the port)
+  until grep -q "Listening on: http://127.0.0.1:$port\b" "$state/registry.log" \
+      && curl -sf -o /dev/null "$(url_of "$port")/subjects"; do
     if ! kill -0 "$pid" 2>/dev/null; then
       tail -n 20 "$state/registry.log" >&2
       die "the registry exited while starting (log: $state/registry.log)"
