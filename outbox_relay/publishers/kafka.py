@@ -631,6 +631,10 @@ class KafkaPublisher(Publisher):
         self.observer.unwritable_partitions(self.diagnosis.unwritable_partitions())
 
     def trouble(self) -> str | None:
+        if self.value_encoder is not None:
+            registry_problem = self.value_encoder.problem()
+            if registry_problem is not None:
+                return registry_problem
         return self.diagnosis.reason()
 
     def _read_min_insync(self, topic: str) -> None:
