@@ -266,6 +266,13 @@ class KafkaSettings(_Section):
         min_length=1,
         description="CloudEvents `source` attribute; default /outbox-relay/<database.table>.",
     )
+    value_format: Literal["json", "avro", "json-schema"] = Field(
+        default="json",
+        description="Encoding of each Kafka record's value: json (default) = the payload's JSON text as it is; "
+        "avro or json-schema = the payload encoded against the latest schema of its subject in the Schema "
+        "Registry ([schema_registry], extra `registry`), in the Confluent wire format (magic byte 0, schema id). "
+        'Needs kafka.message_format = "contract".',
+    )
 
     @field_validator("cloudevents_source")
     @classmethod
@@ -329,6 +336,132 @@ class KafkaSettings(_Section):
                 f"invalid topic template {value!r}: only {{aggregate_type}} and {{event_type}} may be used"
             ) from exc
         return value
+
+
+SubjectNameStrategy = Literal["topic", "record", "topic-record"]
+
+
+class SchemaRegistrySettings(_Section):
+    """The Confluent-compatible Schema Registry of kafka.value_format = "avro" / "json-schema"."""
+
+    url: str | None = Field(
+        default=None,
+        description="Base URL of the registry's Confluent API, e.g. http://registry:8081 "
+        "(Apicurio: http://host:8080/apis/ccompat/v7). Required when kafka.value_format is not json.",
+    )
+    basic_auth_user: str | None = Field(default=None, description="User name of HTTP basic authentication.")
+    basic_auth_password_file: str | None = Field(
+        default=None,
+        description="File holding the basic-authentication password (secret; read at start, never printed).",
+    )
+    basic_auth_password_env: str | None = Field(
+        default=None,
+        description="Name of an environment variable holding the basic-authentication password (instead of a file).",
+    )
+    bearer_token_file: str | None = Field(
+        default=None, description="File holding a bearer token sent as Authorization: Bearer (secret)."
+    )
+    bearer_token_env: str | None = Field(
+        default=None, description="Name of an environment variable holding the bearer token (instead of a file)."
+    )
+    bearer_logical_cluster: str = Field(
+        default="",
+        description="Sent with a bearer token as target-sr-cluster (Confluent Cloud: the registry's lsrc-... id).",
+    )
+    ssl_ca_location: str | None = Field(
+        default=None, description="PEM file of the CA(s) that signed the registry's certificate (https URLs)."
+    )
+    subject_name_strategy: SubjectNameStrategy = Field(
+        default="topic",
+        description="Subject whose latest schema encodes a value: topic = <topic>-value; record = the row's "
+        "event_type; topic-record = <topic>-<event_type>.",
+    )
+    auto_register: bool = Field(
+        default=False,
+        description="Register schemas from the relay. Not supported: the relay has no schema of its own to "
+        "register; subjects must be registered beforehand (must stay false).",
+    )
+    timeout_seconds: float = Field(default=5.0, gt=0, le=60, description="Timeout of one request to the registry.")
+    missing_schema_defer_seconds: float = Field(
+        default=15.0,
+        gt=0,
+        description="How long a row waits (attempt refunded) when its subject has no schema in the registry.",
+    )
+    latest_cache_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long the latest schema of a subject is cached before it is asked again "
+        "(a newly registered version is used after at most this long).",
+    )
+
+    @field_validator("basic_auth_password_env", "bearer_token_env")
+    @classmethod
+    def _check_env_name(cls, value: str | None) -> str | None:
+        if value is not None and not _ENV_NAME_RE.match(value):
+            raise ValueError("must be the name of an environment variable (letters, digits, _), not a secret")
+        return value
+
+    @field_validator("ssl_ca_location")
+    @classmethod
+    def _check_ca_file(cls, value: str | None) -> str | None:
+        if value is not None and not os.access(value, os.R_OK):
+            raise ValueError(f"file {value!r} does not exist or is not readable")
+        return value
+
+    @field_validator("auto_register")
+    @classmethod
+    def _check_auto_register(cls, value: bool) -> bool:
+        if value:
+            raise ValueError(
+                "not supported yet: the relay holds no schema to register; register the subject's schema beforehand"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_credentials(self) -> SchemaRegistrySettings:
+        if self.basic_auth_password_file and self.basic_auth_password_env:
+            raise ValueError("schema_registry.basic_auth_password_file and _env: set only one")
+        if self.bearer_token_file and self.bearer_token_env:
+            raise ValueError("schema_registry.bearer_token_file and _env: set only one")
+        has_password = bool(self.basic_auth_password_file or self.basic_auth_password_env)
+        if has_password != bool(self.basic_auth_user):
+            raise ValueError("schema_registry.basic_auth_user and its password go together")
+        if has_password and (self.bearer_token_file or self.bearer_token_env):
+            raise ValueError("schema_registry: basic authentication and a bearer token exclude each other")
+        return self
+
+    def _secret(
+        self, file_name: str | None, env_name: str | None, what: str, environ: Mapping[str, str]
+    ) -> SecretStr | None:
+        if file_name:
+            where = f"schema_registry.{what}_file: {file_name!r}"
+            try:
+                text = Path(file_name).read_text(encoding="utf-8").strip()
+            except FileNotFoundError:
+                raise ConfigError(f"{where} does not exist") from None
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                raise ConfigError(f"{where} cannot be read ({reason})") from None
+            if not text:
+                raise ConfigError(f"{where} is empty")
+            return SecretStr(text)
+        if env_name:
+            value = environ.get(env_name, "").strip()
+            if not value:
+                raise ConfigError(f"environment variable {env_name} (schema_registry.{what}_env) is not set or empty")
+            return SecretStr(value)
+        return None
+
+    def basic_auth_password(self, environ: Mapping[str, str] | None = None) -> SecretStr | None:
+        """The basic-authentication password from its file or variable; ConfigError
+        (one line, naming where, never the content) when it cannot be read."""
+        env = os.environ if environ is None else environ
+        return self._secret(self.basic_auth_password_file, self.basic_auth_password_env, "basic_auth_password", env)
+
+    def bearer_token(self, environ: Mapping[str, str] | None = None) -> SecretStr | None:
+        """The bearer token from its file or variable (ConfigError as above)."""
+        env = os.environ if environ is None else environ
+        return self._secret(self.bearer_token_file, self.bearer_token_env, "bearer_token", env)
 
 
 class RelaySettings(_Section):
@@ -668,6 +801,7 @@ class Settings(BaseSettings):
 
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    schema_registry: SchemaRegistrySettings = Field(default_factory=SchemaRegistrySettings)
     relay: RelaySettings = Field(default_factory=RelaySettings)
     metrics: MetricsSettings = Field(default_factory=MetricsSettings)
     http: HttpPublisherSettings = Field(default_factory=HttpPublisherSettings)
@@ -728,6 +862,23 @@ class Settings(BaseSettings):
             seen.add(key)
             if kind == "host" and self.relay.publisher != "http":
                 raise ValueError(f'limits[{index}]: a host limit applies to relay.publisher = "http" only')
+        return self
+
+    @model_validator(mode="after")
+    def _check_value_format(self) -> Settings:
+        if self.kafka.value_format == "json":
+            return self
+        if self.schema_registry.url is None:
+            raise ValueError(f'kafka.value_format = "{self.kafka.value_format}" needs schema_registry.url')
+        if self.kafka.message_format != "contract":
+            raise ValueError(
+                f'kafka.value_format = "{self.kafka.value_format}" works with kafka.message_format = "contract" '
+                f"only (not yet with {self.kafka.message_format})"
+            )
+        if self.relay.publisher != "kafka":
+            raise ValueError(
+                f'kafka.value_format = "{self.kafka.value_format}" applies to relay.publisher = "kafka" only'
+            )
         return self
 
     @model_validator(mode="after")
@@ -796,6 +947,8 @@ class Settings(BaseSettings):
                 secrets.append(secret.get_secret_value())
         if self.console.token is not None:
             secrets.append(self.console.token.get_secret_value())
+        for registry_secret in self._registry_secrets():
+            secrets.append(registry_secret.get_secret_value())
         # Secrets passed straight to librdkafka through kafka.extra (OAuth client
         # secrets, keystore passwords, inline PEM keys).
         secrets.extend(value for name, value in self.kafka.extra.items() if _SECRET_EXTRA_RE.search(name))
@@ -808,6 +961,13 @@ class Settings(BaseSettings):
             for signing_secret in signing:
                 secrets.extend((signing_secret, signing_secret.removeprefix(WEBHOOK_SECRET_PREFIX)))
         return secrets
+
+    def _registry_secrets(self) -> list[SecretStr]:
+        try:
+            found = [self.schema_registry.basic_auth_password(), self.schema_registry.bearer_token()]
+        except ConfigError:
+            return []  # reported where the publisher is built; nothing of it can leak before
+        return [secret for secret in found if secret is not None]
 
 
 _CURRENT_TOML: dict[str, Path | None] = {"path": None}

@@ -26,11 +26,21 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from ..core.ordering import RELEASED_AFTER_FAILURE, RunGuard
 from ..errors import BrokerRefused
-from ..model import Defer, Message, NotDelivered, Outcome, PermanentError, RetryableError, SpanAttributes
+from ..model import (
+    Defer,
+    Message,
+    NotDelivered,
+    Outcome,
+    PermanentError,
+    PublishOutcome,
+    RetryableError,
+    SpanAttributes,
+)
 from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logger
 from .base import PendingBatch, Publisher
 from .kafka_diagnosis import KafkaDiagnosis
 from .kafka_isolation import RejectionIsolator  # one bad record must not condemn its whole record batch
+from .schema_registry import RegistryValueEncoder, encoder_from_settings
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -363,8 +373,11 @@ class KafkaPublisher(Publisher):
     must_answer_at_start: ClassVar[bool] = True
     pipelines: ClassVar[bool] = True
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], value_encoder: RegistryValueEncoder | None = None) -> None:
         self._config = dict(config)
+        # kafka.value_format = "avro" / "json-schema": values encoded against the Schema
+        # Registry before produce(); None (the default, "json"): values sent as they are.
+        self.value_encoder = value_encoder
         self._lock = threading.Lock()
         self._producer: Producer | None = None
         self.generation = 0
@@ -398,6 +411,8 @@ class KafkaPublisher(Publisher):
         )
         if self.delivery_log is not None:
             self.isolation.delivery_log = self.delivery_log
+        if value_encoder is not None:
+            self.isolation.encode_value = value_encoder.encode
 
     # --- lifecycle -------------------------------------------------------------------
     def _new_producer(self) -> Producer:
@@ -616,6 +631,10 @@ class KafkaPublisher(Publisher):
         self.observer.unwritable_partitions(self.diagnosis.unwritable_partitions())
 
     def trouble(self) -> str | None:
+        if self.value_encoder is not None:
+            registry_problem = self.value_encoder.problem()
+            if registry_problem is not None:
+                return registry_problem
         return self.diagnosis.reason()
 
     def _read_min_insync(self, topic: str) -> None:
@@ -667,6 +686,10 @@ class KafkaPublisher(Publisher):
         for topic, (when, _) in list(self.refused_topics.items()):
             if now - when > REFUSED_TOPIC_MEMORY_SECONDS:
                 self.refused_topics.pop(topic, None)
+        if self.value_encoder is not None:
+            registry_problem = self.value_encoder.problem()
+            if registry_problem is not None:
+                return f"{registry_problem}: the rows wait"
         if not self.refused_topics:
             return None
         topics = sorted(self.refused_topics.items())
@@ -791,10 +814,19 @@ class KafkaPublisher(Publisher):
             raise RuntimeError("KafkaPublisher.start() was not called")
         runs = RunGuard()  # an ordered run stops at a row produce() refused
         on_delivery = waiter.on_delivery  # one bound method for the batch, not one per message
+        encoder = self.value_encoder
         for index, message in enumerate(messages):
             if runs.stopped(message.order_key):
                 waiter.settle(index, NotDelivered(RELEASED_AFTER_FAILURE))
                 continue
+            value: str | bytes | None = message.value
+            if encoder is not None:
+                encoded = encoder.encode(message)
+                if isinstance(encoded, PublishOutcome):
+                    waiter.settle(index, encoded)
+                    runs.record(message.order_key, failed=True)
+                    continue
+                value = encoded
             callback = partial(on_delivery, index)
             # librdkafka copies the headers: the message's own list is passed as it is.
             wire_headers: Any = message.headers
@@ -802,7 +834,7 @@ class KafkaPublisher(Publisher):
                 try:
                     producer.produce(
                         message.topic,
-                        value=message.value,
+                        value=value,
                         key=message.key,
                         headers=wire_headers,
                         on_delivery=callback,
@@ -905,7 +937,17 @@ class KafkaPendingBatch(PendingBatch):
 
 def from_settings(settings: Settings) -> KafkaPublisher:
     """The ``kafka`` built-in (``relay.publisher = "kafka"``, the default)."""
-    return KafkaPublisher(producer_config(settings))
+    if settings.kafka.value_format == "json":
+        return KafkaPublisher(producer_config(settings))
+
+    def log_missing(subject: str, text: str) -> None:
+        log.warning(
+            "schema registry: no schema registered for the subject; its rows wait",
+            subject=subject,
+            registry_answer=text,
+        )
+
+    return KafkaPublisher(producer_config(settings), encoder_from_settings(settings, log_missing))
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:

@@ -58,7 +58,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from ..core.ordering import RELEASED_AFTER_FAILURE
-from ..model import Message, NotDelivered, Outcome, PermanentError, RetryableError
+from ..model import Message, NotDelivered, Outcome, PermanentError, PublishOutcome, RetryableError
 
 log = structlog.get_logger("outbox_relay.kafka")
 
@@ -216,6 +216,9 @@ class RejectionIsolator:
         self._producer: Producer | None = None
         self.isolated_total = 0
         self.delivery_log: Any = None  # kafka_publisher.DeliveryLog when OUTBOX_RELAY_DELIVERY_LOG is set
+        # The record value of a message when it is not message.value (kafka.value_format
+        # "avro" / "json-schema": encoded against the Schema Registry), or its outcome.
+        self.encode_value: Callable[[Message], bytes | Outcome | None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------
     def _get_producer(self) -> Producer:
@@ -309,11 +312,17 @@ class RejectionIsolator:
         """Produce one message; an outcome if ``produce()`` itself refused it (or the
         local queue stayed full until the deadline)."""
         headers: list[tuple[str, str | bytes | None]] = list(message.headers)
+        value: str | bytes | None = message.value
+        if self.encode_value is not None:
+            encoded = self.encode_value(message)
+            if isinstance(encoded, PublishOutcome):
+                return encoded
+            value = encoded
         while True:
             try:
                 producer.produce(
                     message.topic,
-                    value=message.value,
+                    value=value,
                     key=message.key,
                     headers=headers,
                     on_delivery=verdict.on_delivery,

@@ -1,0 +1,199 @@
+"""Kafka record values encoded against a Confluent-compatible Schema Registry.
+
+``kafka.value_format = "avro"`` or ``"json-schema"``: the row's payload (JSON text) is
+parsed and handed to confluent-kafka's own ``AvroSerializer`` / ``JSONSerializer``,
+which encode it against the latest schema of the row's subject (fetched from the
+registry and cached by the client for ``schema_registry.latest_cache_seconds``) and
+frame it in the Confluent wire format: magic byte 0, the schema id (4 bytes, big
+endian), the encoded value. The relay never registers schemas.
+
+What a failure does to the row (see ``encode``):
+
+- the registry unreachable, timing out or answering 5xx (or 401/403): a transport-class
+  retryable outcome, so the row waits without using up its attempts;
+- no schema for the subject (404): the row is deferred (attempt refunded) for
+  ``schema_registry.missing_schema_defer_seconds``, with one log line per subject;
+- the payload does not fit the schema (or is not JSON): PermanentError with the
+  serializer's text, for this row alone.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError
+from ..model import Defer, Message, Outcome, PermanentError, RetryableError
+
+if TYPE_CHECKING:
+    from ..config import Settings
+
+#: How long a registry failure is reported by ``problem()`` (for /readyz) after it was seen.
+PROBLEM_MEMORY_SECONDS = 30.0
+#: Minimum seconds between two log lines about the same subject's missing schema.
+MISSING_SCHEMA_LOG_INTERVAL_SECONDS = 60.0
+
+
+def subject_name(strategy: str, topic: str, event_type: str) -> str:
+    """The subject of a value: ``topic`` -> ``<topic>-value``; ``record`` -> the row's
+    event type (the record's name); ``topic-record`` -> ``<topic>-<event type>``."""
+    if strategy == "record":
+        return event_type
+    if strategy == "topic-record":
+        return f"{topic}-{event_type}"
+    return f"{topic}-value"
+
+
+class RegistryValueEncoder:
+    """Encodes message values with one serializer per subject (created on first use)."""
+
+    def __init__(
+        self,
+        value_format: str,
+        client_conf: dict[str, Any],
+        *,
+        subject_name_strategy: str = "topic",
+        missing_schema_defer_seconds: float = 15.0,
+        log_missing: Callable[[str, str], None] | None = None,
+    ) -> None:
+        try:
+            from confluent_kafka.schema_registry import SchemaRegistryClient
+        except ImportError as exc:  # the optional extra is not installed
+            raise ConfigError(
+                f'kafka.value_format = "{value_format}" needs the extra: pip install "outbox-relay[registry]" ({exc})'
+            ) from None
+        self.value_format = value_format
+        self.client = SchemaRegistryClient(client_conf)
+        self._strategy = subject_name_strategy
+        self._defer_seconds = missing_schema_defer_seconds
+        self._log_missing = log_missing
+        self._serializers: dict[str, Callable[..., bytes | None]] = {}
+        self._lock = threading.Lock()
+        self._problem: tuple[float, str] | None = None
+        self._missing_logged: dict[str, float] = {}
+
+    # --- serializers -------------------------------------------------------------------
+    def _serializer(self, subject: str) -> Callable[..., bytes | None]:
+        serializer = self._serializers.get(subject)
+        if serializer is not None:
+            return serializer
+        with self._lock:
+            serializer = self._serializers.get(subject)
+            if serializer is None:
+                serializer = self._new_serializer(subject)
+                self._serializers[subject] = serializer
+        return serializer
+
+    def _new_serializer(self, subject: str) -> Callable[..., bytes | None]:
+        conf: dict[str, Any] = {
+            "auto.register.schemas": False,
+            "use.latest.version": True,
+            # the subject is chosen here (subject_name), not by the serializer
+            "subject.name.strategy": lambda ctx, record_name: subject,
+        }
+        if self.value_format == "avro":
+            from confluent_kafka.schema_registry.avro import AvroSerializer
+
+            return AvroSerializer(self.client, None, conf=conf)  # type: ignore[no-any-return]
+        from confluent_kafka.schema_registry.json_schema import JSONSerializer
+
+        return JSONSerializer(None, self.client, conf=conf)  # type: ignore[no-any-return]
+
+    # --- encoding ----------------------------------------------------------------------
+    def encode(self, message: Message) -> bytes | Outcome | None:
+        """The encoded value of ``message``, or the outcome of its row (an outcome
+        exception instance) when it cannot be encoded now or ever. None: a tombstone."""
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+        from confluent_kafka.serialization import MessageField, SerializationContext, SerializationError
+
+        if message.value is None:
+            return None
+        subject = subject_name(self._strategy, message.topic, message.event_type)
+        try:
+            payload = json.loads(message.value)
+        except ValueError as exc:
+            return PermanentError(f"schema registry: the payload is not JSON ({exc})")
+        try:
+            return self._serializer(subject)(payload, SerializationContext(message.topic, MessageField.VALUE))
+        except SchemaRegistryError as exc:
+            return self._registry_refused(subject, exc)
+        except SerializationError as exc:
+            return PermanentError(f"schema registry: the payload does not fit the latest schema of {subject}: {exc}")
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            # fastavro's refusals of a value that does not fit the schema
+            return PermanentError(
+                f"schema registry: the payload does not fit the latest schema of {subject}: {type(exc).__name__}: {exc}"
+            )
+        except Exception as exc:  # httpx transport errors (connect, read, timeout): the registry, not the row
+            reason = f"schema registry unreachable: {type(exc).__name__}: {exc}"
+            self._problem = (time.monotonic(), reason)
+            return RetryableError(reason, transport=True)
+
+    def _registry_refused(self, subject: str, exc: Any) -> Outcome:
+        status = int(getattr(exc, "http_status_code", 0) or 0)
+        text = getattr(exc, "error_message", None) or str(exc)
+        if status == 404:
+            reason = f"schema registry: no schema registered for subject {subject} ({text})"
+            self._problem = (time.monotonic(), reason)
+            now = time.monotonic()
+            if self._log_missing is not None and now - self._missing_logged.get(subject, -1e9) >= (
+                MISSING_SCHEMA_LOG_INTERVAL_SECONDS
+            ):
+                self._missing_logged[subject] = now
+                self._log_missing(subject, text)
+            return Defer(self._defer_seconds, reason)
+        reason = f"schema registry answered {status or 'an error'} for subject {subject}: {text}"
+        self._problem = (time.monotonic(), reason)
+        return RetryableError(reason, transport=True)
+
+    def problem(self) -> str | None:
+        """The last registry failure if it is recent (for /readyz), else None."""
+        seen = self._problem
+        if seen is None or time.monotonic() - seen[0] > PROBLEM_MEMORY_SECONDS:
+            return None
+        return seen[1]
+
+    def clear_problem(self) -> None:
+        self._problem = None
+
+
+def client_config(settings: Settings) -> dict[str, Any]:
+    """SchemaRegistryClient properties from Settings (secrets included: never log them)."""
+    registry = settings.schema_registry
+    conf: dict[str, Any] = {
+        "url": registry.url,
+        "timeout": registry.timeout_seconds,
+        "cache.latest.ttl.sec": registry.latest_cache_seconds,
+        # one try per row: a failing registry makes the row wait, it is not retried here
+        "max.retries": 0,
+    }
+    if registry.ssl_ca_location:
+        conf["ssl.ca.location"] = registry.ssl_ca_location
+    password = registry.basic_auth_password()
+    if registry.basic_auth_user and password is not None:
+        conf["basic.auth.credentials.source"] = "USER_INFO"
+        conf["basic.auth.user.info"] = f"{registry.basic_auth_user}:{password.get_secret_value()}"
+    token = registry.bearer_token()
+    if token is not None:
+        conf["bearer.auth.credentials.source"] = "STATIC_TOKEN"
+        conf["bearer.auth.token"] = token.get_secret_value()
+        conf["bearer.auth.logical.cluster"] = registry.bearer_logical_cluster
+    return conf
+
+
+def encoder_from_settings(
+    settings: Settings, log_missing: Callable[[str, str], None] | None = None
+) -> RegistryValueEncoder | None:
+    """The value encoder of ``kafka.value_format``; None for "json" (values as they are)."""
+    if settings.kafka.value_format == "json":
+        return None
+    return RegistryValueEncoder(
+        settings.kafka.value_format,
+        client_config(settings),
+        subject_name_strategy=settings.schema_registry.subject_name_strategy,
+        missing_schema_defer_seconds=settings.schema_registry.missing_schema_defer_seconds,
+        log_missing=log_missing,
+    )

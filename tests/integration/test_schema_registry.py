@@ -1,0 +1,356 @@
+"""kafka.value_format = "avro" / "json-schema": values encoded against a real
+Confluent-compatible Schema Registry (Apicurio Registry, java/registry/registry.sh) and
+read back from Apache Kafka with confluent-kafka's own deserializers."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from outbox_relay import enqueue
+from outbox_relay._embedded.kafka import kafka_available
+from outbox_relay.runtime.relay import Relay
+from tests.helpers.db import delivered, row_states, wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+REGISTRY_SH = REPO / "java" / "registry" / "registry.sh"
+
+
+def _java_major(java: str) -> int:
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    for word in out.split():
+        word = word.strip('"')
+        if word[:2].isdigit():
+            return int(word.split(".")[0])
+    return 0
+
+
+def _registry_missing() -> str | None:
+    """Why the registry cannot run here, or None."""
+    candidates = [os.environ.get("REGISTRY_JAVA", ""), os.path.join(os.environ.get("JAVA_HOME", ""), "bin", "java")]
+    candidates += [shutil.which("java") or "", *sorted(glob.glob("/usr/lib/jvm/*/bin/java"))]
+    if not any(c and os.access(c, os.X_OK) and _java_major(c) >= 21 for c in candidates):
+        return "needs a JDK 21+ for the Schema Registry (java/registry/README.md)"
+    built = (REPO / "java/registry/target/quarkus-app/quarkus-run.jar").exists()
+    if not built and shutil.which("mvn") is None:
+        return "needs Maven to unpack the Schema Registry (java/registry/registry.sh build)"
+    return None
+
+
+_MISSING = _registry_missing()
+
+pytestmark = [
+    pytest.mark.first_pass_only,
+    pytest.mark.skipif(not kafka_available(), reason="needs Java and Kafka's jars (./dev kafka)"),
+    pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""),
+]
+
+AVRO_V1 = {
+    "type": "record",
+    "name": "OrderCreated",
+    "namespace": "outbox.test",
+    "fields": [{"name": "id", "type": "long"}, {"name": "customer", "type": "string"}],
+}
+AVRO_V2 = {**AVRO_V1, "fields": [*AVRO_V1["fields"], {"name": "note", "type": ["null", "string"], "default": None}]}
+# incompatible with v2 under BACKWARD: a new field without a default
+AVRO_BAD = {**AVRO_V1, "fields": [*AVRO_V2["fields"], {"name": "region", "type": "string"}]}
+JSON_SCHEMA = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "title": "OrderCreated",
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "customer": {"type": "string"}},
+    "required": ["id", "customer"],
+}
+
+
+class Registry:
+    """The registry process of java/registry/registry.sh, on a fixed port."""
+
+    def __init__(self, state_dir: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.env = {**os.environ, "REGISTRY_STATE_DIR": str(state_dir)}
+        self.url = ""
+        self.running = False
+
+    def start(self) -> None:
+        done = subprocess.run(
+            [str(REGISTRY_SH), "start", str(self.port)], env=self.env, capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        self.url = done.stdout.strip().splitlines()[-1]
+        self.running = True
+
+    def stop(self) -> None:
+        self.running = False
+        subprocess.run([str(REGISTRY_SH), "stop"], env=self.env, capture_output=True, text=True, timeout=60)
+
+    def client(self) -> Any:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
+        return SchemaRegistryClient({"url": self.url})
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    process = Registry(tmp_path_factory.mktemp("registry"))
+    process.start()
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(autouse=True)
+def _outbox_table(store: Any) -> Any:
+    """Every test's outbox table, migrated."""
+    return store
+
+
+def register(registry: Registry, subject: str, schema: dict[str, Any], schema_type: str) -> int:
+    from confluent_kafka.schema_registry import Schema
+
+    return int(registry.client().register_schema(subject, Schema(json.dumps(schema), schema_type)))
+
+
+def enqueue_payloads(dsn: str, table: str, payloads: list[dict[str, Any]]) -> list[int]:
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        return [
+            enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id=f"agg-{i}",
+                event_type="OrderCreated",
+                payload=payload,
+                table=table,
+            )
+            for i, payload in enumerate(payloads)
+        ]
+
+
+def read_raw(bootstrap: str, topic: str, expected: int, timeout_seconds: float = 60.0) -> list[bytes]:
+    """The raw values of ``topic`` (one partition-agnostic pass), until ``expected`` arrived."""
+    from confluent_kafka import Consumer
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"sr-reader-{time.monotonic_ns()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "log_level": 3,
+        }
+    )
+    values: list[bytes] = []
+    try:
+        consumer.subscribe([topic])
+        deadline = time.monotonic() + timeout_seconds
+        while len(values) < expected and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is None or msg.error() is not None:
+                continue
+            values.append(msg.value())
+    finally:
+        consumer.close()
+    return values
+
+
+def relay_until(settings: Any, until: Callable[[], bool], message: str, timeout: float = 90) -> None:
+    relay = Relay(settings)
+    relay.start()
+    try:
+        wait_for(until, timeout=timeout, message=message)
+    finally:
+        relay.stop()
+
+
+def registry_settings(registry: Registry, value_format: str) -> dict[str, dict[str, Any]]:
+    return {
+        "kafka": {"value_format": value_format},
+        "schema_registry": {"url": registry.url, "latest_cache_seconds": 1, "timeout_seconds": 2},
+    }
+
+
+def test_avro_values_in_confluent_wire_format(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str, broker: Any
+) -> None:
+    from confluent_kafka.schema_registry.avro import AvroDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    schema_id = register(registry, f"{topic}-value", AVRO_V1, "AVRO")
+    payloads = [{"id": i, "customer": f"c{i}"} for i in range(5)]
+    ids = enqueue_payloads(pg_dsn, table, payloads)
+    relay_until(
+        make_settings(**registry_settings(registry, "avro")),
+        lambda: len(delivered(pg_dsn, table, ids)) == len(ids),
+        "every Avro row delivered",
+    )
+    raw = read_raw(broker.bootstrap_servers, topic, len(ids))
+    assert len(raw) == len(ids)
+    deserialize = AvroDeserializer(registry.client())
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    for value in raw:
+        assert value[0] == 0 and int.from_bytes(value[1:5], "big") == schema_id
+    got = sorted((deserialize(value, ctx) for value in raw), key=lambda r: r["id"])
+    assert got == payloads
+
+
+def test_json_schema_values_in_confluent_wire_format(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str, broker: Any
+) -> None:
+    from confluent_kafka.schema_registry.json_schema import JSONDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    schema_id = register(registry, f"{topic}-value", JSON_SCHEMA, "JSON")
+    payloads = [{"id": i, "customer": f"c{i}"} for i in range(5)]
+    ids = enqueue_payloads(pg_dsn, table, payloads)
+    relay_until(
+        make_settings(**registry_settings(registry, "json-schema")),
+        lambda: len(delivered(pg_dsn, table, ids)) == len(ids),
+        "every JSON Schema row delivered",
+    )
+    raw = read_raw(broker.bootstrap_servers, topic, len(ids))
+    assert len(raw) == len(ids)
+    deserialize = JSONDeserializer(None, schema_registry_client=registry.client())
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    for value in raw:
+        assert value[0] == 0 and int.from_bytes(value[1:5], "big") == schema_id
+    got = sorted((deserialize(value, ctx) for value in raw), key=lambda r: r["id"])
+    assert got == payloads
+
+
+@pytest.mark.parametrize("value_format", ["avro", "json-schema"])
+def test_a_row_that_does_not_fit_goes_dead_alone(
+    registry: Registry,
+    make_settings: Callable[..., Any],
+    pg_dsn: str,
+    table: str,
+    topic_prefix: str,
+    broker: Any,
+    value_format: str,
+) -> None:
+    topic = f"{topic_prefix}.order"
+    if value_format == "avro":
+        register(registry, f"{topic}-value", AVRO_V1, "AVRO")
+    else:
+        register(registry, f"{topic}-value", JSON_SCHEMA, "JSON")
+    payloads = [{"id": 1, "customer": "a"}, {"id": "not a number", "customer": "b"}, {"id": 3, "customer": "c"}]
+    ids = enqueue_payloads(pg_dsn, table, payloads)
+    good_ids, bad_id = [ids[0], ids[2]], ids[1]
+    relay_until(
+        make_settings(**registry_settings(registry, value_format)),
+        lambda: (
+            len(delivered(pg_dsn, table, good_ids)) == 2
+            and row_states(pg_dsn, table, [bad_id], ("status",))[bad_id][0] == "dead"
+        ),
+        "the neighbours delivered and the misfit dead",
+    )
+    status, last_error = row_states(pg_dsn, table, [bad_id], ("status", "last_error"))[bad_id]
+    assert status == "dead"
+    assert "does not fit the latest schema" in last_error and f"{topic}-value" in last_error
+    assert len(read_raw(broker.bootstrap_servers, topic, 2, timeout_seconds=30)) == 2
+
+
+def test_rows_wait_while_the_registry_is_down(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str, broker: Any
+) -> None:
+    from confluent_kafka.schema_registry.avro import AvroDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    payloads = [{"id": i, "customer": f"c{i}"} for i in range(4)]
+    ids = enqueue_payloads(pg_dsn, table, payloads)
+    registry.stop()
+    relay = Relay(make_settings(**registry_settings(registry, "avro")))
+    relay.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            states = row_states(pg_dsn, table, ids, ("status",))
+            # claimed now and then (processing), released again, never delivered nor dead
+            assert all(state[0] in ("pending", "processing") for state in states.values()), states
+            time.sleep(0.5)
+        registry.start()  # an in-memory registry: empty again, the schema is registered anew
+        schema_id = register(registry, f"{topic}-value", AVRO_V1, "AVRO")
+        wait_for(lambda: len(delivered(pg_dsn, table, ids)) == len(ids), timeout=120, message="all delivered")
+    finally:
+        relay.stop()
+        if not registry.running:  # the next tests need it
+            registry.start()
+    states = row_states(pg_dsn, table, ids, ("status", "attempts"))
+    assert all(state[0] != "dead" for state in states.values())
+    raw = read_raw(broker.bootstrap_servers, topic, len(ids))
+    deserialize = AvroDeserializer(registry.client())
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    assert {int.from_bytes(v[1:5], "big") for v in raw} == {schema_id}
+    assert sorted((deserialize(v, ctx) for v in raw), key=lambda r: r["id"]) == payloads
+
+
+def test_missing_subject_defers_the_rows(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str
+) -> None:
+    ids = enqueue_payloads(pg_dsn, table, [{"id": 1, "customer": "a"}])
+    relay = Relay(make_settings(**registry_settings(registry, "avro")))
+    relay.start()
+    try:
+        wait_for(
+            lambda: (
+                (row_states(pg_dsn, table, ids, ("last_error",))[ids[0]][0] or "").find("no schema registered") >= 0
+            ),
+            timeout=60,
+            message="the row deferred for its missing schema",
+        )
+    finally:
+        relay.stop()
+    status, attempts = row_states(pg_dsn, table, ids, ("status", "attempts"))[ids[0]]
+    assert status == "pending" and attempts == 0
+
+
+def test_schema_evolution(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str, broker: Any
+) -> None:
+    from confluent_kafka.schema_registry import Schema
+    from confluent_kafka.schema_registry.avro import AvroDeserializer
+    from confluent_kafka.schema_registry.error import SchemaRegistryError
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    subject = f"{topic}-value"
+    client = registry.client()
+    register(registry, subject, AVRO_V1, "AVRO")
+    client.set_compatibility(subject, "BACKWARD")
+    v2_id = register(registry, subject, AVRO_V2, "AVRO")
+    with pytest.raises(SchemaRegistryError) as refused:
+        client.register_schema(subject, Schema(json.dumps(AVRO_BAD), "AVRO"))
+    assert refused.value.http_status_code in (409, 422)
+    assert client.get_latest_version(subject).schema_id == v2_id
+
+    payloads = [{"id": 1, "customer": "a", "note": "gift"}, {"id": 2, "customer": "b"}]
+    ids = enqueue_payloads(pg_dsn, table, payloads)
+    relay_until(
+        make_settings(**registry_settings(registry, "avro")),
+        lambda: len(delivered(pg_dsn, table, ids)) == len(ids),
+        "rows delivered with the new version",
+    )
+    raw = read_raw(broker.bootstrap_servers, topic, len(ids))
+    assert {int.from_bytes(v[1:5], "big") for v in raw} == {v2_id}
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    got = sorted((AvroDeserializer(client)(v, ctx) for v in raw), key=lambda r: r["id"])
+    assert got == [{"id": 1, "customer": "a", "note": "gift"}, {"id": 2, "customer": "b", "note": None}]
