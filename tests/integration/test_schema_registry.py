@@ -103,7 +103,8 @@ class Registry:
     def client(self) -> Any:
         from confluent_kafka.schema_registry import SchemaRegistryClient
 
-        return SchemaRegistryClient({"url": self.url})
+        # Bounded calls: a registry that stops answering fails the test, it does not hang it.
+        return SchemaRegistryClient({"url": self.url, "timeout": 10})
 
 
 @pytest.fixture(scope="module")
