@@ -5,7 +5,6 @@ database's finalize lag does not blur them; the bounds are generous (shared mach
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 from typing import Any
@@ -155,9 +154,12 @@ def test_a_429_with_retry_after_pauses_the_host_and_waiting_burns_no_attempt(mak
     assert len(later) == len(ids)  # every row once, the throttled one twice
     # Nothing went to the host during the second it asked for ...
     assert all(r.at >= throttled.at + 0.95 for r in later), [round(r.at - throttled.at, 3) for r in later]
-    # ... and afterwards the bucket's pace (20/s: 50 ms apart; 30 ms allows for timer slack).
-    gaps = [b.at - a.at for a, b in itertools.pairwise(later)]
-    assert min(gaps) >= 0.03, gaps
+    # ... and afterwards the bucket's pace: 10 requests at 20/s with a burst of 1 span at
+    # least 9 x 50 ms from the first to the last as sent. Arrival times carry the
+    # machine's jitter (a late first arrival shortens the span), so the check is the
+    # order of magnitude: well above what an unlimited sender takes (a few ms).
+    span = later[-1].at - later[0].at
+    assert span >= 0.6 * (len(later) - 1) / 20, [round(r.at - throttled.at, 3) for r in later]
     if not DELETE_MODE:
         attempts = {i: state[1] for i, state in row_states(pg_dsn, table, ids).items()}
         assert attempts[throttled.message_id] == 2  # the 429 itself is a retry
