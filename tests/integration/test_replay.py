@@ -26,6 +26,7 @@ from confluent_kafka import Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from outbox_relay.config import load_settings
+from outbox_relay.core.filters import DeadFilter
 from outbox_relay.db.store import OutboxStore
 from outbox_relay.runtime.relay import Relay
 from tests.helpers.cli import cli, cli_env
@@ -208,6 +209,36 @@ def test_replay_a_time_range_of_ten_thousand_rows_into_another_topic(pg_dsn, kee
     assert entry["selector"]["to_topic"] == target and entry["rows_failed"] == 0
     assert set(entry["selector"]["filter"]) == {"since", "until"}
     assert (entry["rows_matched"], entry["rows_changed"]) == (10_000, 10_000) and entry["finished_at"]
+
+
+def test_a_walk_step_looks_at_each_row_of_its_window_once_on_a_table_never_analyzed(pg_dsn, keep_table):
+    """A step of the walk is linear in its window whatever the planner believes: on a
+    table without statistics (just filled, autovacuum not yet by) the window is never
+    joined back row by row, which a nested loop would make quadratic."""
+    seed_done(pg_dsn, keep_table, 10_000, created_ago_seconds=2 * 3600)
+    store = OutboxStore(pg_dsn, keep_table, pool_size=2)
+    store.open()
+    try:
+        params = dict(DeadFilter().sql_params(), after_id=0, upto_id=10**9, chunk=1000, window=10_000)
+        with psycopg.connect(pg_dsn) as conn:
+            analyzed = conn.execute(
+                "SELECT coalesce(last_analyze, last_autoanalyze) FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                (keep_table,),
+            ).fetchone()
+            plan = "\n".join(
+                r[0]
+                for r in conn.execute(
+                    psycopg.sql.SQL("EXPLAIN (ANALYZE, TIMING OFF) ") + store.sql.query("replay_walk"), params
+                ).fetchall()
+            )
+        step = store.replay_step(DeadFilter(), after_id=0, upto_id=10**9, chunk=1000, window=10_000)
+    finally:
+        store.close()
+    assert analyzed is not None and analyzed[0] is None, "the table was analyzed: the case is not the one tested"
+    assert "Join Filter" not in plan, plan
+    removed = [int(n) for n in re.findall(r"Rows Removed by \w+(?: \w+)?: (\d+)", plan)]
+    assert sum(removed) <= 10_000, plan
+    assert len(step.rows) == 1000 and not step.finished
 
 
 def test_dry_run_counts_and_samples_and_sends_nothing(pg_dsn, keep_table, broker, topic_prefix):

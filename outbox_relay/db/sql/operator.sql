@@ -251,21 +251,25 @@ SELECT coalesce(max(id), 0) FROM {table}
 -- of those at most %(chunk)s matching delivered rows are returned, whole, in id order.
 -- One short read; no row is locked or changed. The first column is the last id looked
 -- at (NULL: nothing left), on every row, and the one row with NULL columns when
--- nothing in the window matched.
-WITH scanned AS (
-    SELECT id FROM {table}
-    WHERE id > %(after_id)s AND id <= %(upto_id)s
-    ORDER BY id
-    LIMIT %(window)s
+-- nothing in the window matched. The window is cut by its last id (one value), never
+-- joined back row by row: a join against the window's ids may be planned as a nested
+-- loop over both (quadratic) when the table's statistics are stale or missing.
+WITH bound AS (
+    SELECT max(id) AS last_id FROM (
+        SELECT id FROM {table}
+        WHERE id > %(after_id)s AND id <= %(upto_id)s
+        ORDER BY id
+        LIMIT %(window)s
+    ) AS scanned
 ), matched AS (
     SELECT id, aggregate_type, aggregate_id, event_type, payload::text AS payload, topic,
            headers::text AS headers, created_at, tombstone, partition
-    FROM {table} JOIN scanned USING (id)
-    WHERE {done_filter} AND id > %(after_id)s AND id <= %(upto_id)s  -- the window's bounds, for the join's index scan
+    FROM {table}
+    WHERE {done_filter} AND id > %(after_id)s AND id <= (SELECT last_id FROM bound)
     ORDER BY id
     LIMIT %(chunk)s
 )
-SELECT (SELECT max(id) FROM scanned) AS last_scanned, m.*
+SELECT (SELECT last_id FROM bound) AS last_scanned, m.*
 FROM (SELECT 1) AS one LEFT JOIN matched AS m ON true
 ORDER BY m.id
 
