@@ -491,7 +491,20 @@ class RelaySettings(_Section):
         default=False,
         description="If true an owner whose lease expired can never finalize, even if nobody reclaimed the row.",
     )
-    poll_interval_seconds: float = Field(default=1.0, gt=0, description="Idle sleep between empty claims (jittered).")
+    poll_interval_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="Idle sleep between empty claims (jittered) of each worker when the relay does not "
+        "listen for inserts (relay.listen_notify = false, or a transaction pooler without database.listen_dsn).",
+    )
+    idle_poll_interval_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="While the relay listens for inserts: how often one idle worker of the process claims "
+        "anyway (the others sleep until woken), the safety net for a notification that cannot come (a row "
+        "inserted while the idle flag turned, an expired lease of a crashed replica). A row this process "
+        "rescheduled is claimed when it becomes due, not at this interval.",
+    )
     listen_notify: bool = Field(default=True, description="Wake idle workers on insert via LISTEN/NOTIFY.")
     backoff_base_seconds: float = Field(default=1.0, gt=0, description="Retry backoff base (full jitter).")
     backoff_cap_seconds: float = Field(default=300.0, gt=0, description="Retry backoff cap.")
