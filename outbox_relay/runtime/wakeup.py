@@ -231,6 +231,7 @@ class NotificationListener:
         self._thread: threading.Thread | None = None
         self._listener: Listener | None = None
         self._lock = threading.Lock()
+        self._waking = False  # this process holds the waker lock and listens
 
     def start(self) -> None:
         if self._thread is None:
@@ -242,7 +243,8 @@ class NotificationListener:
 
     @property
     def is_waker(self) -> bool:
-        return self._wakeup.listening
+        """Does this process hold the waker lock and listen (rather than wait for it)?"""
+        return self._waking
 
     def join(self, timeout: float) -> None:
         with self._lock:
@@ -266,6 +268,7 @@ class NotificationListener:
                 self._wakeup.listening = True
                 listener.become_waker()  # blocks while another replica is the waker
                 listener.listen()
+                self._waking = True
                 failures = 0
                 log.info("listening for inserts: this process wakes the relays")
                 # Whatever happened while nobody listened: look once.
@@ -280,6 +283,7 @@ class NotificationListener:
                     log.warning("listen connection lost; polling until it is back", error=self._store.redact(str(exc)))
                 self._stop.wait(min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0))
             finally:
+                self._waking = False
                 self._wakeup.listening = False
                 with self._lock:
                     self._listener = None
