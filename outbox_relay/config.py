@@ -487,6 +487,14 @@ class RelaySettings(_Section):
         description='What the finalize does with a delivered row: "keep" it as done until `purge`, or '
         '"delete" it (about half the WAL). A property of the table: `migrate` sets it, `run` checks it.',
     )
+    finalize_synchronous_commit: Literal["on", "off"] = Field(
+        default="off",
+        description="PostgreSQL's synchronous_commit for the finalize (claims always commit durably). "
+        '"off": the finalize does not wait for its WAL to reach disk (or a synchronous standby), which '
+        "spares the database a flush per batch; a server crash or failover may lose the last fraction of a "
+        "second of finalizes, and those rows are delivered again when their lease expires (at-least-once, "
+        'fencing intact: the lost finalize never reuses a token). "on": every finalize is durable.',
+    )
     strict_lease: bool = Field(
         default=False,
         description="If true an owner whose lease expired can never finalize, even if nobody reclaimed the row.",

@@ -326,15 +326,20 @@ class DeliveryOps(StoreCore):
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------
-    def finalize(self, items: Sequence[FinalizeItem], *, strict: bool = False) -> set[int]:
+    def finalize(self, items: Sequence[FinalizeItem], *, strict: bool = False, durable: bool = True) -> set[int]:
         """Write every decision of a batch in one fenced statement; return the ids it
-        accepted (the others lost their lease to a newer claim)."""
+        accepted (the others lost their lease to a newer claim). ``durable`` = False:
+        the commit does not wait for its WAL flush (relay.finalize_synchronous_commit):
+        a finalize lost in a server crash leaves its rows processing under the claim's
+        token, so they are claimed again with a new one when the lease expires."""
         if not items:
             return set()
         params = finalize_params(items)
         with self._mapped("finalize"), self._pool.connection() as conn:
             cur = conn.cursor()
             settings = SMALL_FINALIZE_SETTINGS if len(items) <= GENERIC_FINALIZE_MAX_ROWS else FINALIZE_SETTINGS
+            if not durable:
+                settings = dict(settings, synchronous_commit="off")
             execute_with_settings(cur, self.sql.query("finalize", strict=strict), params, settings)
             accepted = {r[0] for r in cur.fetchall()}
         self.statement_counts.add("finalize")

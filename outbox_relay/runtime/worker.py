@@ -70,6 +70,7 @@ class WorkerConfig:
     max_error_chars: int = 1000
     listen_notify: bool = False
     idle_poll_interval_seconds: float = 5.0  # while listening: the process's one idle poll (runtime/wakeup.py)
+    durable_finalize: bool = True  # relay.finalize_synchronous_commit = "on"
     max_batch_bytes: int = 2**62  # relay.max_batch_bytes
     max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
     #: The message format (``kafka.message_format``); None = the contract with ``topic_template``.
@@ -107,6 +108,7 @@ class WorkerConfig:
             topic_template=wire.topic_template,
             poll_interval_seconds=s.relay.poll_interval_seconds,
             idle_poll_interval_seconds=s.relay.idle_poll_interval_seconds,
+            durable_finalize=s.relay.finalize_synchronous_commit == "on",
             backoff_base_seconds=s.relay.backoff_base_seconds,
             backoff_cap_seconds=s.relay.backoff_cap_seconds,
             publish_timeout_seconds=timeout,
@@ -181,7 +183,10 @@ class Worker:
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
-            store, strict_lease=config.strict_lease, retry_for_seconds=config.lease_seconds * 0.5
+            store,
+            strict_lease=config.strict_lease,
+            retry_for_seconds=config.lease_seconds * 0.5,
+            durable=config.durable_finalize,
         )
         self._db_failures = 0
         self._ordered_after: str | None = None  # aggregate_id where the last ordered claim ended
