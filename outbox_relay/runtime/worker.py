@@ -215,7 +215,6 @@ class Worker:
         in_flight: ClaimedBatch | None = None
         busy_cycles = 0  # non-empty claims in a row without a pause (runtime/wakeup.py)
         wakeup, key = self.wakeup, self.index
-        notices = wakeup.begin_cycle(key)
         try:
             while not self.stop_event.is_set():
                 self._in_flight = in_flight
@@ -244,13 +243,15 @@ class Worker:
                     full = len(batch.rows) >= self.cfg.batch_size
                     if full:
                         wakeup.wake_one()  # a backlog: get another worker going
-                    if full or busy_cycles >= BUSY_AFTER_CYCLES:
+                    busy = full or busy_cycles >= BUSY_AFTER_CYCLES
+                    if busy:
                         self._mark_busy()
                     self.start_batch(batch, submitter)  # with a submitter: built and submitted on its thread
-                    if pipelined and (full or not self._sleeps_between_batches()):
-                        # A backlog: the next claim overlaps this batch's wait. A crash
-                        # while finishing the previous batch (which returns its own
-                        # bytes) must still return this one's: run() releases _in_flight.
+                    # Busy (also while vacuum is held back, when the flag stays idle):
+                    # the next claim overlaps this batch's wait.
+                    if pipelined and (busy or not self._sleeps_between_batches()):
+                        # A crash while finishing the previous batch (which returns its
+                        # own bytes) must still return this one's: run() releases _in_flight.
                         self._in_flight = batch
                         if in_flight is not None:
                             self.finish_batch(in_flight)
