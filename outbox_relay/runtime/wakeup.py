@@ -158,15 +158,17 @@ class Wakeup:
                     if self._due_at is not None:
                         deadline = min(deadline, self._due_at + 0.01)
                 else:
-                    # Not the sentry: woken by a notification, a full batch, a stop, or
-                    # this long wait (a safety net should the sentry be stuck).
-                    deadline = started + 4 * listening_poll_seconds
+                    # Not the sentry: woken by a notification, a full batch or a stop;
+                    # when the sentry leaves to claim, one of these takes its place.
+                    self._cond.wait(listening_poll_seconds)
+                    continue
                 if deadline <= now:
                     break
                 # Woken early by rescheduled(): the deadline is computed again.
                 self._cond.wait(deadline - now)
             if self._sentry == key:
-                self._sentry = None  # it claims now, and is the sentry again when it sleeps
+                self._sentry = None  # it claims now: another sleeper becomes the sentry
+                self._cond.notify(1)
             if self._due_at is not None and self._due_at <= time.monotonic():
                 self._due_at = None
             self._active[key] = time.monotonic()

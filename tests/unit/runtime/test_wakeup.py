@@ -77,16 +77,30 @@ def test_a_notification_wakes_another_worker_when_the_active_one_is_slow():
 
 
 def test_while_listening_one_worker_polls_for_the_process():
+    """Three workers that go back to sleep after each wake-up, as idle workers do: the
+    process polls about once per interval, not three times."""
     wakeup = Wakeup()
     wakeup.listening = True
-    woken: list[int] = []
-    threads = [sleeper(wakeup, k, woken, poll_seconds=0.01, listening_poll_seconds=0.2) for k in range(3)]
-    assert wait_until(lambda: len(woken) >= 1)
-    time.sleep(0.3)
-    assert len(woken) == 1  # the sentry; the others wait to be woken
+    polls: list[int] = []
+    stop = threading.Event()
+
+    def worker(key: int) -> None:
+        while not stop.is_set():
+            wakeup.idle_wait(key, poll_seconds=0.01, listening_poll_seconds=0.2)
+            if not stop.is_set():
+                polls.append(key)
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(3)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    stop.set()
+    seconds = time.monotonic() - started
     wakeup.wake_all()
     for thread in threads:
         thread.join(timeout=5)
+    assert 1 <= len(polls) <= seconds / (0.75 * 0.2) + 1, (len(polls), seconds)
 
 
 def test_without_listening_every_worker_polls():
