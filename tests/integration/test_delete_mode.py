@@ -180,8 +180,8 @@ def test_finalize_whose_reply_was_lost_is_recognised_in_delete_mode(pg_dsn, tabl
     class ReplyLostOnce(OutboxStore):
         failed = False
 
-        def finalize(self, items, *, strict=False):
-            result = super().finalize(items, strict=strict)
+        def finalize(self, items, *, strict=False, durable=True):
+            result = super().finalize(items, strict=strict, durable=durable)
             if not self.failed:
                 self.failed = True
                 raise DatabaseUnavailable("finalize done: server closed the connection unexpectedly")
