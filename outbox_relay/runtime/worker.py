@@ -181,6 +181,7 @@ class Worker:
         self.submitter = submitter
         self._in_flight: ClaimedBatch | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
+        self._last_candidates = config.batch_size  # the rows the last claim could size at most
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -265,7 +266,11 @@ class Worker:
                     self._in_flight = None
                     # The claim took what was due. Rows committed since were announced
                     # by a notification: none came, nothing to claim until one does.
-                    if not self._sleeps_between_batches() or not wakeup.end_cycle(key, notices):
+                    if (
+                        not self._sleeps_between_batches()
+                        or self._may_have_left_rows(batch)
+                        or not wakeup.end_cycle(key, notices)
+                    ):
                         continue
                     busy_cycles = 0
                     self._idle_wait()
@@ -296,6 +301,24 @@ class Worker:
         notification to announce the next rows? Only while inserts notify (the idle
         flag is set) and a listen connection of this process is up."""
         return self.cfg.listen_notify and self.wakeup.relays_marked_idle and self.wakeup.listening
+
+    def _may_have_left_rows(self, batch: ClaimedBatch) -> bool:
+        """Could rows have been due that this claim, not full, did not take? Then the
+        worker claims again rather than wait for a notification that will not come:
+        - ordered rows: finalizing a head makes the next row of its aggregate claimable;
+        - a claim cut by its byte budget or by the rows it sized (``_candidates``);
+        - fast claims in use (vacuum held back): the claim cursor may owe a claim from
+          below where this one started (a catch-up, a full claim)."""
+        rows = batch.rows
+        ordering = self.cfg.ordering
+        if ordering.enabled and any(ordering.is_ordered(r.event_type) for r in rows):
+            return True
+        if len(rows) >= self._last_candidates:
+            return True
+        biggest = max(r.size_bytes for r in rows)
+        if sum(r.size_bytes for r in rows) + biggest > self.cfg.max_batch_bytes:
+            return True
+        return self.store.due_cursor.fast_claims_in_use()
 
     def _idle_wait(self) -> None:
         if self.cfg.listen_notify:
@@ -411,6 +434,7 @@ class Worker:
 
     def _claim(self, trace: BatchTrace) -> list[Claimed]:
         cfg = self.cfg
+        candidates = self._last_candidates = self._candidates()
         result = self.store.claim(
             owner=self.owner,
             batch=cfg.batch_size,
@@ -420,7 +444,7 @@ class Worker:
             run_length=cfg.run_length,
             ordered_after=self._ordered_after,
             max_batch_bytes=cfg.max_batch_bytes,
-            candidates=self._candidates(),
+            candidates=candidates,
             max_message_bytes=cfg.max_message_bytes,
         )
         self._ordered_after = result.ordered_after
