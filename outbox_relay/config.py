@@ -564,6 +564,13 @@ class MetricsSettings(_Section):
     host: str = Field(default="0.0.0.0", description="Address the metrics server binds.")
     port: int = Field(default=9464, ge=0, le=65535, description="Port of the metrics server (0 = any free port).")
     refresh_interval_seconds: float = Field(default=5.0, gt=0, description="How often gauges are read from the table.")
+    idle_refresh_interval_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often gauges are read while the relay is idle: no row claimed or finalized since the "
+        "last read, which found nothing pending or processing. The first claim of a row brings back "
+        "metrics.refresh_interval_seconds at the next tick. At most the larger of the two.",
+    )
     query_timeout_ms: int = Field(default=2000, ge=1, description="statement_timeout of each gauge query.")
     exact_count_limit: int = Field(
         default=100_000,

@@ -291,7 +291,10 @@ class DeliveryOps(StoreCore):
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         full = params.pop("full_claim", True)
         statement = self._full_claim_statement if full else self._claim_statement
-        execute_with_settings(cur, statement, params, settings)
+        # A generic plan is worth keeping from the first call: an idle relay's claims,
+        # seconds apart, may each land on a connection that has not run it 5 times.
+        prepare = True if settings is PLAIN_CLAIM_SETTINGS and not self.transaction_pooler else None
+        execute_with_settings(cur, statement, params, settings, prepare=prepare)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
         server_seconds: float | None = None

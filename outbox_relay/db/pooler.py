@@ -118,14 +118,21 @@ class PoolerConnection(psycopg.Connection[Any]):
 
 
 def execute_with_settings(
-    cursor: psycopg.Cursor[Any], query: Query, params: Params | None, settings: dict[str, str]
+    cursor: psycopg.Cursor[Any],
+    query: Query,
+    params: Params | None,
+    settings: dict[str, str],
+    *,
+    prepare: bool | None = None,
 ) -> None:
     """Execute ``query`` under transaction-local ``settings``: a set_config statement
     (delivery.sql "statement_settings") pipelined in front of it, one Sync, one round trip.
     In autocommit both run in one implicit transaction, so the settings end with it;
     in an explicit transaction they last until it ends. Through a transaction pooler
     the statement's statement_timeout rides in the same set_config. The caller
-    fetches the results from ``cursor`` afterwards."""
+    fetches the results from ``cursor`` afterwards. ``prepare``: as psycopg's (True:
+    a server-side prepared statement from the first call, which a transaction pooler
+    must never be sent: the caller passes None there)."""
     conn = cursor.connection
     settings = dict(settings)
     bounds_transaction = False
@@ -137,7 +144,7 @@ def execute_with_settings(
         with conn.pipeline():  # leaving it sends the one Sync and waits for both results
             psycopg.Cursor(conn).execute(_SETTINGS_STATEMENT, (list(settings), list(settings.values())), prepare=False)
             # Inside the pipeline a BoundedCursor does not bound again (_needs_bound).
-            cursor.execute(cast(QueryNoTemplate, query), params)
+            cursor.execute(cast(QueryNoTemplate, query), params, prepare=prepare)
     finally:
         _state.in_bounded_pipeline = False
     if bounds_transaction and isinstance(conn, PoolerConnection):

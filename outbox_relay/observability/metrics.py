@@ -366,9 +366,14 @@ class StatsRefresher(PeriodicService):
         exact_count_interval_seconds: float = 60.0,
         exact_count_timeout_ms: int = 10_000,
         xmin_horizon_warn_seconds: float = 300.0,
+        idle_interval_seconds: float = 0.0,
     ) -> None:
         super().__init__(interval_seconds, run_first=True)
         self._store = store
+        self._idle_interval = max(interval_seconds, idle_interval_seconds)
+        self._was_idle = False  # the last read found nothing pending or processing
+        self._last_activity: tuple[int, int] | None = None
+        self._last_refresh_at = float("-inf")
         metrics.count_statements_of(store.statement_counts)
         self._horizon_clock = HorizonClock()
         self._horizon_warning = HorizonWarning(xmin_horizon_warn_seconds, log)
@@ -395,6 +400,7 @@ class StatsRefresher(PeriodicService):
             exact_count_interval_seconds=m.exact_count_interval_seconds,
             exact_count_timeout_ms=m.exact_count_timeout_ms,
             xmin_horizon_warn_seconds=m.xmin_horizon_warn_seconds,
+            idle_interval_seconds=m.idle_refresh_interval_seconds,
         )
 
     def refresh_once(self) -> bool:
@@ -437,6 +443,7 @@ class StatsRefresher(PeriodicService):
         m = self._metrics
         if isinstance(stats, Exception):  # any failure: do not leave stale values behind
             exc = stats
+            self._was_idle = False
             m.stats_refresh_errors_total.inc()
             m.oldest_pending_age_seconds.set(float("nan"))
             m.expired_leases.set(float("nan"))
@@ -446,6 +453,7 @@ class StatsRefresher(PeriodicService):
             m.blocked_aggregates.set(float("nan"))
             log.warning("metrics refresh failed", error=str(exc))
             return False
+        self._was_idle = stats.queue_depth.get("pending", 0) == 0 and stats.queue_depth.get("processing", 0) == 0
         m.oldest_pending_age_seconds.set(stats.oldest_pending_age_seconds)
         m.expired_leases.set(stats.expired_leases)
         # Done rows have no index: an exact count would read the whole table every
@@ -468,7 +476,21 @@ class StatsRefresher(PeriodicService):
         return True
 
     def step(self) -> None:
+        # While idle (nothing claimed or finalized since the last read, which found
+        # nothing pending or processing) the gauges cannot have moved but for new rows,
+        # which a claim would show: read them every idle interval only. An idle relay's
+        # cost on the database is mostly its transactions.
+        activity = self._activity()
+        now = time.monotonic()
+        if self._was_idle and activity == self._last_activity and now - self._last_refresh_at < self._idle_interval:
+            return
+        self._last_activity = activity
+        self._last_refresh_at = now
         self.refresh_once()
+
+    def _activity(self) -> tuple[int, int]:
+        counts = self._store.statement_counts.snapshot()
+        return counts["claim"], counts["finalize"]
 
     def start(self) -> None:
         self._exact.reopen()
