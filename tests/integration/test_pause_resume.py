@@ -1,0 +1,233 @@
+"""Operator pause and resume (operator/pauses.py) on a real PostgreSQL and Apache Kafka:
+paused rows are not claimed while others are, keep their attempts and come back in
+their old order on resume; rows inserted after a pause are parked by the claim; an
+ordered aggregate keeps its order across a pause; two relays (replicas) both honour a
+pause at their next claim; every pause and resume is in the audit trail and in `status`;
+the console's JSON API pauses and resumes with the same rules."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from outbox_relay.db.store import OutboxStore
+from outbox_relay.operator.pauses import (
+    AlreadyPaused,
+    NoSuchPause,
+    PauseTarget,
+    pause,
+    pause_overview,
+    resume,
+)
+from outbox_relay.runtime.relay import Relay
+from tests.helpers.cli import cli, cli_env
+from tests.helpers.console import running_console
+from tests.helpers.db import insert_rows, run_sql
+from tests.helpers.wait import wait_for
+
+pytestmark = pytest.mark.timeout(300)
+TOKEN = "pause-console-token"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+FAR_FUTURE_YEAR = 2900
+
+
+def claim_all(store: OutboxStore, ordered_types: list[str] | None = None, batch: int = 1000) -> list[Any]:
+    """Every row one claim takes (a bounded loop of claims until one comes back empty)."""
+    taken: list[Any] = []
+    for _ in range(20):
+        result = store.claim(
+            owner="test", batch=batch, lease_seconds=30, max_attempts=5, ordered_types=ordered_types or []
+        )
+        if not result.rows:
+            break
+        taken += result.rows
+    return taken
+
+
+def states(dsn: str, table: str) -> dict[int, dict[str, Any]]:
+    found = run_sql(
+        dsn,
+        table,
+        "SELECT id, status, attempts, lease_version, available_at, extract(year FROM available_at) FROM {t}",
+    )
+    return {
+        r[0]: {"status": r[1], "attempts": r[2], "lease_version": r[3], "available_at": r[4], "year": int(r[5])}
+        for r in found
+    }
+
+
+def test_pause_parks_and_resume_restores(store: OutboxStore, pg_dsn: str, table: str) -> None:
+    paused_ids = insert_rows(pg_dsn, table, 30, event_type="Paused")
+    other_ids = insert_rows(pg_dsn, table, 20, event_type="Other")
+    # some paused rows have been tried before: a pause keeps their attempts
+    run_sql(pg_dsn, table, "UPDATE {t} SET attempts = 2 WHERE id = ANY(%s)", [paused_ids[:5]])
+    before = states(pg_dsn, table)
+
+    result = pause(store, PauseTarget("event_type", "Paused"), reason="downstream down", actor="ops", source="cli")
+    assert result.rows_parked == 30
+    parked = states(pg_dsn, table)
+    for row_id in paused_ids:
+        assert parked[row_id]["year"] > FAR_FUTURE_YEAR
+        assert parked[row_id]["attempts"] == before[row_id]["attempts"]
+        assert parked[row_id]["lease_version"] == before[row_id]["lease_version"]
+    with pytest.raises(AlreadyPaused):
+        pause(store, PauseTarget("event_type", "Paused"), reason="again", actor="ops", source="cli")
+
+    taken = claim_all(store)
+    assert {r.id for r in taken} == set(other_ids)
+
+    # a row inserted after the pause: the claim does not take it, and parks it
+    late = insert_rows(pg_dsn, table, 3, event_type="Paused")
+    assert claim_all(store) == []
+    assert all(states(pg_dsn, table)[i]["year"] > FAR_FUTURE_YEAR for i in late)
+    overview = pause_overview(store, count_cap=1000)
+    assert overview["paused_rows"] == 33 and [p["value"] for p in overview["active"]] == ["Paused"]
+    assert overview["active"][0]["kind"] == "operator"
+
+    resumed = resume(store, pause_id=None, target=PauseTarget("event_type", "Paused"), actor="ops", source="cli")
+    assert resumed.rows_unparked == 33
+    after = states(pg_dsn, table)
+    for row_id in paused_ids:  # the original available_at, to the microsecond
+        assert after[row_id]["available_at"] == before[row_id]["available_at"]
+        assert after[row_id]["attempts"] == before[row_id]["attempts"]
+    taken = claim_all(store)
+    assert sorted(r.id for r in taken) == sorted(paused_ids + late)
+    assert {r.id: r.attempts for r in taken if r.id in paused_ids[:5]} == dict.fromkeys(paused_ids[:5], 3)
+    with pytest.raises(NoSuchPause):
+        resume(store, pause_id=resumed.pause.id, target=None, actor="ops", source="cli")
+
+    audit = [(e["action"], e["rows_changed"], e["reason"]) for e in store.audit_list()]
+    assert ("pause", 30, "downstream down") in audit and ("resume", 33, None) in audit
+
+
+def test_pause_by_topic_and_aggregate_type(store: OutboxStore, pg_dsn: str, table: str) -> None:
+    on_topic = insert_rows(pg_dsn, table, 4, aggregate_type="invoice", topic="billing")
+    invoices = insert_rows(pg_dsn, table, 5, aggregate_type="invoice")
+    orders = insert_rows(pg_dsn, table, 6, aggregate_type="order")
+    by_topic = pause(store, PauseTarget("topic", "billing"), reason="r", actor="ops", source="cli")
+    by_type = pause(store, PauseTarget("aggregate_type", "invoice"), reason="r", actor="ops", source="cli")
+    assert (by_topic.rows_parked, by_type.rows_parked) == (4, 5)
+    assert {r.id for r in claim_all(store)} == set(orders)
+    # ending one pause leaves the rows the other still matches parked
+    back = resume(store, pause_id=by_type.pause.id, target=None, actor="ops", source="cli")
+    assert back.rows_unparked == 5
+    assert {r.id for r in claim_all(store)} == set(invoices)
+    resume(store, pause_id=by_topic.pause.id, target=None, actor="ops", source="cli")
+    assert {r.id for r in claim_all(store)} == set(on_topic)
+
+
+def test_ordered_aggregate_keeps_its_order(store: OutboxStore, pg_dsn: str, table: str) -> None:
+    """Pausing one ordered event type holds back, in each aggregate whose earliest
+    unfinished ordered row is paused, every ordered row behind it (of any type)."""
+    ordered = ["A", "B"]
+    first = insert_rows(pg_dsn, table, 1, event_type="A", aggregates=1)  # agg-0: A then B
+    second = insert_rows(pg_dsn, table, 1, event_type="B", aggregates=1)
+    pause(store, PauseTarget("event_type", "A"), reason="hold A", actor="ops", source="cli")
+    late_a = insert_rows(pg_dsn, table, 1, event_type="A", aggregate_type="x", aggregates=1)  # not yet parked
+    assert claim_all(store, ordered) == []  # B waits behind the paused A; the late A is not taken
+    resume(store, pause_id=None, target=PauseTarget("event_type", "A"), actor="ops", source="cli")
+    sequence: list[int] = []
+    for _ in range(10):  # one head per aggregate per claim, in id order
+        rows = store.claim(owner="t", batch=1, lease_seconds=30, max_attempts=5, ordered_types=ordered).rows
+        if not rows:
+            break
+        sequence += [r.id for r in rows]
+        store.mark_done([(r.id, r.lease_version) for r in rows])
+    assert sequence == first + second + late_a
+
+
+def test_cli_pause_status_resume(store: OutboxStore, pg_dsn: str, table: str) -> None:
+    insert_rows(pg_dsn, table, 7, event_type="Held")
+    env = cli_env(pg_dsn, table)
+    refused = cli("pause", "--event-type", "Held", env=env)
+    assert refused.returncode == 2 and "--reason" in refused.stderr, refused.stderr
+    both = cli("pause", "--event-type", "Held", "--topic", "t", "--reason", "r", env=env)
+    assert both.returncode == 2 and "exactly one" in both.stderr
+    done = cli("pause", "--event-type", "Held", "--reason", "consumer migration", "--json", env=env)
+    assert done.returncode == 0, done.stderr
+    made = json.loads(done.stdout)
+    assert made["rows_parked"] == 7 and made["pause"]["kind"] == "operator"
+
+    status = cli("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    doc = json.loads(status.stdout)
+    assert doc["operator_pauses"]["paused_rows"] == 7
+    assert [(p["selector"], p["value"], p["reason"]) for p in doc["operator_pauses"]["active"]] == [
+        ("event_type", "Held", "consumer migration")
+    ]
+    text = cli("status", env=env)
+    assert "operator pause" in text.stdout and "Held" in text.stdout
+
+    listed = cli("pauses", "--json", env=env)
+    assert [p["id"] for p in json.loads(listed.stdout)] == [made["pause"]["id"]]
+    back = cli("resume", str(made["pause"]["id"]), "--json", env=env)
+    assert back.returncode == 0, back.stderr
+    assert json.loads(back.stdout)["rows_unparked"] == 7
+    again = cli("resume", "--event-type", "Held", env=env)
+    assert again.returncode == 1 and "no active pause" in again.stderr
+    audit = cli("audit", "list", "--json", env=env)
+    actions = [e["action"] for e in json.loads(audit.stdout)]
+    assert actions[:2] == ["resume", "pause"]
+
+
+def test_two_relays_honour_a_pause(make_settings, store: OutboxStore, pg_dsn: str, table: str) -> None:
+    """Two relays of one outbox (two replicas): rows of a paused event type inserted
+    while both run are delivered by neither; the others are; after the resume, all."""
+    settings = make_settings(relay={"workers": 2, "poll_interval_seconds": 0.2})
+    relays = [Relay(settings), Relay(settings)]
+    for relay in relays:
+        relay.start()
+    try:
+        pause(store, PauseTarget("event_type", "Held"), reason="two replicas", actor="ops", source="cli")
+        held = insert_rows(pg_dsn, table, 40, event_type="Held")
+        free = insert_rows(pg_dsn, table, 40, event_type="Free")
+
+        def finished(ids: list[int]) -> bool:
+            left = run_sql(
+                pg_dsn,
+                table,
+                "SELECT count(*) FROM {t} WHERE id = ANY(%s) AND status IN ('pending', 'processing')",
+                [ids],
+            )
+            return left[0][0] == 0
+
+        wait_for(lambda: finished(free), timeout=60, message="the unpaused rows delivered")
+        time.sleep(1.0)  # several claim cycles of both relays
+        left = run_sql(
+            pg_dsn, table, "SELECT status, attempts, count(*) FROM {t} WHERE id = ANY(%s) GROUP BY 1, 2", [held]
+        )
+        assert left == [("pending", 0, 40)], left
+        resume(store, pause_id=None, target=PauseTarget("event_type", "Held"), actor="ops", source="cli")
+        wait_for(lambda: finished(held), timeout=60, message="the resumed rows delivered")
+    finally:
+        for relay in relays:
+            relay.stop()
+
+
+def test_console_api_pause_resume(make_settings, store: OutboxStore, pg_dsn: str, table: str) -> None:
+    insert_rows(pg_dsn, table, 5, event_type="Held")
+    settings = make_settings(console={"token": TOKEN})
+    with running_console(settings) as base:
+        bad = httpx.post(f"{base}/api/pauses", json={"event_type": "Held"}, headers=BEARER, timeout=30)
+        assert bad.status_code == 400 and "reason" in bad.json()["error"]
+        made = httpx.post(
+            f"{base}/api/pauses", json={"event_type": "Held", "reason": "from the API"}, headers=BEARER, timeout=30
+        )
+        assert made.status_code == 200, made.text
+        doc = made.json()
+        assert doc["rows_parked"] == 5
+        listed = httpx.get(f"{base}/api/pauses", headers=BEARER, timeout=30).json()
+        assert listed["paused_rows"] == 5 and listed["active"][0]["reason"] == "from the API"
+        page = httpx.get(f"{base}/pauses", headers=BEARER, timeout=30)
+        assert page.status_code == 200 and "Held" in page.text
+        back = httpx.post(f"{base}/api/pauses/{doc['pause']['id']}/resume", json={}, headers=BEARER, timeout=30)
+        assert back.status_code == 200, back.text
+        assert back.json()["rows_unparked"] == 5
+        gone = httpx.post(f"{base}/api/pauses/{doc['pause']['id']}/resume", json={}, headers=BEARER, timeout=30)
+        assert gone.status_code == 404
+    actions = [(e["action"], e["source"]) for e in store.audit_list()]
+    assert ("pause", "console") in actions and ("resume", "console") in actions
