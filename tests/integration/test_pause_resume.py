@@ -230,4 +230,4 @@ def test_console_api_pause_resume(make_settings, store: OutboxStore, pg_dsn: str
         gone = httpx.post(f"{base}/api/pauses/{doc['pause']['id']}/resume", json={}, headers=BEARER, timeout=30)
         assert gone.status_code == 404
     actions = [(e["action"], e["source"]) for e in store.audit_list()]
-    assert ("pause", "console") in actions and ("resume", "console") in actions
+    assert ("pause", "api") in actions and ("resume", "api") in actions  # made with the API's bearer token
