@@ -93,6 +93,18 @@ class RelayMetrics(PublisherObserver):
         self.blocked_aggregates = Gauge(
             "outbox_relay_blocked_aggregates", "Ordered aggregates blocked behind a dead head.", registry=r
         )
+        # Operator pauses (operator/pauses.py), stored in the outbox's pauses table; the
+        # circuit breaker's automatic pause is outbox_relay_circuit_breaker_open.
+        self.operator_pauses = Gauge(
+            "outbox_relay_operator_pauses",
+            "Active operator pauses of the outbox (`outbox-relay pause`; not the circuit breaker).",
+            registry=r,
+        )
+        self.paused_rows = Gauge(
+            "outbox_relay_paused_rows",
+            "Pending rows parked by an operator pause, counted up to metrics.exact_count_limit.",
+            registry=r,
+        )
         self.lost_leases_total = Counter(
             "outbox_relay_lost_leases", "Finalizes rejected because the lease was taken over.", registry=r
         )
@@ -376,6 +388,7 @@ class StatsRefresher(PeriodicService):
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
         self._count_cap = count_cap
+        self._pauses_seen: set[int] | None = None  # the active pauses at the last refresh
         self._exact = _SlowExactCount(
             store, interval_seconds=exact_count_interval_seconds, budget_ms=exact_count_timeout_ms, first_upto=count_cap
         )
@@ -462,6 +475,47 @@ class StatsRefresher(PeriodicService):
         for attempts, n in stats.attempts.items():
             m.attempts.labels(attempts=str(attempts)).set(n)
         m.blocked_aggregates.set(len(stats.blocked_aggregates))
+        return self._refresh_pauses()
+
+    def _refresh_pauses(self) -> bool:
+        """The operator pause gauges, and a log line when the set of active pauses
+        changes (pause="operator"; the breaker's lines say pause="circuit_breaker")."""
+        m = self._metrics
+        try:
+            active = self._store.pauses()
+            parked = self._store.paused_rows(count_cap=self._count_cap, timeout_ms=self._timeout_ms)
+        except Exception as exc:
+            m.stats_refresh_errors_total.inc()
+            m.operator_pauses.set(float("nan"))
+            m.paused_rows.set(float("nan"))
+            log.warning("pause gauges refresh failed", error=str(exc))
+            return False
+        m.operator_pauses.set(len(active))
+        m.paused_rows.set(parked)
+        seen = {p.id: p for p in active}
+        if self._pauses_seen is not None:
+            for pause_id in seen.keys() - self._pauses_seen:
+                p = seen[pause_id]
+                log.warning(
+                    "operator pause active: rows it matches are not claimed",
+                    pause="operator",
+                    pause_id=p.id,
+                    selector=p.selector,
+                    value=p.value,
+                    paused_by=p.paused_by,
+                    reason=p.reason,
+                    table=self._store.table,
+                )
+            for pause_id in self._pauses_seen - seen.keys():
+                log.info("operator pause ended", pause="operator", pause_id=pause_id, table=self._store.table)
+        elif seen:
+            log.warning(
+                "operator pauses active: rows they match are not claimed",
+                pause="operator",
+                pause_ids=sorted(seen),
+                table=self._store.table,
+            )
+        self._pauses_seen = set(seen)
         return True
 
     def step(self) -> None:

@@ -28,6 +28,7 @@ from tests.helpers.cli import cli, cli_env
 from tests.helpers.console import running_console
 from tests.helpers.db import insert_rows, run_sql
 from tests.helpers.wait import wait_for
+from tests.integration.test_metrics_http import METRICS, poll, scrape, value
 
 pytestmark = pytest.mark.timeout(300)
 TOKEN = "pause-console-token"
@@ -178,7 +179,10 @@ def test_two_relays_honour_a_pause(make_settings, store: OutboxStore, pg_dsn: st
     """Two relays of one outbox (two replicas): rows of a paused event type inserted
     while both run are delivered by neither; the others are; after the resume, all."""
     settings = make_settings(relay={"workers": 2, "poll_interval_seconds": 0.2})
-    relays = [Relay(settings), Relay(settings)]
+    relays = [
+        Relay(make_settings(relay={"workers": 2, "poll_interval_seconds": 0.2}, metrics=METRICS)),
+        Relay(settings),
+    ]
     for relay in relays:
         relay.start()
     try:
@@ -201,6 +205,16 @@ def test_two_relays_honour_a_pause(make_settings, store: OutboxStore, pg_dsn: st
             pg_dsn, table, "SELECT status, attempts, count(*) FROM {t} WHERE id = ANY(%s) GROUP BY 1, 2", [held]
         )
         assert left == [("pending", 0, 40)], left
+        # the claims that met them parked them: the gauges show one operator pause, 40 rows
+        port = relays[0].metrics_port
+        assert isinstance(port, int)
+
+        def gauges() -> tuple[float, float]:
+            _text, samples = scrape(port)
+            return value(samples, "outbox_relay_operator_pauses"), value(samples, "outbox_relay_paused_rows")
+
+        assert poll(gauges, lambda g: g == (1.0, 40.0), timeout=30) == (1.0, 40.0)
+        assert value(scrape(port)[1], "outbox_relay_circuit_breaker_open") == 0.0  # not the breaker's pause
         resume(store, pause_id=None, target=PauseTarget("event_type", "Held"), actor="ops", source="cli")
         wait_for(lambda: finished(held), timeout=60, message="the resumed rows delivered")
     finally:
