@@ -125,22 +125,24 @@ WITH victims AS (
     -- later due scans do not read it again. Only in the range "due" just read (up to
     -- its last row when it found all it looked for, else every due row), so this costs
     -- no more index than "due", and nothing without an active pause (a one-time filter).
+    -- = ANY(ARRAY(...)): the rows found are looked up by primary key (as a join, the
+    -- planner may read the whole primary key index to match them).
     UPDATE {table} AS o SET available_at = o.available_at + {park_shift}
-    FROM (SELECT p.id FROM {table} AS p
-          WHERE (SELECT any_active FROM paused)
-            AND p.status = 'pending' AND p.available_at <= now()
-            AND ({due_from_at}::timestamptz IS NULL
-                 OR (p.available_at, p.id) >= (least({due_from_at}::timestamptz, (SELECT since FROM writers)),
-                                               CASE WHEN (SELECT since FROM writers) < {due_from_at}::timestamptz
-                                                    THEN 0 ELSE {due_from_id}::bigint END))
-            AND (p.available_at, p.id) <= ((SELECT at FROM due_reach), (SELECT id FROM due_reach))
-            AND (p.event_type = ANY((SELECT event_types FROM paused)::text[])
-                 OR p.aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
-                 OR coalesce(p.topic = ANY((SELECT topics FROM paused)::text[]), false))
-          ORDER BY p.available_at, p.id
-          LIMIT %(candidates)s
-          FOR UPDATE SKIP LOCKED) AS p
-    WHERE o.id = p.id
+    WHERE o.id = ANY(ARRAY(
+        SELECT p.id FROM {table} AS p
+        WHERE (SELECT any_active FROM paused)
+          AND p.status = 'pending' AND p.available_at <= now()
+          AND ({due_from_at}::timestamptz IS NULL
+               OR (p.available_at, p.id) >= (least({due_from_at}::timestamptz, (SELECT since FROM writers)),
+                                             CASE WHEN (SELECT since FROM writers) < {due_from_at}::timestamptz
+                                                  THEN 0 ELSE {due_from_id}::bigint END))
+          AND (p.available_at, p.id) <= ((SELECT at FROM due_reach), (SELECT id FROM due_reach))
+          AND (p.event_type = ANY((SELECT event_types FROM paused)::text[])
+               OR p.aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(p.topic = ANY((SELECT topics FROM paused)::text[]), false))
+        ORDER BY p.available_at, p.id
+        LIMIT %(candidates)s
+        FOR UPDATE SKIP LOCKED))
     RETURNING o.id
 ), picked AS (
     SELECT id, row_bytes, part FROM (

@@ -101,7 +101,7 @@ WITH chunk AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o SET available_at = o.available_at + {park_shift}
-FROM chunk WHERE o.id = chunk.id
+WHERE o.id = ANY(ARRAY(SELECT id FROM chunk))  -- by primary key (see delivery.sql "claim", parked)
 RETURNING o.id, o.available_at - {park_shift} AS original_at
 
 -- name: unpark_chunk
@@ -130,7 +130,7 @@ WITH active AS MATERIALIZED (
     FOR UPDATE
 ), moved AS (
     UPDATE {table} AS o SET available_at = o.available_at - {park_shift}
-    FROM chunk WHERE o.id = chunk.id AND chunk.free
+    WHERE o.id = ANY(ARRAY(SELECT id FROM chunk WHERE free))  -- by primary key
     RETURNING o.id
 )
 SELECT chunk.id, chunk.available_at, chunk.free, (SELECT count(*) FROM moved) AS moved FROM chunk
