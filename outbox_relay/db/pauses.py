@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SchemaMissing
+from .schema import PARK_FLOOR_SQL
 from .store_core import StoreCore
+
+#: A pending row due at or after this moment is parked by an operator pause (sql/pauses.sql).
+PARKED_FROM = dt.datetime.fromisoformat(PARK_FLOOR_SQL.split("'")[1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from .monitoring import INDEXED_STATUSES as INDEXED_STATUSES
 from .monitoring import STATUSES as STATUSES
 from .monitoring import MonitoringOps
 from .monitoring import Stats as Stats
+from .pauses import PARKED_FROM as PARKED_FROM
 from .pauses import ChunkStep as ChunkStep
 from .pauses import PauseOps
 from .pauses import PauseRow as PauseRow

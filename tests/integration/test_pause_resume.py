@@ -14,7 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from outbox_relay.core.ordering import OrderingRule
 from outbox_relay.db.store import OutboxStore
+from outbox_relay.operator.operations import diagnose_aggregate
 from outbox_relay.operator.pauses import (
     AlreadyPaused,
     NoSuchPause,
@@ -130,6 +132,8 @@ def test_ordered_aggregate_keeps_its_order(store: OutboxStore, pg_dsn: str, tabl
     pause(store, PauseTarget("event_type", "A"), reason="hold A", actor="ops", source="cli")
     late_a = insert_rows(pg_dsn, table, 1, event_type="A", aggregate_type="x", aggregates=1)  # not yet parked
     assert claim_all(store, ordered) == []  # B waits behind the paused A; the late A is not taken
+    rows, _total = store.aggregate_rows("agg-0")
+    assert "paused by an operator" in diagnose_aggregate(rows, OrderingRule.of(ordered), max_attempts=5)
     resume(store, pause_id=None, target=PauseTarget("event_type", "A"), actor="ops", source="cli")
     sequence: list[int] = []
     for _ in range(10):  # one head per aggregate per claim, in id order
