@@ -794,7 +794,7 @@ def purge(
 # --- least privilege -------------------------------------------------------------------
 _GRANT_HELP = {
     "relay": "outbox-relay run",
-    "operator": "outbox-relay status, dead list|retry|skip, purge",
+    "operator": "outbox-relay status, dead list|retry|skip, replay, pause|resume, purge",
     "writer": "the application's enqueue() (insert only)",
 }
 
