@@ -26,13 +26,17 @@ from outbox_relay.operator.pauses import (
     resume,
 )
 from outbox_relay.runtime.relay import Relay
+from tests.helpers import sources as source_helpers
 from tests.helpers.cli import cli, cli_env
 from tests.helpers.console import running_console
-from tests.helpers.db import insert_rows, run_sql
+from tests.helpers.db import DELETE_MODE, insert_rows, run_sql
 from tests.helpers.wait import wait_for
 from tests.integration.test_metrics_http import METRICS, poll, scrape, value
+from tests.integration.test_sources import fetch, metric, running, sources_settings
 
 pytestmark = pytest.mark.timeout(300)
+databases = source_helpers.databases  # the fixture
+__all__ = ["running"]  # a fixture of tests/integration/test_sources.py, used here
 TOKEN = "pause-console-token"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
 FAR_FUTURE_YEAR = 2900
@@ -249,3 +253,49 @@ def test_console_api_pause_resume(make_settings, store: OutboxStore, pg_dsn: str
         assert gone.status_code == 404
     actions = [(e["action"], e["source"]) for e in store.audit_list()]
     assert ("pause", "api") in actions and ("resume", "api") in actions  # made with the API's bearer token
+
+
+def test_a_pause_of_one_source_in_a_many_source_relay(databases, broker, topic_prefix, running) -> None:
+    """`pause --source b` in a configuration of two outboxes: a many-source relay
+    (MultiRelay) delivers source a's rows and b's unpaused ones, not b's paused rows;
+    the gauges carry source="b"; after `resume --source b` everything is delivered."""
+    dsn_a, dsn_b = databases("a"), databases("b")
+    settings = sources_settings(broker, topic_prefix, {"a": {"dsn": dsn_a}, "b": {"dsn": dsn_b}})
+    env = {
+        "OUTBOX_RELAY_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:1",
+        "OUTBOX_RELAY_SOURCES__A__DSN": dsn_a,
+        "OUTBOX_RELAY_SOURCES__B__DSN": dsn_b,
+    }
+    if DELETE_MODE:
+        env["OUTBOX_RELAY_RELAY__ON_DONE"] = "delete"
+    refused = cli("pause", "--event-type", "Held", "--reason", "r", env=env)
+    assert refused.returncode == 2 and "--source" in refused.stderr
+    made = cli("pause", "--event-type", "Held", "--reason", "b only", "--source", "b", "--json", env=env)
+    assert made.returncode == 0, made.stderr
+    held_a = insert_rows(dsn_a, "outbox", 6, event_type="Held")
+    held_b = insert_rows(dsn_b, "outbox", 8, event_type="Held")
+    free_b = insert_rows(dsn_b, "outbox", 4, event_type="Free")
+    relay = running(settings)
+
+    def unfinished(dsn: str, ids: list[int]) -> int:
+        query = "SELECT count(*) FROM {t} WHERE id = ANY(%s) AND status IN ('pending', 'processing')"
+        return int(run_sql(dsn, "outbox", query, [ids])[0][0])
+
+    wait_for(lambda: unfinished(dsn_a, held_a) == 0 and unfinished(dsn_b, free_b) == 0, timeout=60)
+    port = relay.metrics_port
+    assert port is not None
+    wait_for(
+        lambda: metric(fetch(port, "/metrics")[1], "outbox_relay_paused_rows", source="b") == 8,
+        timeout=30,
+        message="source b's paused rows gauge",
+    )
+    text = fetch(port, "/metrics")[1]
+    assert metric(text, "outbox_relay_operator_pauses", source="b") == 1
+    assert metric(text, "outbox_relay_operator_pauses", source="a") == 0
+    assert unfinished(dsn_b, held_b) == 8
+    status = json.loads(cli("status", "--json", env=env).stdout)
+    assert status["sources"]["b"]["operator_pauses"]["paused_rows"] == 8
+    assert status["sources"]["a"]["operator_pauses"]["active"] == []
+    back = cli("resume", "--event-type", "Held", "--source", "b", env=env)
+    assert back.returncode == 0, back.stderr
+    wait_for(lambda: unfinished(dsn_b, held_b) == 0, timeout=60, message="source b's resumed rows delivered")
