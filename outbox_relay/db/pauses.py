@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import SchemaMissing
+from .delivery import CLAIM_SETTINGS
+from .pooler import execute_with_settings
 from .schema import PARK_FLOOR_SQL
 from .store_core import StoreCore
 
@@ -113,7 +115,11 @@ class PauseOps(StoreCore):
         }
         with self._mapped("park paused rows", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
-                rows = conn.execute(self.sql.query("park_chunk"), params).fetchall()
+                # The claim's planner settings: the pending index read in order and cut
+                # by LIMIT, never a bitmap scan of every pending row, whatever the statistics.
+                cur = conn.cursor()
+                execute_with_settings(cur, self.sql.query("park_chunk"), params, CLAIM_SETTINGS)
+                rows = cur.fetchall()
                 if rows and audit_id is not None:
                     conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": len(rows)})
         if not rows:
@@ -135,7 +141,9 @@ class PauseOps(StoreCore):
         }
         with self._mapped("unpark paused rows", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
-                rows = conn.execute(self.sql.query("unpark_chunk"), params).fetchall()
+                cur = conn.cursor()  # the claim's planner settings, as in park_chunk
+                execute_with_settings(cur, self.sql.query("unpark_chunk"), params, CLAIM_SETTINGS)
+                rows = cur.fetchall()
                 moved = int(rows[0][3]) if rows else 0
                 if moved and audit_id is not None:
                     conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": moved})
