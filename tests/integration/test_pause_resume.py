@@ -8,6 +8,7 @@ the console's JSON API pauses and resumes with the same rules."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -28,7 +29,7 @@ from outbox_relay.operator.pauses import (
 from outbox_relay.runtime.relay import Relay
 from tests.helpers import sources as source_helpers
 from tests.helpers.cli import cli, cli_env
-from tests.helpers.console import running_console
+from tests.helpers.console import console_settings, running_console
 from tests.helpers.db import DELETE_MODE, insert_rows, run_sql
 from tests.helpers.wait import wait_for
 from tests.integration.test_metrics_http import METRICS, poll, scrape, value
@@ -299,3 +300,43 @@ def test_a_pause_of_one_source_in_a_many_source_relay(databases, broker, topic_p
     back = cli("resume", "--event-type", "Held", "--source", "b", env=env)
     assert back.returncode == 0, back.stderr
     wait_for(lambda: unfinished(dsn_b, held_b) == 0, timeout=60, message="source b's resumed rows delivered")
+
+
+def test_console_pages_pause_and_resume_with_csrf_and_escape(store: OutboxStore, pg_dsn: str, table: str) -> None:
+    """The Pauses page of a logged-in session: a form post without the session's CSRF
+    token changes nothing; with it the pause is made (its hostile value escaped on every
+    page) and the overview shows it; the Resume button ends it; the audit log has both."""
+    hostile = "<script>document.title='pwned'</script>"
+    insert_rows(pg_dsn, table, 3, event_type=f"Evt{hostile}")
+    with (
+        running_console(console_settings(pg_dsn, table, token=TOKEN)) as url,
+        httpx.Client(base_url=url, follow_redirects=False) as http,
+    ):
+        assert http.post("/login", data={"name": "eve", "token": TOKEN}).status_code == 303
+        page = http.get("/pauses")
+        assert page.status_code == 200 and "0</strong> active pauses" in page.text
+        csrf = re.search(r'name="csrf_token" value="([^"]+)"', page.text).group(1)
+        form = {"selector": "event_type", "value": f"Evt{hostile}", "reason": "hold"}
+        assert http.post("/pauses/apply", data=form).status_code == 403
+        assert store.pauses() == []
+        missing = http.post("/pauses/apply", data=dict(form, reason="", csrf_token=csrf))
+        assert missing.status_code == 400 and "reason" in missing.text
+        done = http.post("/pauses/apply", data=dict(form, csrf_token=csrf))
+        assert done.status_code == 303, done.text
+        assert [p.value for p in store.pauses()] == [f"Evt{hostile}"]
+        assert {r[1] for r in run_sql(pg_dsn, table, "SELECT id, available_at > now() FROM {t}")} == {True}
+        listed, overview = http.get("/pauses"), http.get("/")
+        for shown in (listed, overview):
+            assert shown.status_code == 200 and "<script>document" not in shown.text
+        assert "&lt;script&gt;" in listed.text and "3</strong> pending rows parked" in listed.text
+        assert 'id="operator-pauses"' in overview.text
+        pause_id = store.pauses()[0].id
+        assert http.post(f"/pauses/{pause_id}/resume", data={}).status_code == 403
+        back = http.post(f"/pauses/{pause_id}/resume", data={"csrf_token": csrf})
+        assert back.status_code == 303, back.text
+        assert store.pauses() == []
+        assert {r[1] for r in run_sql(pg_dsn, table, "SELECT id, available_at <= now() FROM {t}")} == {True}
+        again = http.post(f"/pauses/{pause_id}/resume", data={"csrf_token": csrf})
+        assert again.status_code == 404
+    actions = [(e["action"], e["source"], e["actor"]) for e in store.audit_list()]
+    assert actions[:2] == [("resume", "console", "eve"), ("pause", "console", "eve")]
