@@ -160,6 +160,10 @@ class CountingStore(OutboxStore):
         self.park_statements += 1
         return super().park_chunk(**kwargs)
 
+    def park_expired_chunk(self, **kwargs: Any) -> Any:
+        self.park_statements += 1
+        return super().park_expired_chunk(**kwargs)
+
     def unpark_chunk(self, **kwargs: Any) -> Any:
         self.park_statements += 1
         return super().unpark_chunk(**kwargs)
@@ -223,6 +227,7 @@ def main() -> int:
                 reason="bench",
                 actor="bench",
                 source="cli",
+                max_attempts=DEFAULTS.relay.max_attempts,
                 chunk_size=args.chunk,
             )
             report["pause_statements"] = store.park_statements

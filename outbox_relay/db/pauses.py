@@ -127,6 +127,21 @@ class PauseOps(StoreCore):
         last_id, last_at = max(rows, key=lambda r: (r[1], r[0]))
         return ChunkStep(len(rows), (last_at, int(last_id)), finished=len(rows) < chunk)
 
+    def park_expired_chunk(
+        self, *, selector: str, value: str, max_attempts: int, chunk: int, audit_id: int | None
+    ) -> ChunkStep:
+        """Park the next ``chunk`` rows the pause matches whose lease expired (sql/pauses.sql
+        park_expired_chunk); parked rows leave the range, so each chunk starts at the front."""
+        params = {"selector": selector, "value": value, "max_attempts": max_attempts, "chunk": chunk}
+        with self._mapped("park expired leases", commit_unknown=True), self._pool.connection() as conn:
+            with conn.transaction():
+                cur = conn.cursor()
+                execute_with_settings(cur, self.sql.query("park_expired_chunk"), params, CLAIM_SETTINGS)
+                rows = cur.fetchall()
+                if rows and audit_id is not None:
+                    conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": len(rows)})
+        return ChunkStep(len(rows), None, finished=len(rows) < chunk)
+
     def unpark_chunk(
         self, *, selector: str, value: str, after: tuple[dt.datetime, int] | None, chunk: int, audit_id: int | None
     ) -> ChunkStep:

@@ -195,7 +195,15 @@ def pause_command(
     settings = for_source(settings_from(config), source)
     with open_store(settings) as store, errors():
         try:
-            result = pause(store, target, reason=why, actor=os_user(), source="cli", progress=progress(0, "parking"))
+            result = pause(
+                store,
+                target,
+                reason=why,
+                actor=os_user(),
+                source="cli",
+                max_attempts=settings.relay.max_attempts,
+                progress=progress(0, "parking"),
+            )
         except OperatorRuleError as exc:
             fail(str(exc), 1)
             raise  # unreachable

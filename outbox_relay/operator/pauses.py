@@ -11,7 +11,8 @@ and lease_version untouched), so that however many are held back the claim never
 them; rows that become due later (inserted after the pause, or a failed delivery
 rescheduled) are parked by the claim that meets them. A resume ends the pause and
 gives the parked rows their original available_at back: they come due in their old
-order. Rows already in flight when the pause is made are delivered.
+order. Rows in flight when the pause is made are delivered; rows whose lease had
+expired (their relay died) are parked as pending rows, fenced by a new lease_version.
 
 Ordered aggregates (relay.ordered_event_types): a paused row of an ordered event type
 that is its aggregate's head holds the whole aggregate back (its later ordered rows,
@@ -183,11 +184,14 @@ def pause(
     reason: str,
     actor: str,
     source: str,
+    max_attempts: int,
     chunk_size: int = DEFAULT_CHUNK_ROWS,
     progress: Callable[[int], None] | None = None,
 ) -> PauseResult:
     """Record the pause (every relay's next claim honours it), audit it, then park the
-    matching pending rows chunk by chunk (rows_changed of the audit entry: rows parked)."""
+    matching pending rows chunk by chunk, and the matching rows whose lease expired
+    with attempts left (below ``max_attempts``, relay.max_attempts) as pending rows
+    (rows_changed of the audit entry: rows parked)."""
     store.require_pauses_table()
     store.require_audit_table()
     row = store.pause_insert(selector=target.selector, value=target.value, reason=reason, actor=actor, source=source)
@@ -206,6 +210,16 @@ def pause(
         result.rows_parked = _walk(
             lambda after: store.park_chunk(
                 selector=target.selector, value=target.value, after=after, chunk=chunk_size, audit_id=audit_id
+            ),
+            progress,
+        )
+        result.rows_parked += _walk(
+            lambda _after: store.park_expired_chunk(
+                selector=target.selector,
+                value=target.value,
+                max_attempts=max_attempts,
+                chunk=chunk_size,
+                audit_id=audit_id,
             ),
             progress,
         )

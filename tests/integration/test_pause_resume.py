@@ -75,7 +75,9 @@ def test_pause_parks_and_resume_restores(store: OutboxStore, pg_dsn: str, table:
     run_sql(pg_dsn, table, "UPDATE {t} SET attempts = 2 WHERE id = ANY(%s)", [paused_ids[:5]])
     before = states(pg_dsn, table)
 
-    result = pause(store, PauseTarget("event_type", "Paused"), reason="downstream down", actor="ops", source="cli")
+    result = pause(
+        store, PauseTarget("event_type", "Paused"), reason="downstream down", actor="ops", source="cli", max_attempts=5
+    )
     assert result.rows_parked == 30
     parked = states(pg_dsn, table)
     for row_id in paused_ids:
@@ -83,7 +85,7 @@ def test_pause_parks_and_resume_restores(store: OutboxStore, pg_dsn: str, table:
         assert parked[row_id]["attempts"] == before[row_id]["attempts"]
         assert parked[row_id]["lease_version"] == before[row_id]["lease_version"]
     with pytest.raises(AlreadyPaused):
-        pause(store, PauseTarget("event_type", "Paused"), reason="again", actor="ops", source="cli")
+        pause(store, PauseTarget("event_type", "Paused"), reason="again", actor="ops", source="cli", max_attempts=5)
 
     taken = claim_all(store)
     assert {r.id for r in taken} == set(other_ids)
@@ -116,8 +118,10 @@ def test_pause_by_topic_and_aggregate_type(store: OutboxStore, pg_dsn: str, tabl
     on_topic = insert_rows(pg_dsn, table, 4, aggregate_type="invoice", topic="billing")
     invoices = insert_rows(pg_dsn, table, 5, aggregate_type="invoice")
     orders = insert_rows(pg_dsn, table, 6, aggregate_type="order")
-    by_topic = pause(store, PauseTarget("topic", "billing"), reason="r", actor="ops", source="cli")
-    by_type = pause(store, PauseTarget("aggregate_type", "invoice"), reason="r", actor="ops", source="cli")
+    by_topic = pause(store, PauseTarget("topic", "billing"), reason="r", actor="ops", source="cli", max_attempts=5)
+    by_type = pause(
+        store, PauseTarget("aggregate_type", "invoice"), reason="r", actor="ops", source="cli", max_attempts=5
+    )
     assert (by_topic.rows_parked, by_type.rows_parked) == (4, 5)
     assert {r.id for r in claim_all(store)} == set(orders)
     # ending one pause leaves the rows the other still matches parked
@@ -134,7 +138,7 @@ def test_ordered_aggregate_keeps_its_order(store: OutboxStore, pg_dsn: str, tabl
     ordered = ["A", "B"]
     first = insert_rows(pg_dsn, table, 1, event_type="A", aggregates=1)  # agg-0: A then B
     second = insert_rows(pg_dsn, table, 1, event_type="B", aggregates=1)
-    pause(store, PauseTarget("event_type", "A"), reason="hold A", actor="ops", source="cli")
+    pause(store, PauseTarget("event_type", "A"), reason="hold A", actor="ops", source="cli", max_attempts=5)
     late_a = insert_rows(pg_dsn, table, 1, event_type="A", aggregate_type="x", aggregates=1)  # not yet parked
     assert claim_all(store, ordered) == []  # B waits behind the paused A; the late A is not taken
     rows, _total = store.aggregate_rows("agg-0")
@@ -195,7 +199,9 @@ def test_two_relays_honour_a_pause(make_settings, store: OutboxStore, pg_dsn: st
     for relay in relays:
         relay.start()
     try:
-        pause(store, PauseTarget("event_type", "Held"), reason="two replicas", actor="ops", source="cli")
+        pause(
+            store, PauseTarget("event_type", "Held"), reason="two replicas", actor="ops", source="cli", max_attempts=5
+        )
         held = insert_rows(pg_dsn, table, 40, event_type="Held")
         free = insert_rows(pg_dsn, table, 40, event_type="Free")
 
@@ -340,3 +346,23 @@ def test_console_pages_pause_and_resume_with_csrf_and_escape(store: OutboxStore,
         assert again.status_code == 404
     actions = [(e["action"], e["source"], e["actor"]) for e in store.audit_list()]
     assert actions[:2] == [("resume", "console", "eve"), ("pause", "console", "eve")]
+
+
+def test_a_pause_parks_rows_whose_lease_expired_and_fences_their_owner(store: OutboxStore, pg_dsn: str, table: str):
+    """A paused row claimed by a relay that then died (its lease expired) is parked as a
+    pending row with a new lease_version, so the lost owner's finalize is refused;
+    attempts are kept. One that used every attempt is left to the reaper."""
+    lost, poison = insert_rows(pg_dsn, table, 2, event_type="Held")
+    claimed = {r.id: r for r in claim_all(store)}
+    run_sql(pg_dsn, table, "UPDATE {t} SET lease_until = now() - interval '1 s'")
+    run_sql(pg_dsn, table, "UPDATE {t} SET attempts = 5 WHERE id = %s", [poison])
+    made = pause(store, PauseTarget("event_type", "Held"), reason="r", actor="ops", source="cli", max_attempts=5)
+    assert made.rows_parked == 1
+    after = states(pg_dsn, table)
+    assert after[lost]["status"] == "pending" and after[lost]["year"] > FAR_FUTURE_YEAR
+    assert after[lost]["lease_version"] == claimed[lost].lease_version + 1
+    assert after[lost]["attempts"] == claimed[lost].attempts
+    assert after[poison]["status"] == "processing"
+    assert store.mark_done([(lost, claimed[lost].lease_version)]) == set()  # the lost owner is fenced out
+    resume(store, pause_id=made.pause.id, target=None, actor="ops", source="cli")
+    assert [r.id for r in claim_all(store)] == [lost]

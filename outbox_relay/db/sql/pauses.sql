@@ -134,3 +134,24 @@ WITH active AS MATERIALIZED (
     RETURNING o.id
 )
 SELECT chunk.id, chunk.available_at, chunk.free, (SELECT count(*) FROM moved) AS moved FROM chunk
+
+-- name: park_expired_chunk
+-- Pause: rows the pause matches whose lease has expired (their relay died or hung
+-- before an outcome) are parked too, as pending rows: a new lease_version fences the
+-- lost owner out, as a reclaim would; attempts are kept. Rows that used every attempt
+-- (%(max_attempts)s) are left to the reaper, which sends them dead as without a pause.
+-- Their available_at (when they were due) moves like a pending row's. By primary key.
+UPDATE {table} AS o
+SET status = 'pending', lease_owner = NULL, lease_until = NULL, lease_version = o.lease_version + 1,
+    available_at = o.available_at + {park_shift}
+WHERE o.id = ANY(ARRAY(
+    SELECT id FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
+      AND available_at < {park_floor}
+      AND CASE %(selector)s WHEN 'event_type' THEN event_type = %(value)s
+                            WHEN 'topic' THEN topic IS NOT DISTINCT FROM %(value)s
+                            ELSE aggregate_type = %(value)s END
+    ORDER BY lease_until
+    LIMIT %(chunk)s
+    FOR UPDATE SKIP LOCKED))
+RETURNING o.id

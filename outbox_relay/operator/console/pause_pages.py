@@ -98,7 +98,14 @@ class PausePages(ConsoleApi):
             return await self._render_pauses(request, who, src, form=form, error=str(exc), status_code=400)
 
         def apply() -> int:
-            return pause(src.store, target, reason=reason, actor=who.user, source=who.source).audit_id
+            return pause(
+                src.store,
+                target,
+                reason=reason,
+                actor=who.user,
+                source=who.source,
+                max_attempts=src.settings.relay.max_attempts,
+            ).audit_id
 
         try:
             audit_id = await run_in_threadpool(apply)
@@ -161,7 +168,14 @@ class PausePages(ConsoleApi):
             raise BadRequest(str(exc)) from None
 
         def apply() -> dict[str, Any]:
-            return pause(src.store, target, reason=cleaned, actor=who.user, source=who.source).as_json()
+            return pause(
+                src.store,
+                target,
+                reason=cleaned,
+                actor=who.user,
+                source=who.source,
+                max_attempts=src.settings.relay.max_attempts,
+            ).as_json()
 
         try:
             return JSONResponse(await run_in_threadpool(apply))
