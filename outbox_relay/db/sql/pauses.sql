@@ -68,8 +68,7 @@ WHERE resumed_at IS NULL
 RETURNING id, selector, value, reason, paused_by, paused_at, resumed_at
 
 -- name: pauses_list
--- The active pauses (all: also the resumed ones, newest first), with how many pending
--- rows each holds parked (bounded by %(count_cap)s per pause: a range of the pending index).
+-- The active pauses, newest first; with %(all)s also the resumed ones, after them.
 SELECT p.id, p.selector, p.value, p.reason, p.paused_by, p.paused_from, p.paused_at, p.resumed_at, p.resumed_by
 FROM {pauses_table} AS p
 WHERE %(all)s OR p.resumed_at IS NULL
