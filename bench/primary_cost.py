@@ -590,6 +590,7 @@ def derive(pair: dict[str, Any], rate: float) -> dict[str, Any]:
             {
                 "statement": s["statement"],
                 "calls": _round(per(relay, s["calls"]), 4),
+                "plans": _round(per(relay, s["plans"]), 4),
                 "plan_ms": _round(s["plan_ms_total"] / s["plans"], 4) if s["plans"] else None,
                 "exec_ms": _round(s["exec_ms_total"] / s["calls"], 4) if s["calls"] else None,
                 "wal_bytes": _round(per(relay, s["wal_bytes"]), 1),
@@ -823,13 +824,13 @@ def text_report(report: dict[str, Any], top: int) -> list[str]:
                 "",
                 f"{res['wal_level']} {res['mode']} {rate}/s: statements (per {unit}), "
                 f"WAL by record (relay's share, B per {unit})",
-                "| statement | calls | plan ms | exec ms | WAL B |",
-                "|---|---|---|---|---|",
+                "| statement | calls | plans | ms per plan | exec ms per call | WAL B |",
+                "|---|---|---|---|---|---|",
             ]
             for st in relay["statements"][:top]:
                 lines.append(
-                    f"| {st['statement']} | {_fmt(st['calls'], 3)} | {_fmt(st['plan_ms'], 3)} "
-                    f"| {_fmt(st['exec_ms'], 3)} | {_fmt(st['wal_bytes'], 0)} |"
+                    f"| {st['statement']} | {_fmt(st['calls'], 3)} | {_fmt(st.get('plans'), 3)} "
+                    f"| {_fmt(st['plan_ms'], 3)} | {_fmt(st['exec_ms'], 3)} | {_fmt(st['wal_bytes'], 0)} |"
                 )
             records = [f"{k} {v:g}" for k, v in list(relay["wal_by_record"].items())[:8] if abs(v) >= 0.5]
             if records:

@@ -487,11 +487,32 @@ class RelaySettings(_Section):
         description='What the finalize does with a delivered row: "keep" it as done until `purge`, or '
         '"delete" it (about half the WAL). A property of the table: `migrate` sets it, `run` checks it.',
     )
+    finalize_synchronous_commit: Literal["on", "off"] = Field(
+        default="off",
+        description="PostgreSQL's synchronous_commit for the finalize (claims always commit durably). "
+        '"off": the finalize does not wait for its WAL to reach disk (or a synchronous standby), which '
+        "spares the database a flush per batch; a server crash or failover may lose the last fraction of a "
+        "second of finalizes, and those rows are delivered again when their lease expires (at-least-once, "
+        'fencing intact: the lost finalize never reuses a token). "on": every finalize is durable.',
+    )
     strict_lease: bool = Field(
         default=False,
         description="If true an owner whose lease expired can never finalize, even if nobody reclaimed the row.",
     )
-    poll_interval_seconds: float = Field(default=1.0, gt=0, description="Idle sleep between empty claims (jittered).")
+    poll_interval_seconds: float = Field(
+        default=1.0,
+        gt=0,
+        description="Idle sleep between empty claims (jittered) of each worker when the relay does not "
+        "listen for inserts (relay.listen_notify = false, or a transaction pooler without database.listen_dsn).",
+    )
+    idle_poll_interval_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="While the relay listens for inserts: how often one idle worker of the process claims "
+        "anyway (the others sleep until woken), the safety net for a notification that cannot come (a row "
+        "inserted while the idle flag turned, an expired lease of a crashed replica). A row this process "
+        "rescheduled is claimed when it becomes due, not at this interval.",
+    )
     listen_notify: bool = Field(default=True, description="Wake idle workers on insert via LISTEN/NOTIFY.")
     backoff_base_seconds: float = Field(default=1.0, gt=0, description="Retry backoff base (full jitter).")
     backoff_cap_seconds: float = Field(default=300.0, gt=0, description="Retry backoff cap.")

@@ -63,6 +63,10 @@ def finalize_params(items: Sequence[FinalizeItem]) -> dict[str, Any]:
 
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# A fast claim's bound when its cursor has none: below every row, and a timestamp like
+# the others (not NULL, not '-infinity' text), so the prepared statement and its plan
+# are the same whatever the cursor holds (delivery.sql "claim").
+INDEX_FRONT = dt.datetime(1, 1, 2, tzinfo=dt.UTC)
 
 
 def _from_epoch_us(text: str | int) -> dt.datetime:
@@ -89,6 +93,12 @@ def _bigint_array(values: Sequence[int]) -> str:
 # jit = off: before PostgreSQL 18 a disabled plan node still costs 1e10, which crosses
 # jit_above_cost, and compiling the statement then took 1.5 s on every call.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "jit": "off"}
+# The plain claim (no ordered types) with its generic plan: planning it cost 20x running
+# it when it finds a row or two (0.6 ms against 0.03 ms), and what the plan must do does
+# not depend on the values: every condition that bounds its index scans is an index
+# condition in the generic plan too (delivery.sql "claim"). The ordered claims keep
+# custom plans (their round-robin start may be NULL, which only a custom plan folds).
+PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, plan_cache_mode="force_generic_plan")
 # Also the lease keeper's extend_lease (the same join). enable_nestloop = off: with
 # statistics that see almost no live row (an ANALYZE while vacuum is held back) the
 # planner expected one outbox row and joined the batch's arrays to it in a nested loop,
@@ -96,6 +106,12 @@ CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "jit": "o
 # finalize); a hash join of the batch's arrays and its rows' primary-key lookups costs
 # the same whatever the statistics say.
 FINALIZE_SETTINGS = {"enable_bitmapscan": "off", "enable_nestloop": "off", "enable_seqscan": "off", "jit": "off"}
+# A finalize of at most this many rows uses its generic plan: planned once per
+# connection instead of on every call (0.4 ms, more than the small finalize runs). A
+# larger one keeps a custom plan: the generic plan is estimated for arrays of a few
+# elements, and took 3-10x longer on a 1 000-row batch (bench/pooler.py).
+GENERIC_FINALIZE_MAX_ROWS = 64
+SMALL_FINALIZE_SETTINGS = dict(FINALIZE_SETTINGS, plan_cache_mode="force_generic_plan")
 
 
 class DeliveryOps(StoreCore):
@@ -174,12 +190,12 @@ class DeliveryOps(StoreCore):
         types = ordering.explicit_types
         batch = int(params["batch"])
         max_batch_bytes = int(params["max_batch_bytes"])
-        start_at, start_id = plan.start if plan.start is not None else (None, None)
+        start_at, start_id = plan.start if plan.start is not None else (INDEX_FRONT, 0)
         params = dict(
             params,
             from_at=start_at,
             from_id=start_id,
-            leases_from=plan.leases_from,
+            leases_from=plan.leases_from if plan.leases_from is not None else INDEX_FRONT,
             lease_scan=plan.lease_scan,
             writers_check=plan.writers_check,
             writers_within_seconds=float(plan.writers_within_seconds),
@@ -188,7 +204,9 @@ class DeliveryOps(StoreCore):
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
-                reaped = self._plain_claim(conn.cursor(), dict(params, excluded_types=[]), rows, lowest)
+                reaped = self._plain_claim(
+                    conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=PLAIN_CLAIM_SETTINGS
+                )
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
@@ -259,7 +277,13 @@ class DeliveryOps(StoreCore):
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
 
     def _plain_claim(
-        self, cur: Any, params: dict[str, Any], rows: list[Claimed], outcomes: list[ClaimOutcome]
+        self,
+        cur: Any,
+        params: dict[str, Any],
+        rows: list[Claimed],
+        outcomes: list[ClaimOutcome],
+        *,
+        settings: dict[str, str] = CLAIM_SETTINGS,
     ) -> list[tuple[int, int, str | None]]:
         """Run the reap + claim statement; append claimed rows (and what the statement
         saw to ``outcomes``, for the claim cursor), return reaped ones."""
@@ -267,7 +291,7 @@ class DeliveryOps(StoreCore):
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         full = params.pop("full_claim", True)
         statement = self._full_claim_statement if full else self._claim_statement
-        execute_with_settings(cur, statement, params, CLAIM_SETTINGS)
+        execute_with_settings(cur, statement, params, settings)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
         server_seconds: float | None = None
@@ -302,15 +326,21 @@ class DeliveryOps(StoreCore):
         return reaped
 
     # --- fenced finalize -------------------------------------------------------------
-    def finalize(self, items: Sequence[FinalizeItem], *, strict: bool = False) -> set[int]:
+    def finalize(self, items: Sequence[FinalizeItem], *, strict: bool = False, durable: bool = True) -> set[int]:
         """Write every decision of a batch in one fenced statement; return the ids it
-        accepted (the others lost their lease to a newer claim)."""
+        accepted (the others lost their lease to a newer claim). ``durable`` = False:
+        the commit does not wait for its WAL flush (relay.finalize_synchronous_commit):
+        a finalize lost in a server crash leaves its rows processing under the claim's
+        token, so they are claimed again with a new one when the lease expires."""
         if not items:
             return set()
         params = finalize_params(items)
         with self._mapped("finalize"), self._pool.connection() as conn:
             cur = conn.cursor()
-            execute_with_settings(cur, self.sql.query("finalize", strict=strict), params, FINALIZE_SETTINGS)
+            settings = SMALL_FINALIZE_SETTINGS if len(items) <= GENERIC_FINALIZE_MAX_ROWS else FINALIZE_SETTINGS
+            if not durable:
+                settings = dict(settings, synchronous_commit="off")
+            execute_with_settings(cur, self.sql.query("finalize", strict=strict), params, settings)
             accepted = {r[0] for r in cur.fetchall()}
         self.statement_counts.add("finalize")
         return accepted

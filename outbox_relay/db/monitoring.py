@@ -5,9 +5,9 @@ a time budget, what holds back vacuum, vacuum figures, rows published per bucket
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from psycopg import errors as pg_errors
 from psycopg import sql
@@ -17,6 +17,8 @@ from ..errors import DatabaseUnavailable
 from .claim_cursor import GaugeBounds
 from .store_core import Count, StoreCore
 from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
+
+T = TypeVar("T")
 
 STATUSES = ("pending", "processing", "done", "dead")
 # Statuses with a partial index of their own: counting them reads only their entries.
@@ -64,65 +66,82 @@ class MonitoringOps(StoreCore):
         While this store's claims start past dead index entries (vacuum held back), the
         pending and processing figures start there too, so their cost does not grow
         with the age of the horizon (``Stats.bounded``)."""
-        ordering = OrderingRule.of(ordered_types)
-        bounds = self.due_cursor.gauge_bounds()
-        bound = bound_params(bounds)
         with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
-            # These walk the front of the claim's partial indexes up to count_cap, like the
-            # claim: without statistics a bitmap scan read the whole backlog instead
-            # (stats_backlog 101 -> 37 ms at a 200 000-row backlog; 37 -> 29 ms analyzed).
-            conn.execute("SET LOCAL enable_bitmapscan = off")
-            depth = dict.fromkeys(STATUSES, 0)
-            estimated: list[str] = []
-            if include_depth:
-                unknown: list[str] = []  # done rows in a table above the cap (no index counts them)
-                for status, n in conn.execute(
-                    self.sql.query("stats_depth"), {"cap": count_cap, "table": self.sql.regclass_text, **bound}
-                ).fetchall():
-                    if n is None:
-                        unknown.append(status)
-                    else:
-                        depth[status] = int(n)
-                capped = [status for status, n in depth.items() if n >= count_cap]
-                if capped or unknown:
-                    rows = conn.execute(
-                        self.sql.query("stats_status_estimate"),
-                        {"table": self.sql.regclass_text, "schema": self.sql.schema_name, "name": self.sql.table_name},
-                    ).fetchall()
-                    estimates = {status: int(n) for status, n in rows}
-                    for status in capped:
-                        depth[status] = max(count_cap, estimates.get(status, count_cap))
-                        estimated.append(status)
-                    for status in unknown:
-                        depth[status] = estimates.get(status, 0)
-                        estimated.append(status)
-            attempts: dict[int, int] = {}
-            oldest_age = 0.0
-            for a, n, age in conn.execute(self.sql.query("stats_backlog"), {"cap": count_cap, **bound}).fetchall():
-                attempts[int(a)] = int(n)
-                oldest_age = max(oldest_age, float(age))
-            expired = conn.execute(self.sql.query("stats_expired"), bound).fetchone()
-            blocked: list[tuple[str, int]] = []
-            dead_rows = depth["dead"] if include_depth else None
-            if ordering.enabled and dead_rows != 0:  # no dead row, no blocked aggregate
-                # Walk whichever is smaller: few dead rows, or the aggregates with work
-                # (at most count_cap of them), so the cost never follows the operator's
-                # backlog of dead rows.
-                few_dead = dead_rows is not None and dead_rows <= BLOCKED_FROM_DEAD_ROWS
-                blocked = [
-                    (r[0], int(r[1]))
-                    for r in conn.execute(
-                        self.sql.query("stats_blocked_from_dead" if few_dead else "stats_blocked"),
-                        {
-                            "ordered_types": ordering.explicit_types,
-                            "all_ordered": ordering.all_types,
-                            "limit": blocked_limit,
-                            "scan_cap": count_cap,
-                        },
-                    ).fetchall()
-                ]
+            return self._stats_on(
+                conn,
+                ordered_types=ordered_types,
+                include_depth=include_depth,
+                count_cap=count_cap,
+                blocked_limit=blocked_limit,
+            )
+
+    def _stats_on(
+        self,
+        conn: Any,
+        *,
+        ordered_types: Sequence[str],
+        include_depth: bool,
+        count_cap: int,
+        blocked_limit: int,
+    ) -> Stats:
+        ordering = OrderingRule.of(ordered_types)
+        bounds = self.due_cursor.gauge_bounds()
+        bound = bound_params(bounds)
+        # These walk the front of the claim's partial indexes up to count_cap, like the
+        # claim: without statistics a bitmap scan read the whole backlog instead
+        # (stats_backlog 101 -> 37 ms at a 200 000-row backlog; 37 -> 29 ms analyzed).
+        conn.execute("SET LOCAL enable_bitmapscan = off")
+        depth = dict.fromkeys(STATUSES, 0)
+        estimated: list[str] = []
+        if include_depth:
+            unknown: list[str] = []  # done rows in a table above the cap (no index counts them)
+            for status, n in conn.execute(
+                self.sql.query("stats_depth"), {"cap": count_cap, "table": self.sql.regclass_text, **bound}
+            ).fetchall():
+                if n is None:
+                    unknown.append(status)
+                else:
+                    depth[status] = int(n)
+            capped = [status for status, n in depth.items() if n >= count_cap]
+            if capped or unknown:
+                rows = conn.execute(
+                    self.sql.query("stats_status_estimate"),
+                    {"table": self.sql.regclass_text, "schema": self.sql.schema_name, "name": self.sql.table_name},
+                ).fetchall()
+                estimates = {status: int(n) for status, n in rows}
+                for status in capped:
+                    depth[status] = max(count_cap, estimates.get(status, count_cap))
+                    estimated.append(status)
+                for status in unknown:
+                    depth[status] = estimates.get(status, 0)
+                    estimated.append(status)
+        attempts: dict[int, int] = {}
+        oldest_age = 0.0
+        for a, n, age in conn.execute(self.sql.query("stats_backlog"), {"cap": count_cap, **bound}).fetchall():
+            attempts[int(a)] = int(n)
+            oldest_age = max(oldest_age, float(age))
+        expired = conn.execute(self.sql.query("stats_expired"), bound).fetchone()
+        blocked: list[tuple[str, int]] = []
+        dead_rows = depth["dead"] if include_depth else None
+        if ordering.enabled and dead_rows != 0:  # no dead row, no blocked aggregate
+            # Walk whichever is smaller: few dead rows, or the aggregates with work
+            # (at most count_cap of them), so the cost never follows the operator's
+            # backlog of dead rows.
+            few_dead = dead_rows is not None and dead_rows <= BLOCKED_FROM_DEAD_ROWS
+            blocked = [
+                (r[0], int(r[1]))
+                for r in conn.execute(
+                    self.sql.query("stats_blocked_from_dead" if few_dead else "stats_blocked"),
+                    {
+                        "ordered_types": ordering.explicit_types,
+                        "all_ordered": ordering.all_types,
+                        "limit": blocked_limit,
+                        "scan_cap": count_cap,
+                    },
+                ).fetchall()
+            ]
         return Stats(
             queue_depth=depth,
             estimated_statuses=estimated,
@@ -138,9 +157,12 @@ class MonitoringOps(StoreCore):
         with self._mapped("xmin horizon"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
-            cur = conn.execute(self.sql.query("xmin_horizon_holders"), {"limit": limit}, prepare=False)
-            names = [d.name for d in cur.description or ()]
-            rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+            return self._xmin_horizon_on(conn, limit)
+
+    def _xmin_horizon_on(self, conn: Any, limit: int) -> XminHorizon:
+        cur = conn.execute(self.sql.query("xmin_horizon_holders"), {"limit": limit}, prepare=False)
+        names = [d.name for d in cur.description or ()]
+        rows = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
         return XminHorizon(holders_from_rows(rows))
 
     def vacuum_figures(self, *, timeout_ms: int | None = None) -> VacuumFigures:
@@ -148,7 +170,47 @@ class MonitoringOps(StoreCore):
         with self._mapped("vacuum figures"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
-            row = conn.execute(self.sql.query("vacuum_figures"), {"table": self.sql.regclass_text}).fetchone()
+            return self._vacuum_figures_on(conn)
+
+    def monitoring_reads(
+        self,
+        *,
+        ordered_types: Sequence[str] = (),
+        timeout_ms: int | None = None,
+        count_cap: int = 100_000,
+        horizon_limit: int = 5,
+    ) -> tuple[XminHorizon | Exception, VacuumFigures | Exception, Stats | Exception]:
+        """What the metrics refresher reads, in one transaction (one commit per refresh
+        instead of three: an idle relay's cost on the database is mostly its
+        transactions). Each part runs in a savepoint of its own and comes back as its
+        result or the exception that ended it, so a failure of one (a statement
+        timeout, a view the role may not read) leaves the others standing. The
+        connection failing raises, as the separate reads do."""
+        with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
+            if timeout_ms:
+                conn.execute(sql.SQL("SET LOCAL statement_timeout = {}").format(sql.Literal(int(timeout_ms))))
+            horizon = self._in_savepoint(conn, "xmin horizon", lambda: self._xmin_horizon_on(conn, horizon_limit))
+            figures = self._in_savepoint(conn, "vacuum figures", lambda: self._vacuum_figures_on(conn))
+            stats = self._in_savepoint(
+                conn,
+                "stats",
+                lambda: self._stats_on(
+                    conn, ordered_types=ordered_types, include_depth=True, count_cap=count_cap, blocked_limit=100
+                ),
+            )
+        return horizon, figures, stats
+
+    def _in_savepoint(self, conn: Any, what: str, read: Callable[[], T]) -> T | Exception:
+        try:
+            with self._mapped(what), conn.transaction():
+                return read()
+        except DatabaseUnavailable as exc:
+            if conn.closed or conn.broken:
+                raise
+            return exc
+
+    def _vacuum_figures_on(self, conn: Any) -> VacuumFigures:
+        row = conn.execute(self.sql.query("vacuum_figures"), {"table": self.sql.regclass_text}).fetchone()
         assert row is not None
         return VacuumFigures(
             dead_tuples=int(row[0]),

@@ -185,9 +185,8 @@ class TableSql:
             "park_shift": sql.SQL(PARK_SHIFT_SQL),
             # Where the claim's index scans start (claim_cursor.py); the store passes
             # parameters, any other caller gets the claim from the front of both indexes.
-            "due_from_at": sql.SQL("NULL"),
-            "due_from_id": sql.SQL("NULL"),
-            "leases_from": sql.SQL("NULL"),
+            "due_bound": sql.SQL("true"),
+            "leases_bound": sql.SQL("true"),
             "lease_scan": sql.SQL("true"),
             "writers_look": sql.SQL(
                 "SELECT NULL::timestamptz AS since, NULL::text AS long_writers, NULL::bigint AS looked_at_us"

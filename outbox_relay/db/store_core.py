@@ -198,9 +198,8 @@ class StoreCore:
         self.due_cursor = DueCursor()
         self._claim_statement = self.sql.query(
             "claim",
-            due_from_at=sql.Placeholder("from_at"),
-            due_from_id=sql.Placeholder("from_id"),
-            leases_from=sql.Placeholder("leases_from"),
+            due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
+            leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
             lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
             writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
             claim_report=sql.SQL(EXECUTABLE["claim_report"]),

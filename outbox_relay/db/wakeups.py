@@ -22,6 +22,12 @@ class WakeupOps(StoreCore):
             conn.execute(self.sql.query("mark_idle"))
         self.statement_counts.add("mark_idle")
 
+    def mark_busy(self) -> None:
+        """Inserts need not NOTIFY: the relays claim back to back."""
+        with self._mapped("mark busy"), self._pool.connection() as conn:
+            conn.execute(self.sql.query("mark_busy"))
+        self.statement_counts.add("mark_busy")
+
     @property
     def can_listen(self) -> bool:
         """False behind a transaction pooler without ``database.listen_dsn``: LISTEN
@@ -29,8 +35,9 @@ class WakeupOps(StoreCore):
         return self._listen_dsn is not None
 
     def open_listener(self) -> Listener:
-        """A dedicated (non-pooled) autocommit connection LISTENing on the table's
-        channel: on the DSN itself, or on ``listen_dsn`` (always a direct connection)."""
+        """A dedicated (non-pooled) autocommit connection for wake-ups: on the DSN
+        itself, or on ``listen_dsn`` (always a direct connection). It waits for the
+        waker lock (``Listener.become_waker``), then LISTENs (``Listener.listen``)."""
         if self._listen_dsn is None:
             raise DatabaseError(
                 "listen: database.transaction_pooler is set and database.listen_dsn is not: "
@@ -40,11 +47,6 @@ class WakeupOps(StoreCore):
             kwargs = {k: v for k, v in self._direct_kwargs.items() if k not in self._tcp_params}
             kwargs.update(_unset_in(self._listen_dsn, self._tcp_params))
             conn = psycopg.connect(self._listen_dsn, **kwargs)
-            try:
-                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.sql.channel)))
-            except BaseException:
-                conn.close()
-                raise
             return Listener(conn, self.sql, self.statement_counts)
 
 
@@ -58,17 +60,28 @@ class Listener:
         self._sql = table_sql
         self._statement_counts = statement_counts
 
+    def become_waker(self) -> None:
+        """Wait until this connection holds the table's waker lock (a session advisory
+        lock: released when the connection ends). A blocked lock wait sends nothing and
+        commits nothing, so a standby replica costs the database no transaction."""
+        self._conn.execute("SET statement_timeout = 0")  # this one statement waits for as long as it must
+        self._conn.execute(self._sql.query("waker_lock"), {"key": f"outbox-relay waker {self._sql.regclass_text}"})
+
+    def listen(self) -> None:
+        self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self._sql.channel)))
+
+    def cancel(self) -> None:
+        """End a wait for the waker lock from another thread (the relay stops)."""
+        try:
+            self._conn.cancel_safe(timeout=2.0)
+        except Exception:
+            pass
+
     def wait(self, timeout_seconds: float) -> bool:
         """True if a notification arrived within the timeout."""
         # Drain the generator before using the connection again: notifies() holds the
         # connection's lock while it is suspended.
         return bool(list(self._conn.notifies(timeout=timeout_seconds, stop_after=1)))
-
-    def mark_busy(self) -> None:
-        """Inserts need not notify until a worker finds nothing to claim again."""
-        self._conn.execute(self._sql.query("mark_busy"))
-        if self._statement_counts is not None:
-            self._statement_counts.add("mark_busy")
 
     def close(self) -> None:
         self._conn.close()

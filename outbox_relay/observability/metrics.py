@@ -26,8 +26,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..core.decision import Kind
 from ..core.service import PeriodicService
 from ..db.statement_counts import STATEMENT_KINDS, StatementCounts
-from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore
-from ..db.vacuum_health import HorizonClock, HorizonWarning
+from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore, Stats
+from ..db.vacuum_health import HorizonClock, HorizonWarning, VacuumFigures, XminHorizon
 from ..model import PublisherObserver
 
 if TYPE_CHECKING:
@@ -411,23 +411,29 @@ class StatsRefresher(PeriodicService):
         )
 
     def refresh_once(self) -> bool:
-        vacuum_ok = self._refresh_vacuum()
-        return self._refresh_table() and vacuum_ok
+        """Read every gauge of the table in one transaction (``monitoring_reads``); a
+        part that fails leaves its gauges unknown (NaN) and the others fresh."""
+        try:
+            horizon, figures, stats = self._store.monitoring_reads(
+                ordered_types=self._ordered, timeout_ms=self._timeout_ms, count_cap=self._count_cap
+            )
+        except Exception as exc:  # the database is away: every gauge unknown
+            horizon = figures = stats = exc
+        vacuum_ok = self._apply_vacuum(horizon, figures)
+        return self._apply_table(stats) and vacuum_ok
 
-    def _refresh_vacuum(self) -> bool:
+    def _apply_vacuum(self, horizon: XminHorizon | Exception, figures: VacuumFigures | Exception) -> bool:
         """The xmin horizon and vacuum gauges: statistics views only, a failure of their
         own (it leaves the queue gauges alone)."""
         m = self._metrics
-        try:
-            horizon = self._store.xmin_horizon(timeout_ms=self._timeout_ms)
-            figures = self._store.vacuum_figures(timeout_ms=self._timeout_ms)
-        except Exception as exc:  # not stale values: unknown
+        if isinstance(horizon, Exception) or isinstance(figures, Exception):  # not stale values: unknown
             m.stats_refresh_errors_total.inc()
             for gauge in (m.xmin_horizon_age_seconds, m.dead_tuples, m.last_vacuum_age_seconds):
                 gauge.set(float("nan"))
             for part in ("heap", "indexes"):
                 m.table_size_bytes.labels(part=part).set(float("nan"))
-            log.warning("vacuum gauges refresh failed", error=str(exc))
+            failure = horizon if isinstance(horizon, Exception) else figures
+            log.warning("vacuum gauges refresh failed", error=str(failure))
             return False
         self._horizon_clock.apply(horizon.holders)
         m.xmin_horizon_age_seconds.set(horizon.age_seconds)
@@ -440,13 +446,10 @@ class StatsRefresher(PeriodicService):
         )
         return True
 
-    def _refresh_table(self) -> bool:
+    def _apply_table(self, stats: Stats | Exception) -> bool:
         m = self._metrics
-        try:
-            stats = self._store.stats(
-                ordered_types=self._ordered, timeout_ms=self._timeout_ms, count_cap=self._count_cap
-            )
-        except Exception as exc:  # any failure: do not leave stale values behind
+        if isinstance(stats, Exception):  # any failure: do not leave stale values behind
+            exc = stats
             m.stats_refresh_errors_total.inc()
             m.oldest_pending_age_seconds.set(float("nan"))
             m.expired_leases.set(float("nan"))

@@ -30,9 +30,12 @@ log = structlog.get_logger("outbox_relay.finalizer")
 
 
 class Finalizer:
-    def __init__(self, store: OutboxStore, *, strict_lease: bool, retry_for_seconds: float) -> None:
+    def __init__(
+        self, store: OutboxStore, *, strict_lease: bool, retry_for_seconds: float, durable: bool = True
+    ) -> None:
         self._store = store
         self._strict = strict_lease
+        self._durable = durable
         self._retry_for = retry_for_seconds
 
     def write(self, rows: Sequence[Claimed], decisions: Sequence[Decision], *, owner: str) -> BatchResult:
@@ -59,7 +62,7 @@ class Finalizer:
         attempt = 0
         while True:
             try:
-                return self._store.finalize(items, strict=self._strict), attempt > 0
+                return self._store.finalize(items, strict=self._strict, durable=self._durable), attempt > 0
             except DatabaseError as exc:
                 attempt += 1
                 if not isinstance(exc, DatabaseUnavailable):

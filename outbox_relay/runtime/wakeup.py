@@ -3,15 +3,40 @@
 ``migrate`` installs a statement-level ``AFTER INSERT`` trigger that NOTIFYs only
 while the relays have marked themselves idle in the table's one-row state table
 (NOTIFY serialises committing transactions, so writers should pay it only when it
-buys latency). A worker whose claim finds nothing marks the relays idle; the
-listener clears the flag when a notification arrives and wakes one worker.
-Polling (``relay.poll_interval_seconds``) stays the fallback.
+buys latency). What a relay spends on PostgreSQL at everyday rates comes from how
+often it wakes, so the rules are:
+
+- **One waker among the replicas.** Every listening replica's listen connection
+  first waits for a session advisory lock of the table (a blocked lock wait costs
+  no transaction); the one holding it LISTENs and wakes its workers. The others
+  wake only on their idle poll and join when a claim comes back full. The lock goes
+  with its connection: a waker that dies or loses its connection hands over to the
+  next at once.
+- **One worker per notification, and none while one is active.** A worker that is
+  claiming or publishing will look again when it is done if a notification came in
+  meanwhile (``Wakeup.notices``), so rows inserted meanwhile are taken by it in one
+  claim instead of by a second worker in a second claim. Only when the active
+  workers have been busy for longer than ``COALESCE_SECONDS`` (a slow publish) does
+  a notification wake another.
+- **The idle flag flips on real transitions only.** A worker marks the relays busy
+  (inserts stop notifying) when the relay keeps finding rows: a full batch, or
+  ``BUSY_AFTER_CYCLES`` non-empty claims without a pause in between. It marks them
+  idle when a claim finds nothing. At a few hundred events per second the flag
+  stays idle and the workers sleep between notifications; under a backlog it stays
+  busy and they claim back to back.
+- **One idle poll per process.** Polling is the safety net (a notification lost, a
+  row inserted while the flag turned, an expired lease of a crashed peer, a row due
+  later): while the listen connection is up, one sleeping worker polls every
+  ``relay.idle_poll_interval_seconds`` (sooner when a row this process rescheduled
+  becomes due) and the others sleep until woken. Without LISTEN, every worker polls
+  every ``relay.poll_interval_seconds`` as before.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 
 import structlog
 
@@ -19,30 +44,153 @@ from ..db.store import Listener, OutboxStore
 
 log = structlog.get_logger("outbox_relay.wakeup")
 
+# How long the active workers may take over a cycle before a notification wakes
+# another worker: bounds the latency coalescing may add to a row behind a slow publish.
+COALESCE_SECONDS = 0.05
+# Non-empty claims in a row, without a pause, after which the relays count as busy.
+BUSY_AFTER_CYCLES = 16
+
 
 class Wakeup:
-    """Idle workers sleep here. A notification wakes *one* worker (a busy worker that
-    claims a full batch wakes the next), a stop wakes all. ``relays_marked_idle``
-    mirrors the table's shared idle flag, so only the first worker to go idle pays
-    the UPDATE that re-enables notifications."""
+    """Where idle workers sleep, and what the process knows of its wake-ups.
+
+    A notification wakes *one* sleeping worker, and only when no worker is active (or
+    the active ones have been at it for longer than ``COALESCE_SECONDS``); a stop wakes
+    all. ``relays_marked_idle`` mirrors the table's shared idle flag, so only the first
+    worker to go idle pays the UPDATE that re-enables notifications."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._generation = 0
+        self._generation = 0  # bumped by wake_all (stop)
         self._tokens = 0
+        self._notices = 0  # notifications received so far
+        self._active: dict[int, float] = {}  # worker key -> when its current cycle began (monotonic)
+        self._sentry: int | None = None  # the sleeping worker that polls for the process
+        self._due_at: float | None = None  # earliest monotonic time a row this process rescheduled is due
         self.relays_marked_idle = False
+        self._listening = False
         # Held while the idle flag is changed in the table *and* mirrored here, so the
         # last writer leaves both in the same state (otherwise a worker marking idle
-        # and the listener marking busy could interleave into "busy in the table,
-        # idle here": no notifications and nobody re-arming them).
+        # and one marking busy could interleave into "busy in the table, idle here").
         self.flag_lock = threading.Lock()
 
+    @property
+    def listening(self) -> bool:
+        """True while the listen connection is up: it holds the waker lock and listens,
+        or waits for the lock behind the replica that does. Then one idle poll per
+        process is enough; otherwise every worker polls."""
+        return self._listening
+
+    @listening.setter
+    def listening(self, value: bool) -> None:
+        with self._cond:
+            changed = self._listening != value
+            self._listening = value
+            if changed:
+                self._cond.notify_all()  # sleepers compute their poll again
+
+    # --- what workers report ---------------------------------------------------------
+    @property
+    def notices(self) -> int:
+        with self._cond:
+            return self._notices
+
+    def begin_cycle(self, key: int) -> int:
+        """A worker starts a claim: it is active until ``end_cycle``. Returns the
+        notifications seen so far, to compare with at the end of the cycle."""
+        with self._cond:
+            self._active[key] = time.monotonic()
+            return self._notices
+
+    def end_cycle(self, key: int, notices_before: int) -> bool:
+        """A worker finished a cycle whose claim was not full: may it go to sleep? No
+        (False) if a notification arrived since ``notices_before``: rows committed
+        meanwhile are its to claim. Otherwise it is no longer active (True), in one
+        step with the listener's check, so no notification falls between the two."""
+        with self._cond:
+            if self._notices != notices_before:
+                self._active[key] = time.monotonic()
+                return False
+            self._active.pop(key, None)
+            return True
+
+    def leave(self, key: int) -> None:
+        """A worker stops being active without a cycle's check (a failure, a stop)."""
+        with self._cond:
+            self._active.pop(key, None)
+
+    def rescheduled(self, delay_seconds: float) -> None:
+        """A row this process rescheduled becomes due in ``delay_seconds``: the idle
+        poll comes no later than that."""
+        due = time.monotonic() + max(0.0, delay_seconds)
+        with self._cond:
+            if self._due_at is None or due < self._due_at:
+                self._due_at = due
+                self._cond.notify_all()  # the sentry's deadline may come sooner
+
+    # --- sleeping ----------------------------------------------------------------------
+    def idle_wait(self, key: int, *, poll_seconds: float, listening_poll_seconds: float) -> None:
+        """Sleep until woken or until this worker's poll is due. While the process
+        listens, one sleeping worker (the sentry) polls every ``listening_poll_seconds``
+        (or when a rescheduled row is due) and the others sleep until woken; otherwise
+        every worker polls every ``poll_seconds`` (both jittered)."""
+        with self._cond:
+            self._active.pop(key, None)
+            seen = self._generation
+            started = time.monotonic()
+            poll_jitter, sentry_jitter = random.uniform(0.5, 1.0), random.uniform(0.75, 1.0)
+            sentry_since: float | None = None
+            while True:
+                if self._generation != seen:
+                    break
+                if self._tokens > 0:
+                    self._tokens -= 1
+                    break
+                now = time.monotonic()
+                if not self.listening:
+                    if self._sentry == key:
+                        self._sentry = None
+                    deadline = started + poll_seconds * poll_jitter
+                elif self._sentry is None or self._sentry == key:
+                    if self._sentry is None:
+                        self._sentry, sentry_since = key, now
+                    deadline = (sentry_since or started) + listening_poll_seconds * sentry_jitter
+                    if self._due_at is not None:
+                        deadline = min(deadline, self._due_at + 0.01)
+                else:
+                    # Not the sentry: woken by a notification, a full batch or a stop;
+                    # when the sentry leaves to claim, one of these takes its place.
+                    self._cond.wait(listening_poll_seconds)
+                    continue
+                if deadline <= now:
+                    break
+                # Woken early by rescheduled(): the deadline is computed again.
+                self._cond.wait(deadline - now)
+            if self._sentry == key:
+                self._sentry = None  # it claims now: another sleeper becomes the sentry
+                self._cond.notify(1)
+            if self._due_at is not None and self._due_at <= time.monotonic():
+                self._due_at = None
+            self._active[key] = time.monotonic()
+
     def wait(self, timeout: float) -> None:
+        """Sleep until woken or for ``timeout`` seconds (loops without a sentry)."""
         with self._cond:
             seen = self._generation
             self._cond.wait_for(lambda: self._generation != seen or self._tokens > 0, timeout=timeout)
             if self._generation == seen and self._tokens > 0:
                 self._tokens -= 1
+
+    # --- waking ------------------------------------------------------------------------
+    def notified(self) -> None:
+        """A notification arrived: wake a worker unless an active one will look anyway."""
+        with self._cond:
+            self._notices += 1
+            now = time.monotonic()
+            if self._active and min(self._active.values()) > now - COALESCE_SECONDS:
+                return
+            self._tokens = 1
+            self._cond.notify(1)
 
     def wake_one(self) -> None:
         with self._cond:
@@ -56,26 +204,36 @@ class Wakeup:
             self._generation += 1
             self._cond.notify_all()
 
+    # --- the shared idle flag ----------------------------------------------------------
     def mark_relays_idle(self, store: OutboxStore) -> None:
         """Ask inserts to notify (raises DatabaseError if the database is away)."""
         with self.flag_lock:
             store.mark_idle()
             self.relays_marked_idle = True
 
-    def mark_relays_busy(self, listener: Listener) -> None:
+    def mark_relays_busy(self, store: OutboxStore) -> None:
+        """Inserts need not notify: the relays claim back to back."""
         with self.flag_lock:
-            listener.mark_busy()
+            if not self.relays_marked_idle:
+                return
+            store.mark_busy()
             self.relays_marked_idle = False
 
 
 class NotificationListener:
-    """One thread per process holding the LISTEN connection; reconnects with backoff."""
+    """One thread per process holding the listen connection; reconnects with backoff.
+
+    The connection first waits for the table's waker lock (``Listener.become_waker``),
+    then LISTENs: of several replicas only the lock holder listens and wakes workers."""
 
     def __init__(self, store: OutboxStore, wakeup: Wakeup, stop_event: threading.Event) -> None:
         self._store = store
         self._wakeup = wakeup
         self._stop = stop_event
         self._thread: threading.Thread | None = None
+        self._listener: Listener | None = None
+        self._lock = threading.Lock()
+        self._waking = False  # this process holds the waker lock and listens
 
     def start(self) -> None:
         if self._thread is None:
@@ -85,7 +243,16 @@ class NotificationListener:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def is_waker(self) -> bool:
+        """Does this process hold the waker lock and listen (rather than wait for it)?"""
+        return self._waking
+
     def join(self, timeout: float) -> None:
+        with self._lock:
+            listener = self._listener
+        if listener is not None:
+            listener.cancel()  # a wait for the waker lock ends now, not at the server's leisure
         if self._thread is not None:
             self._thread.join(timeout=timeout)
 
@@ -95,24 +262,33 @@ class NotificationListener:
             listener: Listener | None = None
             try:
                 listener = self._store.open_listener()
+                with self._lock:
+                    self._listener = listener
+                if self._stop.is_set():
+                    break
+                # Waiting for the lock means another replica listens: one idle poll is enough.
+                self._wakeup.listening = True
+                listener.become_waker()  # blocks while another replica is the waker
+                listener.listen()
+                self._waking = True
                 failures = 0
+                log.info("listening for inserts: this process wakes the relays")
+                # Whatever happened while nobody listened: look once.
+                self._wakeup.notified()
                 while not self._stop.is_set():
                     if listener.wait(timeout_seconds=1.0):
-                        self._wakeup.wake_one()
-                        # A worker is awake: inserts can stop notifying until a worker
-                        # finds nothing to claim and marks the relays idle again. Not
-                        # while vacuum is held back: each flip of the flag leaves a dead
-                        # version of the state row that nothing can remove, and every
-                        # insert's trigger reads them all (tens of thousands after a
-                        # few minutes of a steady writer); writers notify meanwhile.
-                        if not self._store.due_cursor.fast_claims_in_use():
-                            self._wakeup.mark_relays_busy(listener)
+                        self._wakeup.notified()
             except Exception as exc:  # the listener must survive anything; polling covers the gap
+                self._wakeup.listening = False
                 failures += 1
                 if not self._stop.is_set():
                     log.warning("listen connection lost; polling until it is back", error=self._store.redact(str(exc)))
                 self._stop.wait(min(30.0, 0.5 * 2 ** min(failures, 6)) * random.uniform(0.5, 1.0))
             finally:
+                self._waking = False
+                self._wakeup.listening = False
+                with self._lock:
+                    self._listener = None
                 if listener is not None:
                     try:
                         listener.close()

@@ -42,7 +42,7 @@ from ..publishers.base import PendingBatch, Publisher, build_message
 from .finalizer import Finalizer, log_batch
 from .lease_keeper import LeasedBatch, LeaseKeeper
 from .submitter import Submitter
-from .wakeup import Wakeup
+from .wakeup import BUSY_AFTER_CYCLES, Wakeup
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -69,6 +69,8 @@ class WorkerConfig:
     publish_timeout_seconds: float
     max_error_chars: int = 1000
     listen_notify: bool = False
+    idle_poll_interval_seconds: float = 5.0  # while listening: the process's one idle poll (runtime/wakeup.py)
+    durable_finalize: bool = True  # relay.finalize_synchronous_commit = "on"
     max_batch_bytes: int = 2**62  # relay.max_batch_bytes
     max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
     #: The message format (``kafka.message_format``); None = the contract with ``topic_template``.
@@ -105,6 +107,8 @@ class WorkerConfig:
             strict_lease=s.relay.strict_lease,
             topic_template=wire.topic_template,
             poll_interval_seconds=s.relay.poll_interval_seconds,
+            idle_poll_interval_seconds=s.relay.idle_poll_interval_seconds,
+            durable_finalize=s.relay.finalize_synchronous_commit == "on",
             backoff_base_seconds=s.relay.backoff_base_seconds,
             backoff_cap_seconds=s.relay.backoff_cap_seconds,
             publish_timeout_seconds=timeout,
@@ -179,7 +183,10 @@ class Worker:
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
-            store, strict_lease=config.strict_lease, retry_for_seconds=config.lease_seconds * 0.5
+            store,
+            strict_lease=config.strict_lease,
+            retry_for_seconds=config.lease_seconds * 0.5,
+            durable=config.durable_finalize,
         )
         self._db_failures = 0
         self._ordered_after: str | None = None  # aggregate_id where the last ordered claim ended
@@ -205,60 +212,115 @@ class Worker:
     def _loop(self) -> None:
         pipelined = self.publisher.pipelines
         submitter = self.submitter if pipelined else None
-        batch_size = self.cfg.batch_size
         in_flight: ClaimedBatch | None = None
-        while not self.stop_event.is_set():
-            self._in_flight = in_flight
-            if self.breaker is not None and self.breaker.is_open:
-                if in_flight is not None:
-                    self.finish_batch(in_flight)
-                    in_flight = None
-                self.breaker.wait_closed(timeout=0.5)
-                continue
-            reserved, in_flight = self._reserve_bytes(in_flight)
-            if reserved is None:
-                break  # stopped while waiting for the budget
-            try:
-                batch = self.claim_batch(reserved)
-            except DatabaseError as exc:
-                if in_flight is not None:
-                    self.finish_batch(in_flight)
-                    in_flight = None
-                self._log_db_error(exc)
-                self._sleep_db_backoff()
-                continue
-            self._db_failures = 0
-            if batch is not None:
-                if len(batch.rows) >= batch_size:
-                    self.wakeup.wake_one()  # a backlog: get another worker going
-                self.start_batch(batch, submitter)  # with a submitter: built and submitted on its thread
-                if pipelined:
-                    # A crash while finishing the previous batch (which returns its own
-                    # bytes) must still return this one's: run() releases _in_flight.
+        busy_cycles = 0  # non-empty claims in a row without a pause (runtime/wakeup.py)
+        wakeup, key = self.wakeup, self.index
+        try:
+            while not self.stop_event.is_set():
+                self._in_flight = in_flight
+                if self.breaker is not None and self.breaker.is_open:
+                    if in_flight is not None:
+                        self.finish_batch(in_flight)
+                        in_flight = None
+                    self.breaker.wait_closed(timeout=0.5)
+                    continue
+                reserved, in_flight = self._reserve_bytes(in_flight)
+                if reserved is None:
+                    break  # stopped while waiting for the budget
+                notices = wakeup.begin_cycle(key)  # notifications after this: rows this claim may miss
+                try:
+                    batch = self.claim_batch(reserved)
+                except DatabaseError as exc:
+                    if in_flight is not None:
+                        self.finish_batch(in_flight)
+                        in_flight = None
+                    self._log_db_error(exc)
+                    self._sleep_db_backoff()
+                    continue
+                self._db_failures = 0
+                if batch is not None:
+                    busy_cycles += 1
+                    full = len(batch.rows) >= self.cfg.batch_size
+                    if full:
+                        wakeup.wake_one()  # a backlog: get another worker going
+                    busy = full or busy_cycles >= BUSY_AFTER_CYCLES
+                    if busy:
+                        self._mark_busy()
+                    self.start_batch(batch, submitter)  # with a submitter: built and submitted on its thread
+                    # Busy (also while vacuum is held back, when the flag stays idle):
+                    # the next claim overlaps this batch's wait.
+                    if pipelined and (busy or not self._sleeps_between_batches()):
+                        # A crash while finishing the previous batch (which returns its
+                        # own bytes) must still return this one's: run() releases _in_flight.
+                        self._in_flight = batch
+                        if in_flight is not None:
+                            self.finish_batch(in_flight)
+                        in_flight = batch
+                        continue
                     self._in_flight = batch
                     if in_flight is not None:
                         self.finish_batch(in_flight)
-                    in_flight = batch
-                else:
+                        in_flight = None
                     self.finish_batch(batch)
-                continue
-            if in_flight is not None:
-                self.finish_batch(in_flight)
-                in_flight = None
-                continue
-            if self.cfg.listen_notify and not self.wakeup.relays_marked_idle:
-                # Going idle: ask inserts to notify, then look once more, so a row
-                # inserted just before the flag was set is not left to the poll.
-                try:
-                    self.wakeup.mark_relays_idle(self.store)
-                except DatabaseError as exc:
-                    self._log_db_error(exc)
-                    self._sleep_db_backoff()
-                continue
-            self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+                    self._in_flight = None
+                    # The claim took what was due. Rows committed since were announced
+                    # by a notification: none came, nothing to claim until one does.
+                    if not self._sleeps_between_batches() or not wakeup.end_cycle(key, notices):
+                        continue
+                    busy_cycles = 0
+                    self._idle_wait()
+                    continue
+                busy_cycles = 0
+                if in_flight is not None:
+                    self.finish_batch(in_flight)
+                    in_flight = None
+                    continue
+                if self.cfg.listen_notify and not wakeup.relays_marked_idle:
+                    # Going idle: ask inserts to notify, then look once more, so a row
+                    # inserted just before the flag was set is not left to the poll.
+                    try:
+                        wakeup.mark_relays_idle(self.store)
+                    except DatabaseError as exc:
+                        self._log_db_error(exc)
+                        self._sleep_db_backoff()
+                    continue
+                self._idle_wait()
+        finally:
+            wakeup.leave(key)
         self._in_flight = in_flight
         if in_flight is not None:
             self.finish_batch(in_flight)
+
+    def _sleeps_between_batches(self) -> bool:
+        """May this worker sleep after a batch that was not full, trusting a
+        notification to announce the next rows? Only while inserts notify (the idle
+        flag is set) and a listen connection of this process is up."""
+        return self.cfg.listen_notify and self.wakeup.relays_marked_idle and self.wakeup.listening
+
+    def _idle_wait(self) -> None:
+        if self.cfg.listen_notify:
+            self.wakeup.idle_wait(
+                self.index,
+                poll_seconds=self.cfg.poll_interval_seconds,
+                listening_poll_seconds=self.cfg.idle_poll_interval_seconds,
+            )
+        else:
+            self.wakeup.leave(self.index)
+            self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+
+    def _mark_busy(self) -> None:
+        """The relay keeps finding rows: inserts may stop notifying. Not while vacuum is
+        held back: each flip of the flag leaves a dead version of the state row that
+        nothing can remove, and every insert's trigger reads them all (tens of
+        thousands after a few minutes of a steady writer); writers notify meanwhile."""
+        if not self.cfg.listen_notify or not self.wakeup.relays_marked_idle:
+            return
+        if self.store.due_cursor.fast_claims_in_use():
+            return
+        try:
+            self.wakeup.mark_relays_busy(self.store)
+        except DatabaseError as exc:
+            self._log_db_error(exc)
 
     def _reserve_bytes(self, in_flight: ClaimedBatch | None) -> tuple[int | None, ClaimedBatch | None]:
         """Reserve room for the next claim in the process's byte budget. If it is
@@ -508,6 +570,9 @@ class Worker:
                 self.breaker.record_delivery()
         trace.finalizing()
         result = self.finalizer.write(rows, decisions, owner=self.owner)
+        delays = [d.delay_seconds for d in decisions if d.status == "pending"]
+        if delays:
+            self.wakeup.rescheduled(min(delays))  # the idle poll comes when they are due
         result.elapsed_seconds = elapsed_seconds
         trace.finalized(result)
         self._record(result)

@@ -89,3 +89,39 @@ def test_while_vacuum_is_held_back_the_idle_flag_stays_set(make_settings, store,
         assert _state_row_version(pg_dsn, table) == version  # the state row was not updated
     finally:
         relay.stop()
+
+
+def test_one_waker_among_replicas_and_the_next_takes_over(make_settings, store, pg_dsn, table, broker):
+    """Two relays on one table: one holds the waker lock and listens, the other waits
+    for it (no transaction while waiting). Notifications alone get rows delivered (the
+    idle polls are 10 minutes apart), and when the waker stops the other takes over."""
+    settings = make_settings(relay={"poll_interval_seconds": 600, "idle_poll_interval_seconds": 600, "workers": 2})
+    first, second = Relay(settings), Relay(settings)
+    first.start()
+    try:
+        wait_for(lambda: first._listener is not None and first._listener.is_waker, message="first is the waker")
+        second.start()
+        try:
+            wait_for(lambda: second.wakeup.listening, message="second waits for the waker lock")
+            time.sleep(0.5)
+            assert first.wakeup.listening and second.wakeup.listening
+            # Only one process listens: the channel has one listener backend.
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                waiting = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND wait_event = 'advisory'"
+                ).fetchone()[0]
+            assert waiting == 1
+            insert_rows(pg_dsn, table, 5)
+            wait_for(lambda: statuses(pg_dsn, table).get("done") == 5, timeout=60, message="delivered by the waker")
+            first.stop()
+            wait_for(
+                lambda: second._listener is not None and second._listener.is_waker,
+                timeout=30,
+                message="second took over",
+            )
+            insert_rows(pg_dsn, table, 5)
+            wait_for(lambda: statuses(pg_dsn, table).get("done") == 10, timeout=60, message="delivered after handover")
+        finally:
+            second.stop()
+    finally:
+        first.stop()

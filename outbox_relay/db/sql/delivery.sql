@@ -11,8 +11,15 @@
 UPDATE {state_table} SET relays_idle = true WHERE NOT relays_idle
 
 -- name: mark_busy
--- A notification arrived, workers are awake: inserts need not notify for now.
+-- The relays keep finding rows (runtime/wakeup.py): inserts need not notify for now.
 UPDATE {state_table} SET relays_idle = false WHERE relays_idle
+
+-- name: waker_lock
+-- The listen connection of one relay process among the replicas of a table: the
+-- session advisory lock it holds while it listens and wakes the relays (the others
+-- wait here, which costs no transaction, and take over when its connection ends).
+-- The key shares the advisory lock space only through this hash.
+SELECT pg_advisory_lock(hashtextextended(%(key)s, 0))
 
 -- name: reap
 -- Poison rows: claimed max_attempts times and never finalized (a worker died every
@@ -51,10 +58,13 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- claimed without its payload: it goes dead at once, never held in memory.
 -- Where the two index scans start (claim_cursor.py), so that neither walks the dead
 -- entries piled up at the front of its index while vacuum is held back: the processing
--- index at {leases_from} (NULL: the front), below which no live lease was left by the
--- last claims; the due index at {due_from_at} / {due_from_id} (NULL: the front). The
--- store fills them with parameters, anything else gets NULL: the whole claim from the
--- front. due_at: a claimed due row's key, where later claims start.
+-- index at {leases_bound} ("claim_leases_bound"), below which no live lease was left by
+-- the last claims; the due index at {due_bound} ("claim_due_bound"). In a fast claim the
+-- store fills them with those sections, whose parameters are never NULL (the front is
+-- '-infinity'), so that they are index conditions in a generic plan too (an
+-- "IS NULL OR" test would only be a filter there, walking the dead entries it is meant
+-- to skip); a full claim, and anything else, gets true: the claim from the front.
+-- due_at: a claimed due row's key, where later claims start.
 -- {lease_scan}: false in most fast claims (the cursor looks for expired leases once a
 -- second); true otherwise. {writers_look}: in a fast claim, the look for open writer
 -- transactions (outbox_writers; it reads the catalogs only when %(writers_check)s,
@@ -68,7 +78,7 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
-      AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
+      AND {leases_bound}
       AND {lease_scan}
     FOR UPDATE SKIP LOCKED
 ), reaped AS (
@@ -89,7 +99,7 @@ WITH victims AS (
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
-      AND ({leases_from}::timestamptz IS NULL OR lease_until >= {leases_from}::timestamptz)
+      AND {leases_bound}
       AND {lease_scan}
       AND NOT (event_type = ANY(%(excluded_types)s))
       AND NOT (event_type = ANY((SELECT event_types FROM paused)::text[]) OR aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
@@ -102,10 +112,7 @@ WITH victims AS (
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
     FROM {table}
     WHERE status = 'pending' AND available_at <= now()
-      AND ({due_from_at}::timestamptz IS NULL
-           OR (available_at, id) >= (least({due_from_at}::timestamptz, (SELECT since FROM writers)),
-                                     CASE WHEN (SELECT since FROM writers) < {due_from_at}::timestamptz
-                                          THEN 0 ELSE {due_from_id}::bigint END))
+      AND {due_bound}
       AND NOT (event_type = ANY(%(excluded_types)s))
       AND NOT (event_type = ANY((SELECT event_types FROM paused)::text[]) OR aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
                OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
@@ -179,6 +186,17 @@ SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text,
        NULL::boolean, NULL::int
 FROM reaped
 {claim_report}
+
+-- name: claim_due_bound
+-- A fast claim's start in the due index (see "claim"): its cursor's key, or the start
+-- of the oldest young writer transaction the look saw, whichever is lower.
+(available_at, id) >= (least(%(from_at)s::timestamptz, (SELECT since FROM writers)),
+                       CASE WHEN (SELECT since FROM writers) < %(from_at)s::timestamptz
+                            THEN 0 ELSE %(from_id)s::bigint END)
+
+-- name: claim_leases_bound
+-- A fast claim's start in the processing index (see "claim").
+lease_until >= %(leases_from)s::timestamptz
 
 -- name: outbox_writers
 -- The other transactions that have written to the outbox and not yet ended (their

@@ -155,7 +155,7 @@ ON CONFLICT (dedup_key) DO NOTHING
 -- NOTIFY makes committing transactions queue behind each other (a global lock at
 -- commit), so writers pay it only while a relay is idle. Writers only *read* the
 -- flag (no row lock, so they never wait for each other here); the relay sets it:
--- idle after an empty claim, busy again when its listener receives a notification.
+-- idle after an empty claim, busy again when the relay keeps finding rows (runtime/wakeup.py).
 -- While relays are busy (they claim again at once anyway) an insert costs one
 -- index read of a one-row table. Statement-level: a bulk insert notifies once.
 CREATE OR REPLACE FUNCTION {fn_notify}() RETURNS trigger LANGUAGE plpgsql AS $fn$

@@ -1,0 +1,136 @@
+"""Wakeup: who sleeps, who polls and who a notification wakes (runtime/wakeup.py).
+
+Real threads on the real condition variable; every wait is bounded, and what is
+asserted is who woke and how often, never how fast."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from outbox_relay.runtime.wakeup import COALESCE_SECONDS, Wakeup
+
+
+def sleeper(wakeup: Wakeup, key: int, woken: list[int], **kwargs: float) -> threading.Thread:
+    def run() -> None:
+        wakeup.idle_wait(key, **kwargs)  # type: ignore[arg-type]
+        woken.append(key)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.005)
+    return condition()
+
+
+def test_a_notification_wakes_one_sleeping_worker_not_all():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    woken: list[int] = []
+    threads = [sleeper(wakeup, k, woken, poll_seconds=60, listening_poll_seconds=60) for k in range(3)]
+    time.sleep(0.05)
+    wakeup.notified()
+    assert wait_until(lambda: len(woken) == 1)
+    time.sleep(0.1)
+    assert len(woken) == 1
+    wakeup.wake_all()  # a stop wakes everyone
+    for thread in threads:
+        thread.join(timeout=5)
+    assert sorted(woken) == [0, 1, 2]
+
+
+def test_no_worker_is_woken_while_one_is_active_and_the_active_one_looks_again():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    woken: list[int] = []
+    thread = sleeper(wakeup, 1, woken, poll_seconds=60, listening_poll_seconds=60)
+    time.sleep(0.05)
+    notices = wakeup.begin_cycle(0)  # worker 0 claims
+    wakeup.notified()  # a row committed meanwhile: worker 0 will take it
+    time.sleep(0.1)
+    assert woken == []
+    assert wakeup.end_cycle(0, notices) is False  # it must claim again, not sleep
+    notices = wakeup.begin_cycle(0)
+    assert wakeup.end_cycle(0, notices) is True  # nothing new: it may sleep
+    wakeup.wake_all()
+    thread.join(timeout=5)
+
+
+def test_a_notification_wakes_another_worker_when_the_active_one_is_slow():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    woken: list[int] = []
+    thread = sleeper(wakeup, 1, woken, poll_seconds=60, listening_poll_seconds=60)
+    time.sleep(0.05)
+    wakeup.begin_cycle(0)
+    time.sleep(COALESCE_SECONDS * 2)  # worker 0 is still publishing
+    wakeup.notified()
+    thread.join(timeout=5)
+    assert woken == [1]
+
+
+def test_while_listening_one_worker_polls_for_the_process():
+    """Three workers that go back to sleep after each wake-up, as idle workers do: the
+    process polls about once per interval, not three times."""
+    wakeup = Wakeup()
+    wakeup.listening = True
+    polls: list[int] = []
+    stop = threading.Event()
+
+    def worker(key: int) -> None:
+        while not stop.is_set():
+            wakeup.idle_wait(key, poll_seconds=0.01, listening_poll_seconds=0.2)
+            if not stop.is_set():
+                polls.append(key)
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(3)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    time.sleep(1.5)
+    stop.set()
+    seconds = time.monotonic() - started
+    wakeup.wake_all()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert 1 <= len(polls) <= seconds / (0.75 * 0.2) + 1, (len(polls), seconds)
+
+
+def test_without_listening_every_worker_polls():
+    wakeup = Wakeup()
+    woken: list[int] = []
+    threads = [sleeper(wakeup, k, woken, poll_seconds=0.05, listening_poll_seconds=60) for k in range(3)]
+    for thread in threads:
+        thread.join(timeout=5)
+    assert sorted(woken) == [0, 1, 2]
+
+
+def test_losing_the_listen_connection_turns_every_sleeper_into_a_poller():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    woken: list[int] = []
+    threads = [sleeper(wakeup, k, woken, poll_seconds=0.05, listening_poll_seconds=60) for k in range(3)]
+    time.sleep(0.1)
+    assert woken == []
+    wakeup.listening = False
+    for thread in threads:
+        thread.join(timeout=5)
+    assert sorted(woken) == [0, 1, 2]
+
+
+def test_a_rescheduled_row_brings_the_poll_forward():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    woken: list[int] = []
+    thread = sleeper(wakeup, 0, woken, poll_seconds=60, listening_poll_seconds=60)
+    time.sleep(0.05)
+    wakeup.rescheduled(0.05)  # a row this process released is due in 50 ms
+    thread.join(timeout=5)
+    assert woken == [0]
