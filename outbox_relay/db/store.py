@@ -33,6 +33,7 @@ from .monitoring import BLOCKED_FROM_DEAD_ROWS as BLOCKED_FROM_DEAD_ROWS
 from .monitoring import INDEXED_STATUSES as INDEXED_STATUSES
 from .monitoring import STATUSES as STATUSES
 from .monitoring import MonitoringOps
+from .monitoring import PauseGauges as PauseGauges
 from .monitoring import Stats as Stats
 from .pauses import PARKED_FROM as PARKED_FROM
 from .pauses import ChunkStep as ChunkStep

@@ -136,18 +136,15 @@ WITH victims AS (
     -- planner may read the whole primary key index to match them).
     UPDATE {table} AS o SET available_at = o.available_at + {park_shift}
     WHERE o.id = ANY(ARRAY(
-        SELECT p.id FROM {table} AS p
+        SELECT id FROM {table}
         WHERE (SELECT any_active FROM paused)
-          AND p.status = 'pending' AND p.available_at <= now()
-          AND ({due_from_at}::timestamptz IS NULL
-               OR (p.available_at, p.id) >= (least({due_from_at}::timestamptz, (SELECT since FROM writers)),
-                                             CASE WHEN (SELECT since FROM writers) < {due_from_at}::timestamptz
-                                                  THEN 0 ELSE {due_from_id}::bigint END))
-          AND (p.available_at, p.id) <= ((SELECT at FROM due_reach), (SELECT id FROM due_reach))
-          AND (p.event_type = ANY((SELECT event_types FROM paused)::text[])
-               OR p.aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
-               OR coalesce(p.topic = ANY((SELECT topics FROM paused)::text[]), false))
-        ORDER BY p.available_at, p.id
+          AND status = 'pending' AND available_at <= now()
+          AND {due_bound}
+          AND (available_at, id) <= ((SELECT at FROM due_reach), (SELECT id FROM due_reach))
+          AND (event_type = ANY((SELECT event_types FROM paused)::text[])
+               OR aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
+        ORDER BY available_at, id
         LIMIT %(candidates)s
         FOR UPDATE SKIP LOCKED))
     RETURNING o.id

@@ -82,6 +82,14 @@ SELECT count(*) FROM (
     SELECT 1 FROM {table} WHERE status = 'pending' AND available_at >= {park_floor} LIMIT %(count_cap)s
 ) AS parked
 
+-- name: pause_gauges
+-- The metrics refresher (monitoring_reads, in its transaction): the ids of the active
+-- pauses and the pending rows parked, up to %(count_cap)s (as paused_rows_count).
+SELECT (SELECT coalesce(array_agg(id ORDER BY id), ARRAY[]::bigint[]) FROM {pauses_table} WHERE resumed_at IS NULL),
+       (SELECT count(*) FROM (
+            SELECT 1 FROM {table} WHERE status = 'pending' AND available_at >= {park_floor} LIMIT %(count_cap)s
+        ) AS parked)
+
 -- name: park_chunk
 -- Pause: park the next chunk of pending rows the pause matches, walking the pending
 -- index in (available_at, id) order after %(after_at)s / %(after_id)s (NULL: from the
