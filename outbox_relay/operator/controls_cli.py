@@ -32,7 +32,7 @@ from .cli_common import (
     settings_from,
 )
 from .operations import OperatorRuleError, jsonable, os_user
-from .pauses import CLI_PAUSE_WORDING, check_pause, check_resume, pause, pause_json, resume
+from .pauses import CLI_PAUSE_WORDING, check_pause, check_resume, check_resume_reason, pause, pause_json, resume
 from .replay import (
     CLI_REPLAY_WORDING,
     DEFAULT_CHUNK_ROWS,
@@ -202,7 +202,6 @@ def pause_command(
                 actor=os_user(),
                 source="cli",
                 max_attempts=settings.relay.max_attempts,
-                progress=progress(0, "parking"),
             )
         except OperatorRuleError as exc:
             fail(str(exc), 1)
@@ -234,11 +233,11 @@ def resume_command(
         found_id, target = check_resume(
             pause_id, {"event_type": event_type, "topic": topic, "aggregate_type": aggregate_type}, CLI_PAUSE_WORDING
         )
+        cleaned = check_resume_reason(reason, CLI_PAUSE_WORDING)
     except OperatorRuleError as exc:
         fail(str(exc), 2)
         raise  # unreachable
     settings = for_source(settings_from(config), source)
-    cleaned = reason.strip() if reason else None
     with open_store(settings) as store, errors():
         try:
             result = resume(
@@ -247,8 +246,7 @@ def resume_command(
                 target=target,
                 actor=os_user(),
                 source="cli",
-                reason=cleaned or None,
-                progress=progress(0, "unparking"),
+                reason=cleaned,
             )
         except OperatorRuleError as exc:
             fail(str(exc), 1)

@@ -122,6 +122,15 @@ def check_resume(
     return None, check_pause_target(given, wording)
 
 
+def check_resume_reason(reason: str | None, wording: PauseWording) -> str | None:
+    """A resume's reason is optional; as recorded: stripped, None when empty, at most
+    ``MAX_REASON_CHARS``."""
+    cleaned = reason.strip() if reason else ""
+    if len(cleaned) > MAX_REASON_CHARS:
+        raise OperatorRuleError(f"{wording.reason} must be at most {MAX_REASON_CHARS} characters")
+    return cleaned or None
+
+
 @dataclass(slots=True)
 class PauseResult:
     pause: PauseRow

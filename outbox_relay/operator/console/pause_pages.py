@@ -16,13 +16,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 
-from ..operations import MAX_REASON_CHARS, OperatorRuleError
+from ..operations import OperatorRuleError
 from ..pauses import (
     API_PAUSE_WORDING,
     FORM_PAUSE_WORDING,
     SELECTORS,
     NoSuchPause,
     check_pause,
+    check_resume_reason,
     pause,
     pause_overview,
     resume,
@@ -192,8 +193,12 @@ class PausePages(ConsoleApi):
         if unknown:
             raise BadRequest(f"unknown field {unknown[0]!r}")
         reason = doc.get("reason")
-        if reason is not None and (not isinstance(reason, str) or len(reason.strip()) > MAX_REASON_CHARS):
-            raise BadRequest(f"reason must be text of at most {MAX_REASON_CHARS} characters")
+        if reason is not None and not isinstance(reason, str):
+            raise BadRequest("reason must be text")
+        try:
+            cleaned = check_resume_reason(reason, API_PAUSE_WORDING)
+        except OperatorRuleError as exc:
+            raise BadRequest(str(exc)) from None
         pause_id = int(request.path_params["pause_id"])
 
         def apply() -> dict[str, Any]:
@@ -203,7 +208,7 @@ class PausePages(ConsoleApi):
                 target=None,
                 actor=who.user,
                 source=who.source,
-                reason=reason.strip() if reason and reason.strip() else None,
+                reason=cleaned,
             ).as_json()
 
         try:

@@ -17,6 +17,7 @@ from outbox_relay.operator.pauses import (
     PauseTarget,
     check_pause,
     check_resume,
+    check_resume_reason,
     pause_json,
 )
 
@@ -66,6 +67,14 @@ def test_a_resume_names_a_pause_by_id_or_by_selector_not_both():
     ):
         with pytest.raises(OperatorRuleError, match=needle):
             check_resume(pause_id, values, CLI_PAUSE_WORDING)
+
+
+def test_a_resume_reason_is_optional_and_bounded():
+    assert check_resume_reason(None, CLI_PAUSE_WORDING) is None
+    assert check_resume_reason("  ", CLI_PAUSE_WORDING) is None
+    assert check_resume_reason(" done ", CLI_PAUSE_WORDING) == "done"
+    with pytest.raises(OperatorRuleError, match=f'"reason" must be at most {MAX_REASON_CHARS}'):
+        check_resume_reason("x" * (MAX_REASON_CHARS + 1), API_PAUSE_WORDING)
 
 
 def test_a_pause_is_shown_as_an_operator_pause():
