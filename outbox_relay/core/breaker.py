@@ -62,7 +62,7 @@ class CircuitBreaker:
             self._closed_event.clear()
         if self._gauge is not None:
             self._gauge.set(1)
-        log.warning("broker unreachable: circuit breaker open, claiming paused", reason=reason)
+        log.warning("broker unreachable: circuit breaker open, claiming paused", reason=reason, pause="circuit_breaker")
         threading.Thread(target=self._probe_loop, name="breaker-probe", daemon=True).start()
 
     def record_delivery(self) -> None:
@@ -86,7 +86,7 @@ class CircuitBreaker:
                     self._closed_event.set()
                 if self._gauge is not None:
                     self._gauge.set(0)
-                log.info("broker answers again: circuit breaker closed")
+                log.info("broker answers again: circuit breaker closed", pause="circuit_breaker")
                 return
             delay = min(self._max, delay * 2)
 

@@ -132,6 +132,16 @@ def _add_audit_replay(run: MigrationRun) -> None:
     run.conn.execute(run.sql.query("add_audit_rows_failed"))
 
 
+def _create_pauses(run: MigrationRun) -> None:
+    """Operator pauses (sql/pauses.sql): their table, and the audit trail's action may
+    also be ``pause`` or ``resume``."""
+    run.run("create_pauses")
+    audit = run.sql.audit_regclass_text
+    for (name,) in run.conn.execute(run.sql.query("audit_action_checks"), {"audit_table": audit}).fetchall():
+        run.conn.execute(run.sql.query("drop_audit_check", constraint=sql.Identifier(name)))
+    run.conn.execute(run.sql.query("add_audit_pause_check", constraint=sql.Identifier(run.sql.audit_action_check_name)))
+
+
 STEPS: tuple[Step, ...] = (
     Step(1, "create_table", _create_table),
     Step(2, "add_dedup_key", _add_dedup_key),
@@ -141,6 +151,7 @@ STEPS: tuple[Step, ...] = (
     Step(6, "add_autovacuum_applied", _add_autovacuum_applied),
     Step(7, "add_record_columns", _add_record_columns),
     Step(8, "add_audit_replay", _add_audit_replay),
+    Step(9, "create_pauses", _create_pauses),
 )
 #: The last step of the layouts made before steps were recorded (see the module docstring).
 BASELINE = 5
@@ -318,14 +329,15 @@ def fresh_install_sql(
     # Step 2 adds dedup_key to older tables: a new table has it. Step 3: the state table
     # (created with its on_done column). Steps 4 to 6: the companion tables and columns.
     out += [_render(statement) for statement in table_sql.statements("create_state_table")]
-    # Step 8 (add_audit_replay) replaces the audit table's action check with one that
-    # also allows 'replay', under its own name: a new table is created with that check.
+    # Steps 8 (add_audit_replay) and 9 (create_pauses) replace the audit table's action
+    # check with one that also allows 'replay', then 'pause' and 'resume', under its own
+    # name: a new table is created with the last one.
     audit = _render(table_sql.query("create_audit_table"))
     old_check = "CHECK (action IN ('retry', 'skip'))"
     if audit.count(old_check) != 1:
         raise AssertionError("create_audit_table's action check changed: update fresh_install_sql")
     new_check = _render(
-        table_sql.query("add_audit_replay_check", constraint=sql.Identifier(table_sql.audit_action_check_name))
+        table_sql.query("add_audit_pause_check", constraint=sql.Identifier(table_sql.audit_action_check_name))
     )
     out.append(audit.replace(old_check, new_check[new_check.index("CONSTRAINT") :].rstrip(";")))
     out.append(_render(table_sql.query("create_dedup_keys")))
@@ -333,6 +345,8 @@ def fresh_install_sql(
     # Step 7: the record columns; step 8: the audit's rows_failed.
     out.append(_render(table_sql.query("add_record_columns")))
     out.append(_render(table_sql.query("add_audit_rows_failed")))
+    # Step 9: the operator pauses table (its audit check is above).
+    out += [_render(statement) for statement in table_sql.statements("create_pauses")]
     out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
     # Every-run steps on a new table: the autovacuum parameters and their record, the
     # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).

@@ -50,6 +50,14 @@ def bound_params(bounds: GaugeBounds | None) -> dict[str, Any]:
     return {"from_at": from_at, "from_id": from_id, "leases_from": bounds.leases_from}
 
 
+@dataclass(frozen=True, slots=True)
+class PauseGauges:
+    """The operator pause gauges' figures: the active pauses' ids, the parked rows (up to the cap)."""
+
+    active_ids: tuple[int, ...]
+    parked_rows: int
+
+
 class MonitoringOps(StoreCore):
     # --- monitoring ------------------------------------------------------------------
     def stats(
@@ -179,7 +187,7 @@ class MonitoringOps(StoreCore):
         timeout_ms: int | None = None,
         count_cap: int = 100_000,
         horizon_limit: int = 5,
-    ) -> tuple[XminHorizon | Exception, VacuumFigures | Exception, Stats | Exception]:
+    ) -> tuple[XminHorizon | Exception, VacuumFigures | Exception, Stats | Exception, PauseGauges | Exception]:
         """What the metrics refresher reads, in one transaction (one commit per refresh
         instead of three: an idle relay's cost on the database is mostly its
         transactions). Each part runs in a savepoint of its own and comes back as its
@@ -198,7 +206,13 @@ class MonitoringOps(StoreCore):
                     conn, ordered_types=ordered_types, include_depth=True, count_cap=count_cap, blocked_limit=100
                 ),
             )
-        return horizon, figures, stats
+            pauses = self._in_savepoint(conn, "pause gauges", lambda: self._pause_gauges_on(conn, count_cap))
+        return horizon, figures, stats, pauses
+
+    def _pause_gauges_on(self, conn: Any, count_cap: int) -> PauseGauges:
+        row = conn.execute(self.sql.query("pause_gauges"), {"count_cap": count_cap}).fetchone()
+        assert row is not None
+        return PauseGauges(tuple(int(i) for i in row[0]), int(row[1]))
 
     def _in_savepoint(self, conn: Any, what: str, read: Callable[[], T]) -> T | Exception:
         try:

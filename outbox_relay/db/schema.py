@@ -32,6 +32,7 @@ SQL_FILES: tuple[str, ...] = (
     "write.sql",
     "inbox.sql",
     "grants.sql",
+    "pauses.sql",
     "discovery.sql",
 )
 
@@ -76,6 +77,12 @@ ORDERING_INDEXES: tuple[str, ...] = ("aggregate_active", "aggregate_dead")
 # aggregate: replaced by the two ordering indexes, which leave dead rows out; unfinished_created and
 # done: the gauges read the claim's indexes and purge walks the primary key (fewer indexes to write per row).
 OBSOLETE_INDEXES: tuple[str, ...] = ("aggregate", "unfinished_created", "done")
+# Operator pauses park a pending row by moving its available_at forward by PARK_SHIFT
+# (whole hours: an exact number of microseconds, undone exactly by resume); a pending
+# row at or after PARK_FLOOR is a parked one (sql/pauses.sql).
+PARK_SHIFT_HOURS = 8_766_000  # about 1000 years
+PARK_SHIFT_SQL = f"make_interval(hours => {PARK_SHIFT_HOURS})"
+PARK_FLOOR_SQL = "'2900-01-01 00:00:00+00'::timestamptz"
 # New pages are filled to half (see sql/schema.sql, set_fillfactor).
 FILLFACTOR = 50
 
@@ -137,6 +144,11 @@ class TableSql:
         return _short(self.table_name, "audit_action_check")
 
     @cached_property
+    def pauses_regclass_text(self) -> str:
+        """The operator pauses table (sql/pauses.sql) as text for to_regclass()."""
+        return self.regclass_of("pauses")
+
+    @cached_property
     def notify_trigger_name(self) -> str:
         return _short(self.table_name, "notify_trg")
 
@@ -162,6 +174,15 @@ class TableSql:
             "audit_table": self._qualified(_short(base, "audit")),
             "dead_filter": sql.SQL(_strip_comments(QUERIES["dead_filter"])),
             "done_filter": sql.SQL(_strip_comments(QUERIES["done_filter"])),  # a replay's rows
+            # Operator pauses (sql/pauses.sql): the table, the active pauses as arrays (a
+            # CTE of the claims), and how a paused pending row is parked.
+            "pauses_table": self._qualified(_short(base, "pauses")),
+            "idx_pauses_active": sql.Identifier(_short(base, "pauses_active_idx")),
+            "paused_selectors": sql.SQL(_strip_comments(QUERIES["paused_selectors"])).format(
+                pauses_table=self._qualified(_short(base, "pauses"))
+            ),
+            "park_floor": sql.SQL(PARK_FLOOR_SQL),
+            "park_shift": sql.SQL(PARK_SHIFT_SQL),
             # Where the claim's index scans start (claim_cursor.py); the store passes
             # parameters, any other caller gets the claim from the front of both indexes.
             "due_bound": sql.SQL("true"),

@@ -9,7 +9,7 @@ The store is cut by job, one class per module of this package, each on StoreCore
 migrate_ops.py (schema, migrate, index convergence), delivery.py (claim, fenced
 finalize, lease extension), monitoring.py (stats, exact counts, vacuum figures),
 dead_rows.py (dead-letter operations, audit, row and aggregate detail),
-replay_rows.py (what a replay of delivered rows reads),
+replay_rows.py (what a replay of delivered rows reads), pauses.py (operator pauses),
 retention.py (purge) and wakeups.py (LISTEN/NOTIFY). This module combines them and
 keeps every name callers import from it.
 """
@@ -33,7 +33,12 @@ from .monitoring import BLOCKED_FROM_DEAD_ROWS as BLOCKED_FROM_DEAD_ROWS
 from .monitoring import INDEXED_STATUSES as INDEXED_STATUSES
 from .monitoring import STATUSES as STATUSES
 from .monitoring import MonitoringOps
+from .monitoring import PauseGauges as PauseGauges
 from .monitoring import Stats as Stats
+from .pauses import PARKED_FROM as PARKED_FROM
+from .pauses import ChunkStep as ChunkStep
+from .pauses import PauseOps
+from .pauses import PauseRow as PauseRow
 from .replay_rows import ReplayOps
 from .replay_rows import ReplayStep as ReplayStep
 from .retention import RetentionOps
@@ -44,7 +49,7 @@ from .wakeups import Listener as Listener
 from .wakeups import WakeupOps
 
 
-class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, ReplayOps, RetentionOps, WakeupOps):
+class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, ReplayOps, PauseOps, RetentionOps, WakeupOps):
     """Statements on one outbox table over a connection pool (autocommit connections)."""
 
 

@@ -342,6 +342,7 @@ class StoreCore:
             self.sql.query("schema_current"),
             {
                 "dedup_keys": self.sql.regclass_of("dedup_keys"),
+                "pauses_table": self.sql.pauses_regclass_text,
                 "state_table": self.sql.regclass_of("relay_state"),
                 "table": self.sql.regclass_text,
             },

@@ -26,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..core.decision import Kind
 from ..core.service import PeriodicService
 from ..db.statement_counts import STATEMENT_KINDS, StatementCounts
-from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore, Stats
+from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore, PauseGauges, Stats
 from ..db.vacuum_health import HorizonClock, HorizonWarning, VacuumFigures, XminHorizon
 from ..model import PublisherObserver
 
@@ -92,6 +92,18 @@ class RelayMetrics(PublisherObserver):
         )
         self.blocked_aggregates = Gauge(
             "outbox_relay_blocked_aggregates", "Ordered aggregates blocked behind a dead head.", registry=r
+        )
+        # Operator pauses (operator/pauses.py), stored in the outbox's pauses table; the
+        # circuit breaker's automatic pause is outbox_relay_circuit_breaker_open.
+        self.operator_pauses = Gauge(
+            "outbox_relay_operator_pauses",
+            "Active operator pauses of the outbox (`outbox-relay pause`; not the circuit breaker).",
+            registry=r,
+        )
+        self.paused_rows = Gauge(
+            "outbox_relay_paused_rows",
+            "Pending rows parked by an operator pause, counted up to metrics.exact_count_limit.",
+            registry=r,
         )
         self.lost_leases_total = Counter(
             "outbox_relay_lost_leases", "Finalizes rejected because the lease was taken over.", registry=r
@@ -381,6 +393,7 @@ class StatsRefresher(PeriodicService):
         self._timeout_ms = timeout_ms
         self._ordered = ordered_types
         self._count_cap = count_cap
+        self._pauses_seen: set[int] | None = None  # the active pauses at the last refresh
         self._exact = _SlowExactCount(
             store, interval_seconds=exact_count_interval_seconds, budget_ms=exact_count_timeout_ms, first_upto=count_cap
         )
@@ -407,13 +420,14 @@ class StatsRefresher(PeriodicService):
         """Read every gauge of the table in one transaction (``monitoring_reads``); a
         part that fails leaves its gauges unknown (NaN) and the others fresh."""
         try:
-            horizon, figures, stats = self._store.monitoring_reads(
+            horizon, figures, stats, pauses = self._store.monitoring_reads(
                 ordered_types=self._ordered, timeout_ms=self._timeout_ms, count_cap=self._count_cap
             )
         except Exception as exc:  # the database is away: every gauge unknown
-            horizon = figures = stats = exc
+            horizon = figures = stats = pauses = exc
         vacuum_ok = self._apply_vacuum(horizon, figures)
-        return self._apply_table(stats) and vacuum_ok
+        pauses_ok = self._apply_pauses(pauses)
+        return self._apply_table(stats) and vacuum_ok and pauses_ok
 
     def _apply_vacuum(self, horizon: XminHorizon | Exception, figures: VacuumFigures | Exception) -> bool:
         """The xmin horizon and vacuum gauges: statistics views only, a failure of their
@@ -473,6 +487,62 @@ class StatsRefresher(PeriodicService):
         for attempts, n in stats.attempts.items():
             m.attempts.labels(attempts=str(attempts)).set(n)
         m.blocked_aggregates.set(len(stats.blocked_aggregates))
+        return True
+
+    def _apply_pauses(self, pauses: PauseGauges | Exception) -> bool:
+        """The operator pause gauges, and a log line when the set of active pauses
+        changes (pause="operator"; the breaker's lines say pause="circuit_breaker"). The
+        pauses themselves are read only then (one more statement, once per change)."""
+        m = self._metrics
+        if isinstance(pauses, Exception):
+            m.stats_refresh_errors_total.inc()
+            m.operator_pauses.set(float("nan"))
+            m.paused_rows.set(float("nan"))
+            log.warning("pause gauges refresh failed", error=str(pauses))
+            return False
+        m.operator_pauses.set(len(pauses.active_ids))
+        m.paused_rows.set(pauses.parked_rows)
+        seen = set(pauses.active_ids)
+        previous, self._pauses_seen = self._pauses_seen, seen
+        if previous is None:  # the first refresh: what is paused already, in one line
+            if seen:
+                log.warning(
+                    "operator pauses active: rows they match are not claimed",
+                    pause="operator",
+                    pause_ids=sorted(seen),
+                    table=self._store.table,
+                )
+            return True
+        for pause_id in sorted(previous - seen):
+            log.info("operator pause ended", pause="operator", pause_id=pause_id, table=self._store.table)
+        started = sorted(seen - previous)
+        if not started:
+            return True
+        try:
+            details = {p.id: p for p in self._store.pauses()}
+        except Exception as exc:  # the gauges are set; say what is known
+            log.warning(
+                "operator pause active: rows it matches are not claimed",
+                pause="operator",
+                pause_ids=started,
+                table=self._store.table,
+                error=str(exc),
+            )
+            return True
+        for pause_id in started:
+            p = details.get(pause_id)
+            if p is None:  # ended between the two reads: the next refresh says so
+                continue
+            log.warning(
+                "operator pause active: rows it matches are not claimed",
+                pause="operator",
+                pause_id=p.id,
+                selector=p.selector,
+                value=p.value,
+                paused_by=p.paused_by,
+                reason=p.reason,
+                table=self._store.table,
+            )
         return True
 
     def step(self) -> None:

@@ -22,6 +22,8 @@ PER_SOURCE_FAMILIES = frozenset(
         "outbox_relay_queue_depth",
         "outbox_relay_attempts",
         "outbox_relay_blocked_aggregates",
+        "outbox_relay_operator_pauses",
+        "outbox_relay_paused_rows",
         "outbox_relay_lost_leases",
         "outbox_relay_published",
         "outbox_relay_reaped",

@@ -315,6 +315,13 @@ def status(
         )
         horizon = store.xmin_horizon()
         vacuum = store.vacuum_figures()
+        from .pauses import pause_overview
+
+        pauses = pause_overview(
+            store,
+            count_cap=settings.metrics.exact_count_limit,
+            timeout_ms=settings.metrics.exact_count_timeout_ms,
+        )
     lower_bounds = [name for name, count in depth.items() if not count.exact]
     doc = {
         "table": settings.database.table,
@@ -327,6 +334,9 @@ def status(
         "blocked_aggregates": [{"aggregate_id": a, "dead_id": i} for a, i in stats.blocked_aggregates],
         "xmin_horizon": horizon.as_json(),
         "vacuum": vacuum.as_json(),
+        # Stored pauses an operator made (`outbox-relay pause`); the circuit breaker's
+        # automatic pause is a state of each relay process, in its metrics and logs.
+        "operator_pauses": pauses,
     }
     if json_out:
         typer.echo(json.dumps(doc))
@@ -348,6 +358,19 @@ def status(
         typer.echo(f"  blocked aggregates   {len(stats.blocked_aggregates)}")
         for aggregate, dead_id in stats.blocked_aggregates[:20]:
             typer.echo(f"    {aggregate} blocked by dead row {dead_id}")
+    active = pauses["active"]
+    if active or pauses["paused_rows"]:
+        parked = f"{'≥ ' if pauses['paused_rows_capped'] else ''}{pauses['paused_rows']}"
+        typer.echo(f"  operator pauses      {len(active)} active, {parked} pending rows parked")
+        for p in active:
+            typer.echo(
+                f"    operator pause {p['id']}: {p['selector']} {p['value']!r} since {p['paused_at']} "
+                f"by {p['paused_by']} ({p['paused_from']}): {p['reason']}"
+            )
+    elif not pauses["migrated"]:
+        typer.echo("  operator pauses      none (no pauses table yet: run `outbox-relay migrate`)")
+    else:
+        typer.echo("  operator pauses      none")
     typer.echo(f"  xmin horizon         {horizon.summary()}")
     note = horizon.note()
     if note:
@@ -673,7 +696,7 @@ def audit_list(
     config: ConfigOpt = None,
     source: SourceOpt = None,
 ) -> None:
-    """Every retry, skip and replay by an operator (CLI, console or API), newest first."""
+    """Every retry, skip, replay, pause and resume by an operator (CLI, console or API), newest first."""
     settings = _for_source(_settings(config), source)
     with _store(settings) as store:
         store.require_table()
@@ -686,7 +709,7 @@ def audit_list(
         typer.echo("no audit entries")
         return
     for e in entries:
-        done = "sent" if e["action"] == "replay" else "changed"
+        done = {"replay": "sent", "pause": "parked", "resume": "unparked"}.get(e["action"], "changed")
         failed = f", {e['rows_failed']} not sent" if e.get("rows_failed") else ""
         state = f"{e['rows_changed']} {done}{failed}" + (
             "" if e["finished_at"] else " (unfinished: interrupted or running)"
@@ -771,7 +794,7 @@ def purge(
 # --- least privilege -------------------------------------------------------------------
 _GRANT_HELP = {
     "relay": "outbox-relay run",
-    "operator": "outbox-relay status, dead list|retry|skip, purge",
+    "operator": "outbox-relay status, dead list|retry|skip, replay, pause|resume, purge",
     "writer": "the application's enqueue() (insert only)",
 }
 

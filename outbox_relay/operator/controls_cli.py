@@ -1,4 +1,5 @@
-"""``outbox-relay replay``: send delivered rows again (operator/replay.py holds the rules).
+"""``outbox-relay replay``: send delivered rows again (operator/replay.py holds the rules);
+``outbox-relay pause``, ``resume`` and ``pauses``: operator pauses (operator/pauses.py).
 
 Registered on the main application by cli.py. Same conventions as every command:
 exit 0 success; 1 a runtime failure (database or target unreachable, rows that could
@@ -31,6 +32,7 @@ from .cli_common import (
     settings_from,
 )
 from .operations import OperatorRuleError, jsonable, os_user
+from .pauses import CLI_PAUSE_WORDING, check_pause, check_resume, check_resume_reason, pause, pause_json, resume
 from .replay import (
     CLI_REPLAY_WORDING,
     DEFAULT_CHUNK_ROWS,
@@ -157,3 +159,131 @@ def _print_sample(sample: list[dict[str, Any]] | None, matched: int) -> None:
         )
     if matched > len(sample):
         typer.echo(f"  … and {matched - len(sample)} more")
+
+
+# --- operator pauses (operator/pauses.py holds the rules) -------------------------------
+PauseEventTypeOpt = Annotated[str | None, typer.Option("--event-type", help="Rows of this event type.")]
+PauseTopicOpt = Annotated[
+    str | None, typer.Option("--topic", help="Rows whose topic column is this topic (not rows routed by settings).")
+]
+PauseAggregateTypeOpt = Annotated[str | None, typer.Option("--aggregate-type", help="Rows of this aggregate type.")]
+
+
+@controls_app.command("pause")
+def pause_command(
+    event_type: PauseEventTypeOpt = None,
+    topic: PauseTopicOpt = None,
+    aggregate_type: PauseAggregateTypeOpt = None,
+    reason: Annotated[
+        str | None, typer.Option("--reason", help="Why (required; shown by status and recorded in the audit trail).")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """Hold back the delivery of the rows of one event type, topic or aggregate type (of
+    one source) until `outbox-relay resume`: every relay's next claim takes none of them.
+    Pending rows are parked (attempts kept); rows in flight are delivered. In an ordered
+    aggregate a paused row holds back the ordered rows behind it."""
+    try:
+        target, why = check_pause(
+            {"event_type": event_type, "topic": topic, "aggregate_type": aggregate_type}, reason, CLI_PAUSE_WORDING
+        )
+    except OperatorRuleError as exc:
+        fail(str(exc), 2)
+        raise  # unreachable
+    settings = for_source(settings_from(config), source)
+    with open_store(settings) as store, errors():
+        try:
+            result = pause(
+                store,
+                target,
+                reason=why,
+                actor=os_user(),
+                source="cli",
+                max_attempts=settings.relay.max_attempts,
+            )
+        except OperatorRuleError as exc:
+            fail(str(exc), 1)
+            raise  # unreachable
+    if json_out:
+        typer.echo(json.dumps(result.as_json()))
+        return
+    typer.echo(
+        f"paused {target.describe()} (pause {result.pause.id}, audit entry {result.audit_id}): "
+        f"{result.rows_parked} pending rows parked; resume with `outbox-relay resume {result.pause.id}`"
+    )
+
+
+@controls_app.command("resume")
+def resume_command(
+    pause_id: Annotated[int | None, typer.Argument(help="The id of the pause (see `outbox-relay pauses`).")] = None,
+    event_type: PauseEventTypeOpt = None,
+    topic: PauseTopicOpt = None,
+    aggregate_type: PauseAggregateTypeOpt = None,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (optional; recorded in the audit trail).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """End a pause, by its id or by the selector it was made with: its parked rows get
+    their original available_at back and are delivered in their old order (rows another
+    active pause matches stay parked)."""
+    try:
+        found_id, target = check_resume(
+            pause_id, {"event_type": event_type, "topic": topic, "aggregate_type": aggregate_type}, CLI_PAUSE_WORDING
+        )
+        cleaned = check_resume_reason(reason, CLI_PAUSE_WORDING)
+    except OperatorRuleError as exc:
+        fail(str(exc), 2)
+        raise  # unreachable
+    settings = for_source(settings_from(config), source)
+    with open_store(settings) as store, errors():
+        try:
+            result = resume(
+                store,
+                pause_id=found_id,
+                target=target,
+                actor=os_user(),
+                source="cli",
+                reason=cleaned,
+            )
+        except OperatorRuleError as exc:
+            fail(str(exc), 1)
+            raise  # unreachable
+    if json_out:
+        typer.echo(json.dumps(result.as_json()))
+        return
+    ended = result.pause
+    typer.echo(
+        f"resumed {ended.selector.replace('_', ' ')} {ended.value!r} (pause {ended.id}, audit entry "
+        f"{result.audit_id}): {result.rows_unparked} parked rows are due again"
+    )
+
+
+@controls_app.command("pauses")
+def pauses_command(
+    include_resumed: Annotated[
+        bool, typer.Option("--all", help="Also the pauses already resumed (newest first).")
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """The operator pauses of one source: the active ones (and, with --all, the ended ones)."""
+    settings = for_source(settings_from(config), source)
+    with open_store(settings) as store, errors():
+        store.require_pauses_table()
+        found = store.pauses(include_resumed=include_resumed)
+    if json_out:
+        typer.echo(json.dumps([pause_json(p) for p in found]))
+        return
+    if not found:
+        typer.echo("no operator pause" + ("" if include_resumed else " is active"))
+        return
+    for p in found:
+        state = "active" if p.resumed_at is None else f"resumed {p.resumed_at:%Y-%m-%d %H:%M:%S} by {p.resumed_by}"
+        typer.echo(
+            f"{p.id:>6}  {p.selector:<15} {p.value:<24} since {p.paused_at:%Y-%m-%d %H:%M:%S} by {p.paused_by} "
+            f"({p.paused_from})  {state}  reason: {p.reason}"
+        )

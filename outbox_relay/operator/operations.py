@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from ..core.filters import DeadFilter
 from ..core.ordering import OrderingRule
-from ..db.store import Count, DeadSummary, OutboxStore
+from ..db.store import PARKED_FROM, Count, DeadSummary, OutboxStore
 
 Action = Literal["retry", "skip"]
 ACTIONS: tuple[Action, ...] = ("retry", "skip")
@@ -221,6 +221,8 @@ def row_state(row: dict[str, Any]) -> str:
         if row["lease_expired"]:
             return f"lease expired {_ago(row['lease_until'], now)} ({row['lease_owner']}): will be claimed again"
         return f"in flight: {row['lease_owner']}, lease ends {_ago(row['lease_until'], now)}"
+    if row["not_due"] and row["available_at"] >= PARKED_FROM:
+        return "paused by an operator: parked until `outbox-relay resume` (see `outbox-relay pauses`)"
     if row["not_due"]:
         return f"not yet due: {_ago(row['available_at'], now)}"
     return "due: the next claim takes it"
@@ -281,6 +283,11 @@ def diagnose_aggregate(rows: list[dict[str, Any]], ordering: OrderingRule, *, ma
         return (
             f"head {head['id']} is in flight ({head['lease_owner']}, lease ends "
             f"{_ago(head['lease_until'], now)}){behind}"
+        )
+    if head["not_due"] and head["available_at"] >= PARKED_FROM:
+        return (
+            f"head {head['id']} ({head['event_type']}) is paused by an operator: parked until "
+            f"`outbox-relay resume` (see `outbox-relay pauses`){behind}"
         )
     if head["not_due"]:
         return (

@@ -118,7 +118,8 @@ def test_claim_reads_the_front_of_the_backlog_even_without_statistics(store, pg_
     batch = 1000  # relay.batch_size's default
 
     plan = _claim_plan(store, pg_dsn, settings=CLAIM_SETTINGS, batch=batch)
-    scans = [n for n in plan if n.get("Index Name", "").endswith("_pending_idx")]
+    # (the claim's scan for paused rows to park runs only while an operator pause is active)
+    scans = [n for n in plan if n.get("Index Name", "").endswith("_pending_idx") and n["Actual Loops"] > 0]
     assert [n["Node Type"] for n in scans] == ["Index Scan"]
     assert scans[0]["Actual Rows"] == batch  # stopped at the batch: the backlog was not read
     assert not [n for n in plan if n["Node Type"].startswith("Bitmap") and n["Actual Rows"] > batch]

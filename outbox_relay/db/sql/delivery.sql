@@ -47,6 +47,8 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- makes concurrent claims take disjoint rows; the UPDATE makes ownership durable:
 -- owner, deadline and a new fencing token. Reaped rows come back with reaped = true.
 -- %(excluded_types)s: event types left to the ordered claim (empty: none).
+-- Operator pauses (pauses.sql): "paused" reads the active ones once; neither scan takes
+-- a row they match, and "parked" moves such rows out of the due index's front.
 -- Byte budget: the batch takes rows while their payload + headers text add up to at
 -- most %(max_batch_bytes)s (a running sum in claim order; the first row is always
 -- taken, so a single larger row is claimed alone), so
@@ -90,6 +92,8 @@ WITH victims AS (
     RETURNING o.id, o.lease_version, victims.lease_owner
 ), writers AS MATERIALIZED (
     {writers_look}
+), paused AS MATERIALIZED (
+    {paused_selectors}
 ), expired AS (
     SELECT id, 0 AS part, lease_until AS sort_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
@@ -98,6 +102,8 @@ WITH victims AS (
       AND {leases_bound}
       AND {lease_scan}
       AND NOT (event_type = ANY(%(excluded_types)s))
+      AND NOT (event_type = ANY((SELECT event_types FROM paused)::text[]) OR aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
     ORDER BY lease_until
     LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
@@ -108,9 +114,40 @@ WITH victims AS (
     WHERE status = 'pending' AND available_at <= now()
       AND {due_bound}
       AND NOT (event_type = ANY(%(excluded_types)s))
+      AND NOT (event_type = ANY((SELECT event_types FROM paused)::text[]) OR aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
     ORDER BY available_at, id
     LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
+), due_reach AS (
+    -- The last key "due" read: its last row when it found all it looked for, else the
+    -- end of the due rows.
+    SELECT coalesce(l.at, now()) AS at, coalesce(l.id, 9223372036854775807) AS id
+    FROM (SELECT count(*) AS n FROM due) AS c
+    LEFT JOIN (SELECT sort_at AS at, id FROM due ORDER BY sort_at DESC, id DESC LIMIT 1) AS l
+           ON c.n >= %(candidates)s
+), parked AS (
+    -- Operator pauses (pauses.sql): a paused row that became due after its pause parked
+    -- the others (inserted since, or rescheduled by a finalize) is parked too, so that
+    -- later due scans do not read it again. Only in the range "due" just read (up to
+    -- its last row when it found all it looked for, else every due row), so this costs
+    -- no more index than "due", and nothing without an active pause (a one-time filter).
+    -- = ANY(ARRAY(...)): the rows found are looked up by primary key (as a join, the
+    -- planner may read the whole primary key index to match them).
+    UPDATE {table} AS o SET available_at = o.available_at + {park_shift}
+    WHERE o.id = ANY(ARRAY(
+        SELECT id FROM {table}
+        WHERE (SELECT any_active FROM paused)
+          AND status = 'pending' AND available_at <= now()
+          AND {due_bound}
+          AND (available_at, id) <= ((SELECT at FROM due_reach), (SELECT id FROM due_reach))
+          AND (event_type = ANY((SELECT event_types FROM paused)::text[])
+               OR aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
+        ORDER BY available_at, id
+        LIMIT %(candidates)s
+        FOR UPDATE SKIP LOCKED))
+    RETURNING o.id
 ), picked AS (
     SELECT id, row_bytes, part FROM (
         SELECT id, row_bytes, part,
@@ -219,7 +256,10 @@ SELECT NULL, (SELECT count(*) FROM expired),
 -- not in that index, so they cost nothing however many pile up; a blocked aggregate
 -- (dead head, pending rows behind it) is visited and turned down by one probe of
 -- {idx_aggregate_dead}. %(all_ordered)s = true means ["*"].
-WITH RECURSIVE aggregates AS (
+WITH RECURSIVE paused AS MATERIALIZED (
+    -- operator pauses (pauses.sql)
+    {paused_selectors}
+), aggregates AS (
     (SELECT a.aggregate_id FROM {table} AS a
      WHERE a.status IN ('pending', 'processing')
        AND (%(after)s::text IS NULL OR a.aggregate_id > %(after)s)  -- NULL: from the start ('' is an id)
@@ -234,7 +274,7 @@ WITH RECURSIVE aggregates AS (
     SELECT h.id
     FROM aggregates
     CROSS JOIN LATERAL (
-        SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts
+        SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts, f.event_type, f.aggregate_type, f.topic
         FROM {table} AS f
         WHERE f.aggregate_id = aggregates.aggregate_id
           AND f.status IN ('pending', 'processing')
@@ -245,6 +285,9 @@ WITH RECURSIVE aggregates AS (
     WHERE aggregates.aggregate_id IS NOT NULL
       AND ((h.status = 'pending' AND h.available_at <= now())
         OR (h.status = 'processing' AND h.lease_until < now() AND h.attempts < %(max_attempts)s))
+      -- a paused head (not parked yet) holds its aggregate back like a parked one
+      AND NOT (h.event_type = ANY((SELECT event_types FROM paused)::text[]) OR h.aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(h.topic = ANY((SELECT topics FROM paused)::text[]), false))
       AND NOT EXISTS (
           SELECT 1 FROM {table} AS d
           WHERE d.aggregate_id = aggregates.aggregate_id AND d.status = 'dead' AND d.id < h.id
@@ -294,7 +337,10 @@ SELECT claimed.*, max(claimed.aggregate_id) OVER () AS last_aggregate FROM claim
 -- row). Nobody else can claim these rows while their head is unfinished, so order is
 -- kept. Pending/processing rows come from {idx_aggregate_active}, the first dead row
 -- behind the head (if any) from {idx_aggregate_dead}.
-WITH heads AS (
+WITH paused AS MATERIALIZED (
+    -- operator pauses (pauses.sql): a paused row ends a run
+    {paused_selectors}
+), heads AS (
     SELECT h.aggregate_id, h.head_id,
            coalesce((SELECT min(d.id) FROM {table} AS d
                      WHERE d.aggregate_id = h.aggregate_id AND d.status = 'dead' AND d.id > h.head_id
@@ -303,11 +349,14 @@ WITH heads AS (
     FROM unnest(%(aggregate_ids)s::text[], %(head_ids)s::bigint[]) AS h(aggregate_id, head_id)
 ), followers AS (
     SELECT f.id,
-           bool_and(f.status = 'pending' AND f.available_at <= now() AND f.id < f.dead_id)
+           bool_and(f.status = 'pending' AND f.available_at <= now() AND f.id < f.dead_id
+                    AND NOT (f.event_type = ANY((SELECT event_types FROM paused)::text[])
+                             OR f.aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+                             OR coalesce(f.topic = ANY((SELECT topics FROM paused)::text[]), false)))
                OVER (PARTITION BY f.aggregate_id ORDER BY f.id) AS contiguous
     FROM heads
     CROSS JOIN LATERAL (
-        SELECT r.id, r.aggregate_id, r.status, r.available_at, heads.dead_id
+        SELECT r.id, r.aggregate_id, r.status, r.available_at, heads.dead_id, r.event_type, r.aggregate_type, r.topic
         FROM {table} AS r
         WHERE r.aggregate_id = heads.aggregate_id
           AND r.id > heads.head_id

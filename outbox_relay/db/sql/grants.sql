@@ -17,11 +17,13 @@ GRANT CONNECT ON DATABASE {database} TO {role}
 -- the application wrote. SELECT ... FOR UPDATE needs UPDATE on one column, which this
 -- gives. DELETE: the one finalize statement deletes delivered rows when the table's
 -- mode is on_done = delete, and PostgreSQL checks the privilege even when the keep
--- mode deletes nothing. The state table holds the relays' idle flag and the mode.
+-- mode deletes nothing. The state table holds the relays' idle flag and the mode. The
+-- claims read the active operator pauses (and park paused rows: available_at).
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, UPDATE (status, available_at, attempts, lease_owner, lease_until, lease_version, last_error, done_at),
     DELETE ON {table} TO {role};
-GRANT SELECT, UPDATE ON {state_table} TO {role}
+GRANT SELECT, UPDATE ON {state_table} TO {role};
+GRANT SELECT ON {pauses_table} TO {role}
 
 -- name: grant_operator
 -- `status`, `dead list|retry|skip`, `replay`, `aggregate show`, `audit list`, `purge` and
@@ -29,12 +31,15 @@ GRANT SELECT, UPDATE ON {state_table} TO {role}
 -- and last_error, and append to the audit trail (never rewrite who did what: only the
 -- progress columns); purge deletes old done rows, then the dedup keys older than the
 -- cutoff whose row is gone. The commands read the table's mode from the state table.
+-- pause/resume add and end operator pauses and park/unpark rows (available_at).
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT SELECT, UPDATE (status, available_at, attempts, last_error, done_at), DELETE ON {table} TO {role};
 GRANT SELECT, DELETE ON {dedup_keys} TO {role};
 GRANT SELECT ON {state_table} TO {role};
 GRANT SELECT, INSERT (actor, source, action, selector, rows_matched, reason),
-    UPDATE (rows_changed, rows_failed, finished_at) ON {audit_table} TO {role}
+    UPDATE (rows_changed, rows_failed, finished_at) ON {audit_table} TO {role};
+GRANT SELECT, INSERT (selector, value, reason, paused_by, paused_from), UPDATE (resumed_at, resumed_by)
+    ON {pauses_table} TO {role}
 
 -- name: grant_writer
 -- `enqueue()`: insert the application's columns only (never status, attempts or a

@@ -125,8 +125,10 @@ SELECT on_done FROM {state_table}
 
 -- name: schema_current
 -- Has migrate brought this table to this version (state mode, dedup key table, the
--- record columns tombstone and partition that every claim reads)?
+-- record columns tombstone and partition that every claim reads, the operator pauses
+-- table the claims read)?
 SELECT to_regclass(%(dedup_keys)s) IS NOT NULL
+   AND to_regclass(%(pauses_table)s) IS NOT NULL
    AND EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = to_regclass(%(state_table)s) AND attname = 'on_done' AND NOT attisdropped)
    AND (SELECT count(*) FROM pg_attribute

@@ -85,6 +85,7 @@ class ConsoleApi(ConsoleSecurity):
                 "published_per_5min": data["buckets"],
                 "xmin_horizon": data["horizon"].as_json(),
                 "vacuum": data["vacuum"].as_json(),
+                "operator_pauses": data["operator_pauses"],
             }
         )
 

@@ -2,9 +2,11 @@
 
 Pages: overview, dead rows (filters, pagination by id, counts per event type and
 error), one row, one aggregate, the audit log, plus a preview -> confirm flow for
-every retry/skip and for a replay of delivered rows (replay_pages.py). API:
+every retry/skip and for a replay of delivered rows (replay_pages.py), the operator
+pauses (pause_pages.py). API:
 ``GET /api/sources``, ``GET /api/status``, ``GET /api/dead``, ``GET /api/dead/{id}``,
-``POST /api/dead/retry|skip``, ``POST /api/replay``, ``GET /api/audit``. A console
+``POST /api/dead/retry|skip``, ``POST /api/replay``, ``GET|POST /api/pauses``,
+``POST /api/pauses/{id}/resume``, ``GET /api/audit``. A console
 of several sources (sources.py) lists them on its overview and every other page and
 API call names one with ``?source=NAME``, carried by every link and form.
 
@@ -43,6 +45,7 @@ from .api import ConsoleApi
 from .auth import LoginThrottle, Principal, Sessions
 from .base import BadRequest, NoSuchSource
 from .pages import ConsolePages
+from .pause_pages import PausePages
 from .replay_pages import ReplayPages
 from .source_list import SourceBoard
 from .sources import ConsoleSources, StoreFactory
@@ -141,7 +144,7 @@ class _Guard:
         await self.app(scope, receive, send_with_headers)
 
 
-class Console(ConsolePages, ReplayPages, ConsoleApi):
+class Console(ConsolePages, ReplayPages, PausePages, ConsoleApi):
     """One console process: settings, a store, sessions, templates, routes."""
 
     def __init__(self, settings: Settings, sources: ConsoleSources) -> None:
@@ -184,6 +187,9 @@ class Console(ConsolePages, ReplayPages, ConsoleApi):
             Route("/dead/apply", page(self.dead_apply), methods=["POST"]),
             Route("/replay", page(self.replay_page)),
             Route("/replay/apply", page(self.replay_apply), methods=["POST"]),
+            Route("/pauses", page(self.pauses_page)),
+            Route("/pauses/apply", page(self.pause_apply), methods=["POST"]),
+            Route("/pauses/{pause_id:int}/resume", page(self.resume_apply), methods=["POST"]),
             Route("/rows/{row_id:int}", page(self.row_page)),
             Route("/aggregates/{aggregate_id:path}", page(self.aggregate_page)),
             Route("/audit", page(self.audit_page)),
@@ -197,6 +203,9 @@ class Console(ConsolePages, ReplayPages, ConsoleApi):
             Route("/api/dead/retry", api(self.api_retry), methods=["POST"]),
             Route("/api/dead/skip", api(self.api_skip), methods=["POST"]),
             Route("/api/replay", api(self.api_replay), methods=["POST"]),
+            Route("/api/pauses", api(self.api_pauses)),
+            Route("/api/pauses", api(self.api_pause), methods=["POST"]),
+            Route("/api/pauses/{pause_id:int}/resume", api(self.api_resume), methods=["POST"]),
             Route("/api/audit", api(self.api_audit)),
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ]

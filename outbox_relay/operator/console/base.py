@@ -22,6 +22,7 @@ from ...config import Settings
 from ...core.filters import DeadFilter, parse_filter
 from ...db.store import STATUSES, Count
 from ...errors import OutboxRelayError
+from ..pauses import pause_overview
 from .auth import LoginThrottle, Principal, Sessions, retry_after_header
 from .source_list import LISTED_STATUSES, SourceBoard, SourceFigures, SourceQuery
 from .sources import ConsoleSource, ConsoleSources, SourceNotNamed, SourceUnknown
@@ -150,7 +151,9 @@ class ConsoleBase:
         horizon = store.xmin_horizon(timeout_ms=s.console.statement_timeout_ms)
         src.horizon_clock.apply(horizon.holders)
         vacuum = store.vacuum_figures(timeout_ms=s.console.statement_timeout_ms)
+        pauses = pause_overview(store, count_cap=s.metrics.exact_count_limit, timeout_ms=self.count_budget_ms)
         return {
+            "operator_pauses": pauses,
             "depth": depth,
             "stats": stats,
             "buckets": buckets,
