@@ -355,3 +355,111 @@ def test_schema_evolution(
     ctx = SerializationContext(topic, MessageField.VALUE)
     got = sorted((AvroDeserializer(client)(v, ctx) for v in raw), key=lambda r: r["id"])
     assert got == [{"id": 1, "customer": "a", "note": "gift"}, {"id": 2, "customer": "b", "note": None}]
+
+
+def test_schema_files_registered_at_start(
+    registry: Registry,
+    make_settings: Callable[..., Any],
+    pg_dsn: str,
+    table: str,
+    topic_prefix: str,
+    broker: Any,
+    tmp_path: Path,
+) -> None:
+    from confluent_kafka.schema_registry.avro import AvroDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    subject = f"{topic}-value"
+    schema_file = tmp_path / "order.avsc"
+    schema_file.write_text(json.dumps(AVRO_V1))
+    sections = registry_settings(registry, "avro")
+    sections["schema_registry"]["schema_files"] = {subject: str(schema_file)}
+    payloads = [{"id": i, "customer": f"c{i}"} for i in range(3)]
+    ids = enqueue_payloads(pg_dsn, table, payloads)
+    relay_until(make_settings(**sections), lambda: len(delivered(pg_dsn, table, ids)) == len(ids), "rows delivered")
+    client = registry.client()
+    latest = client.get_latest_version(subject)
+    assert latest.version == 1 and json.loads(latest.schema.schema_str)["name"] == "OrderCreated"
+    raw = read_raw(broker.bootstrap_servers, topic, len(ids))
+    assert {int.from_bytes(v[1:5], "big") for v in raw} == {latest.schema_id}
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    assert sorted((AvroDeserializer(client)(v, ctx) for v in raw), key=lambda r: r["id"]) == payloads
+
+    # A second start with the same file: no new version.
+    more = enqueue_payloads(pg_dsn, table, [{"id": 9, "customer": "z"}])
+    relay_until(make_settings(**sections), lambda: len(delivered(pg_dsn, table, more)) == 1, "row delivered")
+    assert client.get_versions(subject) == [1]
+
+
+def test_incompatible_schema_file_stops_the_start(
+    registry: Registry,
+    make_settings: Callable[..., Any],
+    pg_dsn: str,
+    table: str,
+    topic_prefix: str,
+    tmp_path: Path,
+) -> None:
+    from outbox_relay.errors import ConfigError
+
+    topic = f"{topic_prefix}.order"
+    subject = f"{topic}-value"
+    client = registry.client()
+    register(registry, subject, AVRO_V2, "AVRO")
+    client.set_compatibility(subject, "BACKWARD")
+    schema_file = tmp_path / "order.avsc"
+    schema_file.write_text(json.dumps(AVRO_BAD))
+    password_file = tmp_path / "password"
+    password_file.write_text("sr-Pa55word-never-shown\n")
+    sections = registry_settings(registry, "avro")
+    sections["schema_registry"].update(
+        schema_files={subject: str(schema_file)},
+        basic_auth_user="relay",
+        basic_auth_password_file=str(password_file),
+    )
+    ids = enqueue_payloads(pg_dsn, table, [{"id": 1, "customer": "a"}])
+    relay = Relay(make_settings(**sections))
+    try:
+        with pytest.raises(ConfigError) as refused:
+            relay.start()
+    finally:
+        relay.stop()
+    line = str(refused.value)
+    print(line)
+    assert "\n" not in line and "refused" in line and subject in line and str(schema_file) in line
+    assert "409" in line or "422" in line
+    assert "sr-Pa55word-never-shown" not in line
+    assert client.get_versions(subject) == [1]
+    status, attempts = row_states(pg_dsn, table, ids, ("status", "attempts"))[ids[0]]
+    assert status == "pending" and attempts == 0
+
+
+def test_schema_files_wait_for_a_registry_that_does_not_answer(
+    make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str, tmp_path: Path
+) -> None:
+    from outbox_relay.errors import OutboxRelayError
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    schema_file = tmp_path / "order.avsc"
+    schema_file.write_text(json.dumps(AVRO_V1))
+    settings = make_settings(
+        kafka={"value_format": "avro"},
+        schema_registry={
+            "url": f"http://127.0.0.1:{closed_port}/apis/ccompat/v7",
+            "timeout_seconds": 1,
+            "schema_files": {f"{topic_prefix}.order-value": str(schema_file)},
+        },
+        relay={"startup_timeout_seconds": 4},
+    )
+    ids = enqueue_payloads(pg_dsn, table, [{"id": 1, "customer": "a"}])
+    relay = Relay(settings)
+    try:
+        with pytest.raises(OutboxRelayError) as gave_up:
+            relay.start()
+    finally:
+        relay.stop()
+    assert "not ready within relay.startup_timeout_seconds" in str(gave_up.value)
+    assert "schema registry unreachable" in str(gave_up.value)
+    assert row_states(pg_dsn, table, ids, ("status", "attempts"))[ids[0]] == ("pending", 0)
