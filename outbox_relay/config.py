@@ -266,11 +266,12 @@ class KafkaSettings(_Section):
         min_length=1,
         description="CloudEvents `source` attribute; default /outbox-relay/<database.table>.",
     )
-    value_format: Literal["json", "avro", "json-schema"] = Field(
+    value_format: Literal["json", "avro", "json-schema", "protobuf"] = Field(
         default="json",
         description="Encoding of each Kafka record's value: json (default) = the payload's JSON text as it is; "
-        "avro or json-schema = the payload encoded against the latest schema of its subject in the Schema "
-        "Registry ([schema_registry], extra `registry`), in the Confluent wire format (magic byte 0, schema id). "
+        "avro, json-schema or protobuf = the payload encoded against the latest schema of its subject in the "
+        "Schema Registry ([schema_registry], extra `registry`; protobuf: extra `protobuf`), in the Confluent wire "
+        "format (magic byte 0, schema id; protobuf: then the message indexes). "
         'Needs kafka.message_format = "contract".',
     )
 
@@ -350,7 +351,7 @@ def schema_file_type(file_name: str) -> str | None:
 
 
 class SchemaRegistrySettings(_Section):
-    """The Confluent-compatible Schema Registry of kafka.value_format = "avro" / "json-schema"."""
+    """The Confluent-compatible Schema Registry of kafka.value_format = "avro" / "json-schema" / "protobuf"."""
 
     url: str | None = Field(
         default=None,

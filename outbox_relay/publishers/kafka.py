@@ -375,7 +375,7 @@ class KafkaPublisher(Publisher):
 
     def __init__(self, config: dict[str, Any], value_encoder: RegistryValueEncoder | None = None) -> None:
         self._config = dict(config)
-        # kafka.value_format = "avro" / "json-schema": values encoded against the Schema
+        # kafka.value_format = "avro" / "json-schema" / "protobuf": values encoded against the Schema
         # Registry before produce(); None (the default, "json"): values sent as they are.
         self.value_encoder = value_encoder
         self._lock = threading.Lock()

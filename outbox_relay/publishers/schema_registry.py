@@ -1,11 +1,13 @@
 """Kafka record values encoded against a Confluent-compatible Schema Registry.
 
-``kafka.value_format = "avro"`` or ``"json-schema"``: the row's payload (JSON text) is
-parsed and handed to confluent-kafka's own ``AvroSerializer`` / ``JSONSerializer``,
-which encode it against the latest schema of the row's subject (fetched from the
-registry and cached by the client for ``schema_registry.latest_cache_seconds``) and
-frame it in the Confluent wire format: magic byte 0, the schema id (4 bytes, big
-endian), the encoded value. Rows never register schemas; the files of
+``kafka.value_format = "avro"``, ``"json-schema"`` or ``"protobuf"``: the row's payload
+(JSON text) is parsed and handed to confluent-kafka's own ``AvroSerializer`` /
+``JSONSerializer`` / ``ProtobufSerializer`` (the last one with a message class built from
+the registry's .proto text: ``protobuf_schema.py``), which encode it against the latest
+schema of the row's subject (fetched from the registry and cached by the client for
+``schema_registry.latest_cache_seconds``) and frame it in the Confluent wire format:
+magic byte 0, the schema id (4 bytes, big endian), for Protobuf the message indexes,
+the encoded value. Rows never register schemas; the files of
 ``schema_registry.schema_files`` are registered at start (``register_schema_files``).
 
 What a failure does to the row (see ``encode``):
@@ -27,11 +29,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from ..errors import ConfigError
 from ..model import Defer, Message, Outcome, PermanentError, RetryableError
+from .protobuf_schema import ProtobufMessages, ProtobufSchemaError, protoc_available
 
 if TYPE_CHECKING:
     from ..config import Settings
+
+log = structlog.get_logger("outbox_relay.schema_registry")
 
 #: How long a registry failure is reported by ``problem()`` (for /readyz) after it was seen.
 PROBLEM_MEMORY_SECONDS = 30.0
@@ -47,6 +54,10 @@ def subject_name(strategy: str, topic: str, event_type: str) -> str:
     if strategy == "topic-record":
         return f"{topic}-{event_type}"
     return f"{topic}-value"
+
+
+class ProtobufParseError(ValueError):
+    """The JSON payload does not map onto the Protobuf message."""
 
 
 class SchemaFile:
@@ -113,6 +124,14 @@ class RegistryValueEncoder:
             ) from None
         self.value_format = value_format
         self.client = SchemaRegistryClient(client_conf)
+        self._protobuf: ProtobufMessages | None = None
+        if value_format == "protobuf":
+            missing = protoc_available()
+            if missing is not None:
+                raise ConfigError(
+                    f'kafka.value_format = "protobuf" needs the extra: pip install "outbox-relay[protobuf]" ({missing})'
+                )
+            self._protobuf = ProtobufMessages(self.client)
         self._strategy = subject_name_strategy
         self._defer_seconds = missing_schema_defer_seconds
         self._log_missing = log_missing
@@ -216,9 +235,19 @@ class RegistryValueEncoder:
         except ValueError as exc:
             return PermanentError(f"schema registry: the payload is not JSON ({exc})")
         try:
+            if self._protobuf is not None:
+                return self._encode_protobuf(subject, message, payload)
             return self._serializer(subject)(payload, SerializationContext(message.topic, MessageField.VALUE))
         except SchemaRegistryError as exc:
             return self._registry_refused(subject, exc)
+        except ProtobufSchemaError as exc:
+            # The registry's schema, not the row: the row waits for a usable version.
+            reason = f"schema registry: the latest schema of {subject} cannot be used: {exc}"
+            self._problem = (time.monotonic(), reason)
+            self._log_unusable(subject, str(exc))
+            return Defer(self._defer_seconds, reason)
+        except ProtobufParseError as exc:
+            return PermanentError(f"schema registry: the payload does not fit the latest schema of {subject}: {exc}")
         except SerializationError as exc:
             return PermanentError(f"schema registry: the payload does not fit the latest schema of {subject}: {exc}")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -230,6 +259,32 @@ class RegistryValueEncoder:
             reason = f"schema registry unreachable: {type(exc).__name__}: {exc}"
             self._problem = (time.monotonic(), reason)
             return RetryableError(reason, transport=True)
+
+    def _encode_protobuf(self, subject: str, message: Message, payload: Any) -> bytes | None:
+        """The payload as the Protobuf message of the subject's latest schema (JSON mapped
+        by google.protobuf.json_format: field names or their lowerCamelCase JSON names,
+        enums by name or number, int64 as number or string, Timestamp as RFC 3339 text;
+        an unknown field is an error), encoded by confluent-kafka's ProtobufSerializer."""
+        from confluent_kafka.serialization import MessageField, SerializationContext
+        from google.protobuf import json_format
+
+        assert self._protobuf is not None
+        message_class, serializer = self._protobuf.encoder_for(subject, message.event_type)
+        if not isinstance(payload, dict):
+            raise ProtobufParseError(f"a Protobuf message is a JSON object, not {type(payload).__name__}")
+        try:
+            value = json_format.ParseDict(payload, message_class())
+        except json_format.ParseError as exc:
+            raise ProtobufParseError(str(exc)) from None
+        return serializer(value, SerializationContext(message.topic, MessageField.VALUE))  # type: ignore[no-any-return]
+
+    def _log_unusable(self, subject: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._missing_logged.get(subject, -1e9) >= MISSING_SCHEMA_LOG_INTERVAL_SECONDS:
+            self._missing_logged[subject] = now
+            log.warning(
+                "schema registry: the subject's latest schema cannot be used; its rows wait", subject=subject, why=text
+            )
 
     def _registry_refused(self, subject: str, exc: Any) -> Outcome:
         status = int(getattr(exc, "http_status_code", 0) or 0)

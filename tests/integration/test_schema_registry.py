@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -123,10 +124,11 @@ def _outbox_table(store: Any) -> Any:
     return store
 
 
-def register(registry: Registry, subject: str, schema: dict[str, Any], schema_type: str) -> int:
+def register(registry: Registry, subject: str, schema: dict[str, Any] | str, schema_type: str) -> int:
     from confluent_kafka.schema_registry import Schema
 
-    return int(registry.client().register_schema(subject, Schema(json.dumps(schema), schema_type)))
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    return int(registry.client().register_schema(subject, Schema(text, schema_type)))
 
 
 def enqueue_payloads(dsn: str, table: str, payloads: list[dict[str, Any]]) -> list[int]:
@@ -463,3 +465,197 @@ def test_schema_files_wait_for_a_registry_that_does_not_answer(
     assert "not ready within relay.startup_timeout_seconds" in str(gave_up.value)
     assert "schema registry unreachable" in str(gave_up.value)
     assert row_states(pg_dsn, table, ids, ("status", "attempts"))[ids[0]] == ("pending", 0)
+
+
+PROTO_ORDER = """syntax = "proto3";
+package outbox.test;
+
+import "google/protobuf/timestamp.proto";
+
+message OrderCreated {
+  int64 id = 1;
+  string customer = 2;
+  repeated Line lines = 3;
+  google.protobuf.Timestamp placed_at = 4;
+  Status status = 5;
+
+  message Line {
+    string sku = 1;
+    int32 quantity = 2;
+  }
+}
+
+enum Status {
+  STATUS_UNSPECIFIED = 0;
+  PLACED = 1;
+  PAID = 2;
+}
+
+message OrderCancelled {
+  int64 id = 1;
+  string reason = 2;
+}
+"""
+
+
+def generated_module(tmp_path: Path, proto_text: str) -> Any:
+    """The reader's own generated Python module of ``proto_text`` (protoc --python_out)."""
+    import importlib.util
+
+    import grpc_tools
+
+    source = tmp_path / "reader"
+    source.mkdir()
+    (source / "order.proto").write_text(proto_text)
+    include = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{source}",
+            f"-I{include}",
+            f"--python_out={source}",
+            "order.proto",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    spec = importlib.util.spec_from_file_location("order_pb2", source / "order_pb2.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_protobuf_values_in_confluent_wire_format(
+    registry: Registry,
+    make_settings: Callable[..., Any],
+    pg_dsn: str,
+    table: str,
+    topic_prefix: str,
+    broker: Any,
+    tmp_path: Path,
+) -> None:
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+    from google.protobuf import json_format
+
+    topic = f"{topic_prefix}.order"
+    subject = f"{topic}-value"
+    proto_file = tmp_path / "order.proto"
+    proto_file.write_text(PROTO_ORDER)
+    sections = registry_settings(registry, "protobuf")
+    sections["schema_registry"]["schema_files"] = {subject: str(proto_file)}
+    payloads: list[dict[str, Any]] = [
+        {
+            "id": i,
+            "customer": f"c{i}",
+            "lines": [{"sku": "A-1", "quantity": i + 1}],
+            "placedAt": "2026-01-02T03:04:05.500Z",
+            "status": "PAID",
+        }
+        for i in range(4)
+    ]
+    payloads.append({"id": "9007199254740993", "customer": "big id as a string", "status": 1})
+    good = enqueue_payloads(pg_dsn, table, payloads)
+    misfits = enqueue_payloads(
+        pg_dsn,
+        table,
+        [{"id": 1, "customer": "x", "colour": "red"}, {"id": "not a number", "customer": "y"}, ["not", "an object"]],
+    )
+    relay_until(
+        make_settings(**sections),
+        lambda: (
+            len(delivered(pg_dsn, table, good)) == len(good)
+            and all(state[0] == "dead" for state in row_states(pg_dsn, table, misfits, ("status",)).values())
+        ),
+        "the Protobuf rows delivered and the misfits dead",
+    )
+    for _status, last_error in row_states(pg_dsn, table, misfits, ("status", "last_error")).values():
+        assert f"does not fit the latest schema of {subject}" in last_error, last_error
+    schema_id = registry.client().get_latest_version(subject).schema_id
+    raw = read_raw(broker.bootstrap_servers, topic, len(good))
+    assert len(raw) == len(good)
+    for value in raw:
+        # magic byte, schema id, message indexes [0] (the first message: one zero byte)
+        assert value[0] == 0 and int.from_bytes(value[1:5], "big") == schema_id and value[5] == 0
+    reader = generated_module(tmp_path, PROTO_ORDER)
+    deserialize = ProtobufDeserializer(reader.OrderCreated, {"use.deprecated.format": False})
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    got = sorted((deserialize(value, ctx) for value in raw), key=lambda m: m.id)
+    expected = sorted((json_format.ParseDict(p, reader.OrderCreated()) for p in payloads), key=lambda m: m.id)
+    assert got == expected
+    assert got[0].lines[0].sku == "A-1" and got[0].placed_at.nanos == 500_000_000
+    assert got[-1].id == 9007199254740993 and got[-1].status == reader.PLACED
+
+
+def test_protobuf_message_named_by_the_event_type(
+    registry: Registry,
+    make_settings: Callable[..., Any],
+    pg_dsn: str,
+    table: str,
+    topic_prefix: str,
+    broker: Any,
+    tmp_path: Path,
+) -> None:
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    subject = f"{topic}-value"
+    register(registry, subject, PROTO_ORDER, "PROTOBUF")
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        ids = [
+            enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id="agg-1",
+                event_type="outbox.test.OrderCancelled",
+                payload={"id": 7, "reason": "changed my mind"},
+                table=table,
+            )
+        ]
+    relay_until(
+        make_settings(**registry_settings(registry, "protobuf")),
+        lambda: len(delivered(pg_dsn, table, ids)) == 1,
+        "the row delivered",
+    )
+    [value] = read_raw(broker.bootstrap_servers, topic, 1)
+    assert value[5:7] == b"\x02\x02"  # message indexes [1], zigzag varints: count 1, index 1
+    reader = generated_module(tmp_path, PROTO_ORDER)
+    got = ProtobufDeserializer(reader.OrderCancelled, {"use.deprecated.format": False})(
+        value, SerializationContext(topic, MessageField.VALUE)
+    )
+    assert (got.id, got.reason) == (7, "changed my mind")
+
+
+def test_protobuf_rows_wait_while_the_registry_does_not_answer(
+    make_settings: Callable[..., Any], pg_dsn: str, table: str
+) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        closed_port = s.getsockname()[1]
+    ids = enqueue_payloads(pg_dsn, table, [{"id": 1, "customer": "a"}, {"id": 2, "customer": "b"}])
+    relay = Relay(
+        make_settings(
+            kafka={"value_format": "protobuf"},
+            schema_registry={"url": f"http://127.0.0.1:{closed_port}/apis/ccompat/v7", "timeout_seconds": 1},
+        )
+    )
+    relay.start()
+    try:
+        wait_for(
+            lambda: all(
+                "schema registry unreachable" in (state[0] or "")
+                for state in row_states(pg_dsn, table, ids, ("last_error",)).values()
+            ),
+            timeout=60,
+            message="both rows tried",
+        )
+    finally:
+        relay.stop()
+    for status, attempts in row_states(pg_dsn, table, ids, ("status", "attempts")).values():
+        assert status == "pending" and attempts == 0
