@@ -224,6 +224,8 @@ class RegistryValueEncoder:
 
         if message.value is None:
             return None
+        if isinstance(message.value, bytes):
+            return message.value  # payload_bytes: encoded by the row's writer, published as they are
         if self.files_pending:
             # Rows are encoded only with the schemas shipped with the configuration registered.
             why_not = self.register_schema_files()
