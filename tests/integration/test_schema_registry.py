@@ -659,3 +659,44 @@ def test_protobuf_rows_wait_while_the_registry_does_not_answer(
         relay.stop()
     for status, attempts in row_states(pg_dsn, table, ids, ("status", "attempts")).values():
         assert status == "pending" and attempts == 0
+
+
+def test_a_row_encoded_by_its_writer_is_not_encoded_again(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str, broker: Any
+) -> None:
+    from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    topic = f"{topic_prefix}.order"
+    register(registry, f"{topic}-value", AVRO_V1, "AVRO")
+    ctx = SerializationContext(topic, MessageField.VALUE)
+    # The writer's own Confluent-framed Avro value, made with the same registry.
+    framed = AvroSerializer(registry.client(), None, conf={"auto.register.schemas": False, "use.latest.version": True})(
+        {"id": 7, "customer": "writer"}, ctx
+    )
+    assert framed is not None
+    with psycopg.connect(pg_dsn) as conn, conn.transaction():
+        ids = [
+            enqueue(
+                conn,
+                aggregate_type="order",
+                aggregate_id="agg-w",
+                event_type="OrderCreated",
+                payload=None,
+                payload_bytes=framed,
+                table=table,
+            )
+        ]
+    ids += enqueue_payloads(pg_dsn, table, [{"id": 8, "customer": "relay"}])
+    relay_until(
+        make_settings(**registry_settings(registry, "avro")),
+        lambda: len(delivered(pg_dsn, table, ids)) == 2,
+        "both rows delivered",
+    )
+    raw = read_raw(broker.bootstrap_servers, topic, 2)
+    assert framed in raw
+    deserialize = AvroDeserializer(registry.client())
+    assert sorted((deserialize(v, ctx) for v in raw), key=lambda r: r["id"]) == [
+        {"id": 7, "customer": "writer"},
+        {"id": 8, "customer": "relay"},
+    ]
