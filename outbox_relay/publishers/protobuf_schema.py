@@ -26,6 +26,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,8 @@ class ProtobufMessages:
     def __init__(self, client: Any) -> None:
         self._client = client
         self._compiled: dict[tuple[str, int], CompiledSchema] = {}
+        # One protoc run per schema version, not one per worker meeting it first.
+        self._compile_lock = threading.Lock()
 
     def _references(self, schema: Any, texts: dict[str, str], names: dict[tuple[str, int], str], depth: int) -> None:
         """The text of every schema ``schema`` references, transitively, by import name."""
@@ -188,6 +191,16 @@ class ProtobufMessages:
             texts[reference.name] = referenced.schema.schema_str
             names[(reference.subject, int(reference.version))] = reference.name
             self._references(referenced.schema, texts, names, depth + 1)
+
+    def _compile(self, subject: str, latest: Any) -> CompiledSchema:
+        if (latest.schema.schema_type or "AVRO").upper() != "PROTOBUF":
+            raise ProtobufSchemaError(
+                f"the latest schema of {subject} is {latest.schema.schema_type or 'AVRO'}, not PROTOBUF"
+            )
+        texts: dict[str, str] = {}
+        names: dict[tuple[str, int], str] = {}
+        self._references(latest.schema, texts, names, 0)
+        return CompiledSchema(latest, compile_proto(latest.schema.schema_str, texts), names)
 
     def encoder_for(self, subject: str, event_type: str) -> tuple[Any, Any]:
         """(message class, serializer) for the subject's latest schema. Raises the
@@ -207,15 +220,9 @@ class ProtobufMessages:
         key = (subject, int(latest.schema_id))
         compiled = self._compiled.get(key)
         if compiled is None:
-            if (latest.schema.schema_type or "AVRO").upper() != "PROTOBUF":
-                raise ProtobufSchemaError(
-                    f"the latest schema of {subject} is {latest.schema.schema_type or 'AVRO'}, not PROTOBUF"
-                )
-            texts: dict[str, str] = {}
-            names: dict[tuple[str, int], str] = {}
-            self._references(latest.schema, texts, names, 0)
-            compiled = CompiledSchema(latest, compile_proto(latest.schema.schema_str, texts), names)
-            self._compiled[key] = compiled
+            with self._compile_lock:
+                compiled = self._compiled.get(key) or self._compile(subject, latest)
+                self._compiled[key] = compiled
         descriptor = choose_message(compiled, event_type)
         made = compiled.serializers.get(descriptor.full_name)
         if made is None:

@@ -700,3 +700,23 @@ def test_a_row_encoded_by_its_writer_is_not_encoded_again(
         {"id": 7, "customer": "writer"},
         {"id": 8, "customer": "relay"},
     ]
+
+
+def test_protobuf_rows_wait_for_a_subject_that_holds_no_protobuf_schema(
+    registry: Registry, make_settings: Callable[..., Any], pg_dsn: str, table: str, topic_prefix: str
+) -> None:
+    register(registry, f"{topic_prefix}.order-value", AVRO_V1, "AVRO")
+    ids = enqueue_payloads(pg_dsn, table, [{"id": 1, "customer": "a"}])
+    relay = Relay(make_settings(**registry_settings(registry, "protobuf")))
+    relay.start()
+    try:
+        wait_for(
+            lambda: "cannot be used" in (row_states(pg_dsn, table, ids, ("last_error",))[ids[0]][0] or ""),
+            timeout=60,
+            message="the row deferred",
+        )
+    finally:
+        relay.stop()
+    status, attempts, last_error = row_states(pg_dsn, table, ids, ("status", "attempts", "last_error"))[ids[0]]
+    assert status == "pending" and attempts == 0
+    assert "is AVRO, not PROTOBUF" in last_error
