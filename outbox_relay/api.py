@@ -10,13 +10,15 @@ from functools import lru_cache
 from typing import Any
 
 from psycopg import Connection
-from psycopg.sql import SQL, Composable
+from psycopg.sql import SQL, Composable, Composed
 from psycopg.types.json import Jsonb
 
 from .db.schema import TableSql
 
 _RECORD_COLUMNS = SQL(", tombstone, partition")
 _RECORD_VALUES = SQL(", %(tombstone)s, %(partition)s")
+_BYTES_COLUMN = SQL(", payload_bytes")
+_BYTES_VALUE = SQL(", %(payload_bytes)s")
 _NOTHING = SQL("")
 
 
@@ -74,6 +76,7 @@ def enqueue(
     trace_context: bool = True,
     tombstone: bool = False,
     partition: int | None = None,
+    payload_bytes: bytes | bytearray | memoryview | None = None,
 ) -> EnqueueResult:
     """Insert one outbox row on ``conn``, inside the caller's transaction; return its id.
 
@@ -111,6 +114,15 @@ def enqueue(
 
     Both need the table's ``tombstone`` and ``partition`` columns (``outbox-relay
     migrate``); without them, an enqueue that uses neither still works.
+
+    ``payload_bytes``: the message value already encoded by the writer (Avro,
+    Protobuf, a Confluent-framed value, any bytes), published as it is instead of a
+    JSON payload; pass ``payload=None`` with it. Kafka (contract, debezium): the
+    record's value; the registry value formats do not encode it again. CloudEvents:
+    the event's data, its ``datacontenttype`` the row's ``content-type`` header (else
+    ``application/octet-stream``); structured mode carries it base64-encoded under
+    ``data_base64``. HTTP: the request body, ``Content-Type`` likewise. Needs the
+    table's ``payload_bytes`` column (``outbox-relay migrate``).
     """
     if headers is not None:
         if not isinstance(headers, Mapping) or not all(
@@ -127,6 +139,14 @@ def enqueue(
             raise ValueError(f"{name} must be a non-empty string")
     if tombstone and payload is not None:
         raise ValueError("a tombstone carries no payload: pass payload=None with tombstone=True")
+    if payload_bytes is not None:
+        if not isinstance(payload_bytes, bytes | bytearray | memoryview):
+            raise TypeError(f"payload_bytes must be bytes, not {type(payload_bytes).__name__}")
+        if payload is not None:
+            raise ValueError("payload_bytes is the value: pass payload=None with it")
+        if tombstone:
+            raise ValueError("a tombstone carries no value: payload_bytes and tombstone=True exclude each other")
+        payload_bytes = bytes(payload_bytes)
     if partition is not None and (isinstance(partition, bool) or not isinstance(partition, int) or partition < 0):
         raise ValueError(f"partition must be an int of 0 or more (or None), not {partition!r}")
     if isinstance(payload, str | bytes):
@@ -151,12 +171,15 @@ def enqueue(
         "lock_key": f"outbox-relay:{table}:{aggregate_id}",
         "tombstone": tombstone,
         "partition": partition,
+        "payload_bytes": payload_bytes,
     }
     # The record columns only when asked for: a plain enqueue works on a table that
     # migrate has not given them yet (an application upgraded before its migrate).
     asked = tombstone or partition is not None
     columns: Composable = _RECORD_COLUMNS if asked else _NOTHING
     values: Composable = _RECORD_VALUES if asked else _NOTHING
+    if payload_bytes is not None:  # likewise: the column only when used
+        columns, values = Composed([columns, _BYTES_COLUMN]), Composed([values, _BYTES_VALUE])
     with conn.cursor() as cur:
         if ordered:
             cur.execute(sql.query("aggregate_lock"), params)

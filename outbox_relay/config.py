@@ -266,11 +266,12 @@ class KafkaSettings(_Section):
         min_length=1,
         description="CloudEvents `source` attribute; default /outbox-relay/<database.table>.",
     )
-    value_format: Literal["json", "avro", "json-schema"] = Field(
+    value_format: Literal["json", "avro", "json-schema", "protobuf"] = Field(
         default="json",
         description="Encoding of each Kafka record's value: json (default) = the payload's JSON text as it is; "
-        "avro or json-schema = the payload encoded against the latest schema of its subject in the Schema "
-        "Registry ([schema_registry], extra `registry`), in the Confluent wire format (magic byte 0, schema id). "
+        "avro, json-schema or protobuf = the payload encoded against the latest schema of its subject in the "
+        "Schema Registry ([schema_registry], extra `registry`; protobuf: extra `protobuf`), in the Confluent wire "
+        "format (magic byte 0, schema id; protobuf: then the message indexes). "
         'Needs kafka.message_format = "contract".',
     )
 
@@ -340,9 +341,17 @@ class KafkaSettings(_Section):
 
 SubjectNameStrategy = Literal["topic", "record", "topic-record"]
 
+#: The Schema Registry's schema type of a schema file, told by how its name ends.
+SCHEMA_FILE_TYPES = {".avsc": "AVRO", ".json": "JSON", ".proto": "PROTOBUF"}
+
+
+def schema_file_type(file_name: str) -> str | None:
+    """AVRO, JSON or PROTOBUF for a schema file's name, None for another ending."""
+    return SCHEMA_FILE_TYPES.get(Path(file_name).suffix.lower())
+
 
 class SchemaRegistrySettings(_Section):
-    """The Confluent-compatible Schema Registry of kafka.value_format = "avro" / "json-schema"."""
+    """The Confluent-compatible Schema Registry of kafka.value_format = "avro" / "json-schema" / "protobuf"."""
 
     url: str | None = Field(
         default=None,
@@ -381,6 +390,14 @@ class SchemaRegistrySettings(_Section):
         description="Register schemas from the relay. Not supported: the relay has no schema of its own to "
         "register; subjects must be registered beforehand (must stay false).",
     )
+    schema_files: dict[str, str] = Field(
+        default_factory=dict,
+        description="Schemas the relay registers at start, subject -> file: .avsc = Avro, .json = JSON Schema, "
+        ".proto = Protobuf (self-contained or importing only google/protobuf/*). Registering the same schema again "
+        "is a no-op; a schema the registry refuses (incompatible, invalid) stops the start with the registry's "
+        "reason; while the registry does not answer the relay waits. Relative paths are taken from the working "
+        "directory. Rows are never registered from (auto_register stays false).",
+    )
     timeout_seconds: float = Field(default=5.0, gt=0, le=60, description="Timeout of one request to the registry.")
     missing_schema_defer_seconds: float = Field(
         default=15.0,
@@ -406,6 +423,19 @@ class SchemaRegistrySettings(_Section):
     def _check_ca_file(cls, value: str | None) -> str | None:
         if value is not None and not os.access(value, os.R_OK):
             raise ValueError(f"file {value!r} does not exist or is not readable")
+        return value
+
+    @field_validator("schema_files")
+    @classmethod
+    def _check_schema_files(cls, value: dict[str, str]) -> dict[str, str]:
+        for subject, file_name in value.items():
+            if not subject.strip():
+                raise ValueError("a subject name is empty")
+            if schema_file_type(file_name) is None:
+                known = ", ".join(SCHEMA_FILE_TYPES)
+                raise ValueError(f"{subject}: {file_name!r} ends in none of {known} (the schema type is told by it)")
+            if not os.path.isfile(file_name) or not os.access(file_name, os.R_OK):
+                raise ValueError(f"{subject}: file {file_name!r} does not exist or is not readable")
         return value
 
     @field_validator("auto_register")
@@ -895,6 +925,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_value_format(self) -> Settings:
         if self.kafka.value_format == "json":
+            if self.schema_registry.schema_files:
+                raise ValueError(
+                    "schema_registry.schema_files: the relay registers schemas only for the value formats that use "
+                    'them (kafka.value_format = "avro", "json-schema" or "protobuf")'
+                )
             return self
         if self.schema_registry.url is None:
             raise ValueError(f'kafka.value_format = "{self.kafka.value_format}" needs schema_registry.url')

@@ -32,6 +32,10 @@ class Claimed:
     size_bytes: int = 0  # payload + headers as text, as the claim measured them
     tombstone: bool = False  # send a null value (a delete on a compacted topic), not the payload
     partition: int | None = None  # the partition the row asks for; None: the partitioner chooses
+    # The value as its writer encoded it (enqueue(payload_bytes=...)), published as it
+    # is instead of the JSON payload; None: the payload is the value. Also None when the
+    # row is larger than the target accepts (then payload is None too).
+    payload_bytes: bytes | None = None
 
 
 @dataclass(slots=True)  # not frozen: one per row of every batch, and a frozen __init__ costs ~3x
@@ -127,7 +131,9 @@ class Message:
     id: int
     topic: str
     key: str
-    value: str | None  # the payload as JSON text; None: a tombstone (the row's ``tombstone``)
+    # The payload as JSON text; bytes: the row's payload_bytes (encoded by its writer, sent
+    # as they are); None: a tombstone (the row's ``tombstone``).
+    value: str | bytes | None
     headers: list[tuple[str, str]]
     aggregate_type: str
     aggregate_id: str

@@ -40,6 +40,7 @@ context (``traceparent``, ``tracestate``) keeps its own name in every format.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import functools
 import json
@@ -67,6 +68,8 @@ CE_SPECVERSION = "1.0"
 CE_PREFIX = "ce_"  # Kafka binding: attribute names as header names
 CE_HTTP_PREFIX = "ce-"  # HTTP binding
 DATA_CONTENT_TYPE = "application/json"  # the payload is JSON (jsonb)
+#: The data content type of a row's payload_bytes unless its ``content-type`` header names one.
+BYTES_CONTENT_TYPE = "application/octet-stream"
 STRUCTURED_CONTENT_TYPE = "application/cloudevents+json"  # the JSON event format's media type
 CONTENT_TYPE_HEADER = "content-type"
 
@@ -142,7 +145,7 @@ class Encoded:
 
     topic: str
     key: str
-    value: str | None  # None: a tombstone
+    value: str | bytes | None  # bytes: the row's payload_bytes; None: a tombstone
     headers: list[tuple[str, str]]
 
 
@@ -187,8 +190,12 @@ class WireFormat:
         tombstone = row.tombstone
         if row.payload is None and not tombstone:
             raise FormatError("payload not fetched: the row is larger than the target accepts")
-        payload = None if tombstone else row.payload
         fmt = self.format
+        if row.payload_bytes is not None:
+            if tombstone:
+                raise FormatError("a tombstone carries no value, but the row has payload_bytes")
+            return self._encode_bytes(row, topic, row.payload_bytes, extra)
+        payload = None if tombstone else row.payload
         message_id = str(row.id)
         if fmt is MessageFormat.CONTRACT:
             headers = [
@@ -231,6 +238,54 @@ class WireFormat:
         value = json.dumps(envelope, ensure_ascii=False)[:-1] + ', "data": ' + payload + "}"
         headers = [(CONTENT_TYPE_HEADER, STRUCTURED_CONTENT_TYPE), ("message_id", message_id), *plain]
         return Encoded(topic, row.aggregate_id, value, headers)
+
+    def _encode_bytes(self, row: Claimed, topic: str, value: bytes, extra: list[tuple[str, str]]) -> Encoded:
+        """A row whose writer encoded its value (``payload_bytes``): the bytes are the
+        value as they are, in every format. Their data content type is the row's
+        ``content-type`` header, else ``application/octet-stream``: in the CloudEvents
+        formats it is the ``datacontenttype`` (binary mode: the ``content-type`` header;
+        structured mode: the bytes go base64-encoded under ``data_base64``)."""
+        message_id = str(row.id)
+        fmt = self.format
+        if fmt is MessageFormat.CONTRACT:
+            headers = [
+                ("message_id", message_id),
+                ("event_type", row.event_type),
+                ("aggregate_type", row.aggregate_type),
+                ("aggregate_id", row.aggregate_id),
+                *extra,
+            ]
+            return Encoded(topic, row.aggregate_id, value, headers)
+        if fmt is MessageFormat.DEBEZIUM:
+            if any(name == "id" for name, _ in extra):
+                raise FormatError("header 'id' is reserved in the debezium format (it carries the outbox id)")
+            return Encoded(topic, row.aggregate_id, value, [("id", message_id), *extra])
+        content_types = [v for name, v in extra if name.lower() == CONTENT_TYPE_HEADER]
+        if len(content_types) > 1:
+            raise FormatError("more than one content-type header")
+        content_type = content_types[0] if content_types else BYTES_CONTENT_TYPE
+        plain, extensions = _split_extensions([(n, v) for n, v in extra if n.lower() != CONTENT_TYPE_HEADER])
+        attributes = [
+            ("specversion", CE_SPECVERSION),
+            ("id", message_id),
+            ("source", self.cloudevents_source),
+            ("type", row.event_type),
+            ("subject", row.aggregate_id),
+            ("time", rfc3339(row.created_at)),
+        ]
+        if fmt is MessageFormat.CLOUDEVENTS_BINARY:
+            headers = [(CE_PREFIX + name, attribute) for name, attribute in attributes]
+            headers.append((CONTENT_TYPE_HEADER, content_type))
+            headers.extend((CE_PREFIX + name, attribute) for name, attribute in extensions)
+            headers.append(("message_id", message_id))
+            headers.extend(plain)
+            return Encoded(topic, row.aggregate_id, value, headers)
+        envelope = dict(attributes)
+        envelope["datacontenttype"] = content_type
+        envelope.update(extensions)
+        envelope["data_base64"] = base64.standard_b64encode(value).decode("ascii")
+        headers = [(CONTENT_TYPE_HEADER, STRUCTURED_CONTENT_TYPE), ("message_id", message_id), *plain]
+        return Encoded(topic, row.aggregate_id, json.dumps(envelope, ensure_ascii=False), headers)
 
 
 def _split_extensions(extra: Sequence[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:

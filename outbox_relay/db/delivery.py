@@ -313,7 +313,7 @@ class DeliveryOps(StoreCore):
                 reaped.append((record[1], record[2], record[12]))
             else:
                 row = Claimed(*record[1:12])
-                row.tombstone, row.partition = record[14], record[15]
+                row.tombstone, row.partition, row.payload_bytes = record[14], record[15], record[16]
                 rows.append(row)
                 if record[13] is not None:
                     keys.append((record[13], record[1]))

@@ -142,6 +142,12 @@ def _create_pauses(run: MigrationRun) -> None:
     run.conn.execute(run.sql.query("add_audit_pause_check", constraint=sql.Identifier(run.sql.audit_action_check_name)))
 
 
+def _add_payload_bytes(run: MigrationRun) -> None:
+    """``payload_bytes``: a row already encoded by its writer carries the value to
+    publish as it is (``enqueue(payload_bytes=...)``)."""
+    run.conn.execute(run.sql.query("add_payload_bytes"))
+
+
 STEPS: tuple[Step, ...] = (
     Step(1, "create_table", _create_table),
     Step(2, "add_dedup_key", _add_dedup_key),
@@ -152,6 +158,7 @@ STEPS: tuple[Step, ...] = (
     Step(7, "add_record_columns", _add_record_columns),
     Step(8, "add_audit_replay", _add_audit_replay),
     Step(9, "create_pauses", _create_pauses),
+    Step(10, "add_payload_bytes", _add_payload_bytes),
 )
 #: The last step of the layouts made before steps were recorded (see the module docstring).
 BASELINE = 5

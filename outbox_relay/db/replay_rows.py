@@ -90,6 +90,7 @@ class ReplayOps(StoreCore):
                 created_at=r[8] if isinstance(r[8], dt.datetime) else dt.datetime.fromisoformat(str(r[8])),
                 tombstone=bool(r[9]),
                 partition=r[10],
+                payload_bytes=r[11],
             )
             for r in fetched
             if r[1] is not None

@@ -6,7 +6,9 @@ Each outbox row becomes one ``POST`` to ``http.url_template``:
   ``{event_type}``, ``{topic}`` and ``{id}``; every value is percent-encoded
   (``/`` included), so a row can never change the URL's shape.
 - **Body**: the payload as JSON text (UTF-8), exactly as stored;
-  ``Content-Type: application/json``.
+  ``Content-Type: application/json``. A row with ``payload_bytes`` (encoded by its
+  writer): those bytes, ``Content-Type`` = the row's ``content-type`` header, else
+  ``application/octet-stream``.
 - **Headers**: every header of the message contract (``message_id``,
   ``event_type``, ``aggregate_type``, ``aggregate_id``, then the row's own
   ``headers``) as ``X-Outbox-<name>``, with ``_`` in the name turned into ``-``
@@ -102,7 +104,15 @@ from urllib.parse import quote, urlsplit
 import httpx
 
 from ..config import webhook_secret_bytes
-from ..core.formats import CE_HTTP_PREFIX, HTTP_HEADER_PREFIX, TRACE_HEADERS, http_header_name, http_headers
+from ..core.formats import (
+    BYTES_CONTENT_TYPE,
+    CE_HTTP_PREFIX,
+    CONTENT_TYPE_HEADER,
+    HTTP_HEADER_PREFIX,
+    TRACE_HEADERS,
+    http_header_name,
+    http_headers,
+)
 from ..core.ordering import RELEASED_AFTER_FAILURE, chains
 from ..errors import ConfigError
 from ..model import Defer, Message, NotDelivered, Outcome, PermanentError, RetryableError
@@ -413,7 +423,19 @@ class HttpPublisher(Publisher):
             return exc
         parts = urlsplit(url)
         where = f"POST {parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"  # no credentials, no query
-        body = message.value.encode("utf-8")
+        if isinstance(message.value, bytes):
+            # A row its writer encoded (payload_bytes): the body is its bytes, and their
+            # media type the row's content-type header (application/octet-stream without
+            # one). The CloudEvents formats carry it already (Content-Type, datacontenttype).
+            body = message.value
+            if not message.format.is_cloudevents:
+                for existing in [n for n in headers if n.lower() == "content-type"]:
+                    del headers[existing]
+                headers["Content-Type"] = next(
+                    (v for n, v in message.headers if n.lower() == CONTENT_TYPE_HEADER), BYTES_CONTENT_TYPE
+                )
+        else:
+            body = message.value.encode("utf-8")
         if self.signer is not None:
             # Signed over the exact bytes sent, with this attempt's time (receivers refuse stale timestamps).
             headers.update(self.signer.headers(webhook_id(message), int(time.time()), body))

@@ -40,7 +40,7 @@ from ..observability.logs import SYSLOG_TO_STDLIB, RateLimiter, librdkafka_logge
 from .base import PendingBatch, Publisher
 from .kafka_diagnosis import KafkaDiagnosis
 from .kafka_isolation import RejectionIsolator  # one bad record must not condemn its whole record batch
-from .schema_registry import RegistryValueEncoder, encoder_from_settings
+from .schema_registry import RegistryValueEncoder, SchemaFileRefused, encoder_from_settings
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -375,7 +375,7 @@ class KafkaPublisher(Publisher):
 
     def __init__(self, config: dict[str, Any], value_encoder: RegistryValueEncoder | None = None) -> None:
         self._config = dict(config)
-        # kafka.value_format = "avro" / "json-schema": values encoded against the Schema
+        # kafka.value_format = "avro" / "json-schema" / "protobuf": values encoded against the Schema
         # Registry before produce(); None (the default, "json"): values sent as they are.
         self.value_encoder = value_encoder
         self._lock = threading.Lock()
@@ -394,6 +394,7 @@ class KafkaPublisher(Publisher):
         self.local_queue_full_waits = 0  # produce() calls that found the local queue full
         self._refusal: str | None = None  # the last authentication/TLS refusal (see is_refusal)
         self._tls_failure: str | None = None  # the last connection failure, if it was in the TLS handshake
+        self._registry_wait: str | None = None  # why the schema files are not registered yet
         self._error_lines = RateLimiter(interval_seconds=10.0)
         self._last_probe: tuple[float, bool] = (0.0, False)
         # Topics the broker refused writes to (TOPIC_AUTHORIZATION_FAILED, or
@@ -705,7 +706,7 @@ class KafkaPublisher(Publisher):
     def probe_problem(self) -> str | None:
         failure = self._tls_failure
         if failure is None:
-            return None
+            return self._registry_wait
         return (
             f"the TLS handshake failed (kafka.security_protocol = {self._config.get('security.protocol')}: "
             f"is the listener plaintext?): {failure}"
@@ -737,6 +738,19 @@ class KafkaPublisher(Publisher):
             return False
         self._refusal = None
         self._tls_failure = None
+        if self.value_encoder is not None and self.value_encoder.files_pending:
+            # schema_registry.schema_files: registered before the first row is encoded.
+            # A refusal is raised once (at start it stops the relay, exit 2); after
+            # that the probe just fails, so the rows keep waiting.
+            first_refusal = self.value_encoder.files_refused is None
+            why_not = self.value_encoder.register_schema_files()
+            if why_not is not None:
+                self._registry_wait = why_not
+                self._last_probe = (time.monotonic(), False)
+                if self.value_encoder.files_refused is not None and first_refusal:
+                    raise SchemaFileRefused(why_not)
+                return False
+            self._registry_wait = None
         self._last_probe = (time.monotonic(), True)
         return True
 

@@ -1,11 +1,14 @@
 """Kafka record values encoded against a Confluent-compatible Schema Registry.
 
-``kafka.value_format = "avro"`` or ``"json-schema"``: the row's payload (JSON text) is
-parsed and handed to confluent-kafka's own ``AvroSerializer`` / ``JSONSerializer``,
-which encode it against the latest schema of the row's subject (fetched from the
-registry and cached by the client for ``schema_registry.latest_cache_seconds``) and
-frame it in the Confluent wire format: magic byte 0, the schema id (4 bytes, big
-endian), the encoded value. The relay never registers schemas.
+``kafka.value_format = "avro"``, ``"json-schema"`` or ``"protobuf"``: the row's payload
+(JSON text) is parsed and handed to confluent-kafka's own ``AvroSerializer`` /
+``JSONSerializer`` / ``ProtobufSerializer`` (the last one with a message class built from
+the registry's .proto text: ``protobuf_schema.py``), which encode it against the latest
+schema of the row's subject (fetched from the registry and cached by the client for
+``schema_registry.latest_cache_seconds``) and frame it in the Confluent wire format:
+magic byte 0, the schema id (4 bytes, big endian), for Protobuf the message indexes,
+the encoded value. Rows never register schemas; the files of
+``schema_registry.schema_files`` are registered at start (``register_schema_files``).
 
 What a failure does to the row (see ``encode``):
 
@@ -23,13 +26,19 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from ..errors import ConfigError
 from ..model import Defer, Message, Outcome, PermanentError, RetryableError
+from .protobuf_schema import ProtobufMessages, ProtobufSchemaError, protoc_available
 
 if TYPE_CHECKING:
     from ..config import Settings
+
+log = structlog.get_logger("outbox_relay.schema_registry")
 
 #: How long a registry failure is reported by ``problem()`` (for /readyz) after it was seen.
 PROBLEM_MEMORY_SECONDS = 30.0
@@ -47,6 +56,53 @@ def subject_name(strategy: str, topic: str, event_type: str) -> str:
     return f"{topic}-value"
 
 
+class ProtobufParseError(ValueError):
+    """The JSON payload does not map onto the Protobuf message."""
+
+
+class SchemaFile:
+    """One schema of ``schema_registry.schema_files``, read at start."""
+
+    def __init__(self, subject: str, file_name: str, schema_type: str, text: str) -> None:
+        self.subject = subject
+        self.file_name = file_name
+        self.schema_type = schema_type
+        self.text = text
+
+
+def read_schema_files(files: dict[str, str]) -> list[SchemaFile]:
+    """The schema files, read and checked as far as the relay can (Avro and JSON Schema
+    must be JSON, no file may be empty); ConfigError with one line naming the file."""
+    from ..config import schema_file_type
+
+    loaded: list[SchemaFile] = []
+    for subject, file_name in files.items():
+        where = f"schema_registry.schema_files: {subject}: {file_name!r}"
+        schema_type = schema_file_type(file_name)
+        if schema_type is None:
+            raise ConfigError(f"{where}: unknown schema type (name it .avsc, .json or .proto)")
+        try:
+            text = Path(file_name).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{where} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise ConfigError(f"{where} cannot be read ({reason})") from None
+        if not text.strip():
+            raise ConfigError(f"{where} is empty")
+        if schema_type in ("AVRO", "JSON"):
+            try:
+                json.loads(text)
+            except ValueError as exc:
+                raise ConfigError(f"{where} is not JSON ({exc})") from None
+        loaded.append(SchemaFile(subject, file_name, schema_type, text))
+    return loaded
+
+
+class SchemaFileRefused(ConfigError):
+    """The registry refused a schema file (incompatible with the subject's versions, or invalid)."""
+
+
 class RegistryValueEncoder:
     """Encodes message values with one serializer per subject (created on first use)."""
 
@@ -58,6 +114,7 @@ class RegistryValueEncoder:
         subject_name_strategy: str = "topic",
         missing_schema_defer_seconds: float = 15.0,
         log_missing: Callable[[str, str], None] | None = None,
+        schema_files: list[SchemaFile] | None = None,
     ) -> None:
         try:
             from confluent_kafka.schema_registry import SchemaRegistryClient
@@ -67,6 +124,14 @@ class RegistryValueEncoder:
             ) from None
         self.value_format = value_format
         self.client = SchemaRegistryClient(client_conf)
+        self._protobuf: ProtobufMessages | None = None
+        if value_format == "protobuf":
+            missing = protoc_available()
+            if missing is not None:
+                raise ConfigError(
+                    f'kafka.value_format = "protobuf" needs the extra: pip install "outbox-relay[protobuf]" ({missing})'
+                )
+            self._protobuf = ProtobufMessages(self.client)
         self._strategy = subject_name_strategy
         self._defer_seconds = missing_schema_defer_seconds
         self._log_missing = log_missing
@@ -74,6 +139,10 @@ class RegistryValueEncoder:
         self._lock = threading.Lock()
         self._problem: tuple[float, str] | None = None
         self._missing_logged: dict[str, float] = {}
+        # schema_registry.schema_files not registered yet; rows wait until all are.
+        self._unregistered_files = list(schema_files or [])
+        self._files_lock = threading.Lock()
+        self.files_refused: str | None = None  # the registry's refusal of a schema file (start-up error)
 
     # --- serializers -------------------------------------------------------------------
     def _serializer(self, subject: str) -> Callable[..., bytes | None]:
@@ -102,6 +171,50 @@ class RegistryValueEncoder:
 
         return JSONSerializer(None, self.client, conf=conf)  # type: ignore[no-any-return]
 
+    # --- schema files ------------------------------------------------------------------
+    @property
+    def files_pending(self) -> bool:
+        """Are schema files still to be registered (or refused)?"""
+        return bool(self._unregistered_files) or self.files_refused is not None
+
+    def register_schema_files(self) -> str | None:
+        """Register every schema file not registered yet, in the order given. None when
+        all are registered; else why not: the registry's refusal (also kept in
+        ``files_refused``: waiting does not fix it) or why it did not answer (the next
+        call tries again). Registering a schema the subject already holds is a no-op."""
+        from confluent_kafka.schema_registry import Schema
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        with self._files_lock:
+            if self.files_refused is not None:
+                return self.files_refused
+            while self._unregistered_files:
+                schema_file = self._unregistered_files[0]
+                try:
+                    self.client.register_schema(schema_file.subject, Schema(schema_file.text, schema_file.schema_type))
+                except SchemaRegistryError as exc:
+                    status = int(getattr(exc, "http_status_code", 0) or 0)
+                    text = getattr(exc, "error_message", None) or str(exc)
+                    what = f"the registry refused {schema_file.file_name!r} for subject {schema_file.subject}"
+                    if status in (400, 409, 422):
+                        self.files_refused = f"schema_registry.schema_files: {what} ({status}): {text}"
+                        self._problem = (time.monotonic(), self.files_refused)
+                        return self.files_refused
+                    reason = (
+                        f"schema registry answered {status or 'an error'} registering {schema_file.file_name!r} "
+                        f"for subject {schema_file.subject}: {text}"
+                    )
+                    self._problem = (time.monotonic(), reason)
+                    return reason
+                except Exception as exc:  # httpx transport errors: the registry, not the file
+                    reason = f"schema registry unreachable: {type(exc).__name__}: {exc}"
+                    self._problem = (time.monotonic(), reason)
+                    return reason
+                self._unregistered_files.pop(0)
+                # A version registered now is its subject's latest, not the one cached before.
+                self.client.clear_latest_caches()  # type: ignore[no-untyped-call]
+        return None
+
     # --- encoding ----------------------------------------------------------------------
     def encode(self, message: Message) -> bytes | Outcome | None:
         """The encoded value of ``message``, or the outcome of its row (an outcome
@@ -111,15 +224,32 @@ class RegistryValueEncoder:
 
         if message.value is None:
             return None
+        if isinstance(message.value, bytes):
+            return message.value  # payload_bytes: encoded by the row's writer, published as they are
+        if self.files_pending:
+            # Rows are encoded only with the schemas shipped with the configuration registered.
+            why_not = self.register_schema_files()
+            if why_not is not None:
+                return RetryableError(f"{why_not}: the rows wait", transport=True)
         subject = subject_name(self._strategy, message.topic, message.event_type)
         try:
             payload = json.loads(message.value)
         except ValueError as exc:
             return PermanentError(f"schema registry: the payload is not JSON ({exc})")
         try:
+            if self._protobuf is not None:
+                return self._encode_protobuf(subject, message, payload)
             return self._serializer(subject)(payload, SerializationContext(message.topic, MessageField.VALUE))
         except SchemaRegistryError as exc:
             return self._registry_refused(subject, exc)
+        except ProtobufSchemaError as exc:
+            # The registry's schema, not the row: the row waits for a usable version.
+            reason = f"schema registry: the latest schema of {subject} cannot be used: {exc}"
+            self._problem = (time.monotonic(), reason)
+            self._log_unusable(subject, str(exc))
+            return Defer(self._defer_seconds, reason)
+        except ProtobufParseError as exc:
+            return PermanentError(f"schema registry: the payload does not fit the latest schema of {subject}: {exc}")
         except SerializationError as exc:
             return PermanentError(f"schema registry: the payload does not fit the latest schema of {subject}: {exc}")
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
@@ -131,6 +261,32 @@ class RegistryValueEncoder:
             reason = f"schema registry unreachable: {type(exc).__name__}: {exc}"
             self._problem = (time.monotonic(), reason)
             return RetryableError(reason, transport=True)
+
+    def _encode_protobuf(self, subject: str, message: Message, payload: Any) -> bytes | None:
+        """The payload as the Protobuf message of the subject's latest schema (JSON mapped
+        by google.protobuf.json_format: field names or their lowerCamelCase JSON names,
+        enums by name or number, int64 as number or string, Timestamp as RFC 3339 text;
+        an unknown field is an error), encoded by confluent-kafka's ProtobufSerializer."""
+        from confluent_kafka.serialization import MessageField, SerializationContext
+        from google.protobuf import json_format
+
+        assert self._protobuf is not None
+        message_class, serializer = self._protobuf.encoder_for(subject, message.event_type)
+        if not isinstance(payload, dict):
+            raise ProtobufParseError(f"a Protobuf message is a JSON object, not {type(payload).__name__}")
+        try:
+            value = json_format.ParseDict(payload, message_class())
+        except json_format.ParseError as exc:
+            raise ProtobufParseError(str(exc)) from None
+        return serializer(value, SerializationContext(message.topic, MessageField.VALUE))  # type: ignore[no-any-return]
+
+    def _log_unusable(self, subject: str, text: str) -> None:
+        now = time.monotonic()
+        if now - self._missing_logged.get(subject, -1e9) >= MISSING_SCHEMA_LOG_INTERVAL_SECONDS:
+            self._missing_logged[subject] = now
+            log.warning(
+                "schema registry: the subject's latest schema cannot be used; its rows wait", subject=subject, why=text
+            )
 
     def _registry_refused(self, subject: str, exc: Any) -> Outcome:
         status = int(getattr(exc, "http_status_code", 0) or 0)
@@ -174,7 +330,7 @@ def client_config(settings: Settings) -> dict[str, Any]:
         conf["ssl.ca.location"] = registry.ssl_ca_location
     password = registry.basic_auth_password()
     if registry.basic_auth_user and password is not None:
-        conf["basic.auth.credentials.source"] = "USER_INFO"
+        # user:password (confluent-kafka has no basic.auth.credentials.source: it refuses the property)
         conf["basic.auth.user.info"] = f"{registry.basic_auth_user}:{password.get_secret_value()}"
     token = registry.bearer_token()
     if token is not None:
@@ -196,4 +352,5 @@ def encoder_from_settings(
         subject_name_strategy=settings.schema_registry.subject_name_strategy,
         missing_schema_defer_seconds=settings.schema_registry.missing_schema_defer_seconds,
         log_missing=log_missing,
+        schema_files=read_schema_files(settings.schema_registry.schema_files),
     )

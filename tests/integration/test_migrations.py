@@ -98,14 +98,19 @@ def test_an_installation_of_the_layout_before_recorded_steps_is_recognised_witho
         assert [n for n in notes if not n.startswith("autovacuum:")] == []
         assert _recorded(pg_dsn, table) == [(s.number, s.name) for s in migrations.STEPS]
         after = _layout(pg_dsn, table)
-        assert after["columns"] == [*before["columns"], ("tombstone", "boolean"), ("partition", "integer")]  # type: ignore[misc]
+        assert after["columns"] == [
+            *before["columns"],
+            ("tombstone", "boolean"),
+            ("partition", "integer"),
+            ("payload_bytes", "bytea"),
+        ]  # type: ignore[misc]
         unchanged = ("options", "columns")
         assert {k: v for k, v in after.items() if k not in unchanged} == {
             k: v for k, v in before.items() if k not in unchanged
         }
         assert "autovacuum_vacuum_scale_factor=0" in after["options"]
         assert set(before["options"] or ()) <= set(after["options"])
-        assert run_sql(pg_dsn, table, "SELECT * FROM {t} ORDER BY id") == [(*r, False, None) for r in rows_before]
+        assert run_sql(pg_dsn, table, "SELECT * FROM {t} ORDER BY id") == [(*r, False, None, None) for r in rows_before]
         assert store.run_problem(ordering=True, on_done="keep") is None
         if ON_DONE == "delete":  # the mode is an every-run setting, not a step
             assert any("deletes delivered rows" in n for n in store.migrate(ordering=True, on_done="delete"))

@@ -317,6 +317,33 @@ def test_a_tombstone_stays_a_tombstone_and_a_rows_partition_its_own_topics_only(
         assert got[placed].partition() == (3 if topic == own else 0)
 
 
+def test_a_row_encoded_by_its_writer_is_replayed_as_the_same_bytes(pg_dsn, keep_table, broker, topic_prefix):
+    table = keep_table
+    topic = f"{topic_prefix}.raw"
+    create_topic(broker.bootstrap_servers, topic, partitions=1)
+    encoded = b"\x00\x00\x00\x00\x05\xff\xfe raw"
+    [raw] = seed_done(pg_dsn, table, 1, created_ago_seconds=60)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(
+            f"UPDATE {quoted(table)} SET topic = %s, payload = 'null', payload_bytes = %s WHERE id = %s",
+            (topic, encoded, raw),
+        )
+    run_cli("replay", str(raw), "--reason", "rebuild", env=cli_env(pg_dsn, table, broker.bootstrap_servers))
+    consumer = Consumer(
+        {"bootstrap.servers": broker.bootstrap_servers, "group.id": "raw-" + uuid.uuid4().hex[:6], "log_level": 3}
+    )
+    try:
+        consumer.assign([TopicPartition(topic, 0, 0)])
+        records: list[Any] = []
+        deadline = time.monotonic() + 60
+        while not records and time.monotonic() < deadline:
+            records = [r for r in consumer.consume(10, timeout=0.5) if not r.error()]
+    finally:
+        consumer.close()
+    assert [r.value() for r in records] == [encoded]
+    assert dict(records[0].headers())["message_id"] == str(raw).encode()
+
+
 def test_delete_mode_refuses_in_one_line(pg_dsn, table, broker):
     migrate(pg_dsn, table, "delete")
     env = cli_env(pg_dsn, table, broker.bootstrap_servers)

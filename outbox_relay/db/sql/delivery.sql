@@ -49,7 +49,8 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- %(excluded_types)s: event types left to the ordered claim (empty: none).
 -- Operator pauses (pauses.sql): "paused" reads the active ones once; neither scan takes
 -- a row they match, and "parked" moves such rows out of the due index's front.
--- Byte budget: the batch takes rows while their payload + headers text add up to at
+-- Byte budget: the batch takes rows while their payload + headers text (and
+-- payload_bytes, a writer-encoded value) add up to at
 -- most %(max_batch_bytes)s (a running sum in claim order; the first row is always
 -- taken, so a single larger row is claimed alone), so
 -- a batch of large events cannot exhaust the relay's memory. Only %(candidates)s rows
@@ -96,7 +97,8 @@ WITH victims AS (
     {paused_selectors}
 ), expired AS (
     SELECT id, 0 AS part, lease_until AS sort_at,
-           octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
+           octet_length(payload::text) + coalesce(octet_length(headers::text), 0)
+           + coalesce(octet_length(payload_bytes), 0) AS row_bytes
     FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts < %(max_attempts)s
       AND {leases_bound}
@@ -109,7 +111,8 @@ WITH victims AS (
     FOR UPDATE SKIP LOCKED
 ), due AS (
     SELECT id, 1 AS part, available_at AS sort_at,
-           octet_length(payload::text) + coalesce(octet_length(headers::text), 0) AS row_bytes
+           octet_length(payload::text) + coalesce(octet_length(headers::text), 0)
+           + coalesce(octet_length(payload_bytes), 0) AS row_bytes
     FROM {table}
     WHERE status = 'pending' AND available_at <= now()
       AND {due_bound}
@@ -170,17 +173,19 @@ WITH victims AS (
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,
               o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes,
-              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at, o.tombstone, o.partition
+              CASE WHEN picked.part = 1 THEN o.available_at END AS due_at, o.tombstone, o.partition,
+              CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
+                   ELSE o.payload_bytes END AS payload_bytes
 )
 SELECT false AS reaped, claimed.id, claimed.lease_version, claimed.attempts, claimed.aggregate_type,
        claimed.aggregate_id, claimed.event_type, claimed.payload, claimed.topic, claimed.headers,
        claimed.created_at, claimed.row_bytes, NULL::text AS reaped_owner, claimed.due_at,
-       claimed.tombstone, claimed.partition
+       claimed.tombstone, claimed.partition, claimed.payload_bytes
 FROM claimed
 UNION ALL
 SELECT true, reaped.id, reaped.lease_version, NULL::int, NULL::text, NULL::text, NULL::text, NULL::text,
        NULL::text, NULL::text, NULL::timestamptz, NULL::int, reaped.lease_owner, NULL::timestamptz,
-       NULL::boolean, NULL::int
+       NULL::boolean, NULL::int, NULL::bytea
 FROM reaped
 {claim_report}
 
@@ -242,7 +247,7 @@ UNION ALL
 SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
        NULL, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
-       NULL, (SELECT since FROM writers), NULL, NULL, now(), NULL, NULL
+       NULL, (SELECT since FROM writers), NULL, NULL, now(), NULL, NULL, NULL
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first
@@ -297,7 +302,8 @@ WITH RECURSIVE paused AS MATERIALIZED (
     -- = ANY(ARRAY(...)): the heads are computed once and looked up by primary key,
     -- whatever the planner believes about the table (with statistics from a moment
     -- when nothing was pending it would otherwise re-run the skip scan per row).
-    SELECT o.id, octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0) AS row_bytes
+    SELECT o.id, octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0)
+                  + coalesce(octet_length(o.payload_bytes), 0) AS row_bytes
     FROM {table} AS o
     WHERE o.id = ANY(ARRAY(SELECT id FROM heads))
       AND ((o.status = 'pending' AND o.available_at <= now())
@@ -323,7 +329,8 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
-          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
+          CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload_bytes END AS payload_bytes
 )
 -- last_aggregate: where the next claim's round-robin starts. Computed here because
 -- "after" must follow the column's collation (the skip scan's order), which for
@@ -366,7 +373,8 @@ WITH paused AS MATERIALIZED (
         LIMIT %(run_length)s
     ) AS f
 ), locked AS (
-    SELECT t.id, octet_length(t.payload::text) + coalesce(octet_length(t.headers::text), 0) AS row_bytes
+    SELECT t.id, octet_length(t.payload::text) + coalesce(octet_length(t.headers::text), 0)
+                  + coalesce(octet_length(t.payload_bytes), 0) AS row_bytes
     FROM {table} AS t
     WHERE t.id = ANY(ARRAY(SELECT id FROM followers WHERE contiguous))  -- once, by primary key
       AND t.status = 'pending'
@@ -390,7 +398,8 @@ FROM picked
 WHERE o.id = picked.id
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
-          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition
+          o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
+          CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload_bytes END AS payload_bytes
 
 -- name: finalize
 -- Every outcome of a batch in ONE fenced statement (one round trip): the decisions

@@ -49,7 +49,7 @@ GRANT SELECT, INSERT (selector, value, reason, paused_by, paused_from), UPDATE (
 -- flag in the writer's transaction. ordered=True takes an advisory lock: no privilege.
 GRANT USAGE ON SCHEMA {schema} TO {role};
 GRANT INSERT (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key,
-               tombstone, partition)
+               tombstone, partition, payload_bytes)
     ON {table} TO {role};
 GRANT SELECT (id, dedup_key) ON {table} TO {role};
 GRANT SELECT (dedup_key, outbox_id), INSERT (dedup_key), UPDATE (outbox_id) ON {dedup_keys} TO {role};

@@ -263,7 +263,7 @@ WITH bound AS (
     ) AS scanned
 ), matched AS (
     SELECT id, aggregate_type, aggregate_id, event_type, payload::text AS payload, topic,
-           headers::text AS headers, created_at, tombstone, partition
+           headers::text AS headers, created_at, tombstone, partition, payload_bytes
     FROM {table}
     WHERE {done_filter} AND id > %(after_id)s AND id <= (SELECT last_id FROM bound)
     ORDER BY id

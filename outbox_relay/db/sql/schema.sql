@@ -125,14 +125,15 @@ SELECT on_done FROM {state_table}
 
 -- name: schema_current
 -- Has migrate brought this table to this version (state mode, dedup key table, the
--- record columns tombstone and partition that every claim reads, the operator pauses
--- table the claims read)?
+-- record columns tombstone, partition and payload_bytes that every claim reads, the
+-- operator pauses table the claims read)?
 SELECT to_regclass(%(dedup_keys)s) IS NOT NULL
    AND to_regclass(%(pauses_table)s) IS NOT NULL
    AND EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = to_regclass(%(state_table)s) AND attname = 'on_done' AND NOT attisdropped)
    AND (SELECT count(*) FROM pg_attribute
-        WHERE attrelid = to_regclass(%(table)s) AND attname IN ('tombstone', 'partition') AND NOT attisdropped) = 2
+        WHERE attrelid = to_regclass(%(table)s) AND attname IN ('tombstone', 'partition', 'payload_bytes')
+          AND NOT attisdropped) = 3
 
 -- name: create_dedup_keys
 -- enqueue(dedup_key=...): one row per key ever enqueued, so that a key is refused
@@ -248,6 +249,13 @@ ALTER TABLE {state_table} ADD COLUMN IF NOT EXISTS autovacuum_applied jsonb NOT 
 ALTER TABLE {table}
     ADD COLUMN IF NOT EXISTS tombstone boolean NOT NULL DEFAULT false,
     ADD COLUMN IF NOT EXISTS partition integer NULL
+
+-- name: add_payload_bytes
+-- A row already encoded by its writer (migration step add_payload_bytes): payload_bytes
+-- holds the value to publish as it is (Avro, Protobuf, any bytes); NULL: the JSON
+-- payload is the value, as before. A nullable column without a default is a catalog
+-- change only (no rewrite), under a brief exclusive lock.
+ALTER TABLE {table} ADD COLUMN IF NOT EXISTS payload_bytes bytea NULL
 
 -- name: autovacuum_state
 SELECT (SELECT reloptions FROM pg_class WHERE oid = %(table)s::regclass) AS reloptions,

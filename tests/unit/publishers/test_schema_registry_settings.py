@@ -9,7 +9,7 @@ import pytest
 
 from outbox_relay.config import load_settings
 from outbox_relay.errors import ConfigError
-from outbox_relay.publishers.schema_registry import client_config, subject_name
+from outbox_relay.publishers.schema_registry import client_config, read_schema_files, subject_name
 
 URL = "http://127.0.0.1:1/apis/ccompat/v7"
 
@@ -77,3 +77,53 @@ def test_subject_names() -> None:
     assert subject_name("topic", "orders", "OrderCreated") == "orders-value"
     assert subject_name("record", "orders", "outbox.OrderCreated") == "outbox.OrderCreated"
     assert subject_name("topic-record", "orders", "OrderCreated") == "orders-OrderCreated"
+
+
+def _schema_files_settings(files: dict[str, str]) -> object:
+    return load_settings(None, kafka={"value_format": "avro"}, schema_registry={"url": URL, "schema_files": files})
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("missing.avsc", None, "does not exist or is not readable"),
+        ("order.txt", "{}", "ends in none of .avsc, .json, .proto"),
+    ],
+)
+def test_schema_files_refused_by_the_settings(tmp_path: Path, name: str, content: str | None, expected: str) -> None:
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError) as refused:
+        _schema_files_settings({"orders-value": str(path)})
+    line = str(refused.value)
+    assert expected in line and "orders-value" in line and "\n" not in line
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        ("order.avsc", '{"type": "record", "name": ', "is not JSON"),
+        ("order.json", "", "is empty"),
+        ("order.proto", "  \n", "is empty"),
+    ],
+)
+def test_schema_files_that_cannot_be_registered_are_one_line(
+    tmp_path: Path, name: str, content: str, expected: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    settings = _schema_files_settings({"orders-value": str(path)})
+    with pytest.raises(ConfigError) as refused:
+        read_schema_files(settings.schema_registry.schema_files)  # type: ignore[attr-defined]
+    line = str(refused.value)
+    assert expected in line and str(path) in line and "orders-value" in line and "\n" not in line
+
+
+def test_schema_files_need_a_registry_value_format(tmp_path: Path) -> None:
+    path = tmp_path / "order.avsc"
+    path.write_text('{"type": "string"}')
+    with pytest.raises(ConfigError, match="registers schemas only for the value formats"):
+        load_settings(None, schema_registry={"url": URL, "schema_files": {"orders-value": str(path)}})
+    read = read_schema_files({"orders-value": str(path)})
+    assert [(f.subject, f.schema_type, f.text) for f in read] == [("orders-value", "AVRO", '{"type": "string"}')]
