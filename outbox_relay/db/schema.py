@@ -33,6 +33,7 @@ SQL_FILES: tuple[str, ...] = (
     "inbox.sql",
     "grants.sql",
     "discovery.sql",
+    "partitions.sql",
 )
 
 
@@ -181,8 +182,11 @@ class TableSql:
         """Name of one of the layout's indexes (unqualified: an index lives in its table's schema)."""
         return _short(self.table_name, f"{key}_idx")
 
-    def index_ddl(self, key: str, *, concurrently: bool) -> sql.Composed:
-        return sql.SQL(_strip_comments(QUERIES["index_" + key])).format(
+    def index_ddl(self, key: str, *, concurrently: bool, partitioned: bool = False) -> sql.Composed:
+        """``partitioned``: the index on a partitioned outbox (the dedup index is then not
+        unique: see sql/partitions.sql, index_dedup_key_partitioned)."""
+        section = "index_dedup_key_partitioned" if partitioned and key == "dedup_key" else "index_" + key
+        return sql.SQL(_strip_comments(QUERIES[section])).format(
             **self._names, concurrently=sql.SQL("CONCURRENTLY" if concurrently else "")
         )
 
@@ -197,6 +201,18 @@ class TableSql:
         if strict:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
         return sql.SQL(EXECUTABLE[name]).format(**names)
+
+    def partition_ident(self, name: str) -> sql.Identifier:
+        """A partition of this table (it lives in the table's schema)."""
+        return self._qualified(name)
+
+    def partition_name(self, suffix: str) -> str:
+        """Name of a partition: the table's name and a suffix (``default``, ``p2026120300``)."""
+        return _short(self.table_name, suffix)
+
+    def partition_query(self, name: str, partition: str, **extra: sql.Composable) -> sql.Composed:
+        """A statement of sql/partitions.sql on one partition (its unqualified name)."""
+        return self.query(name, strict=False, partition=self.partition_ident(partition), **extra)
 
     def grants(self, kind: str, role: str, *, database: str | None = None) -> list[sql.Composed]:
         """GRANT statements (sql/grants.sql ``grant_<kind>``) for a role of one kind:

@@ -10,7 +10,8 @@ migrate_ops.py (schema, migrate, index convergence), delivery.py (claim, fenced
 finalize, lease extension), monitoring.py (stats, exact counts, vacuum figures),
 dead_rows.py (dead-letter operations, audit, row and aggregate detail),
 replay_rows.py (what a replay of delivered rows reads),
-retention.py (purge) and wakeups.py (LISTEN/NOTIFY). This module combines them and
+retention.py (purge), partitions.py (a partitioned outbox's
+maintenance) and wakeups.py (LISTEN/NOTIFY). This module combines them and
 keeps every name callers import from it.
 """
 
@@ -34,9 +35,9 @@ from .monitoring import INDEXED_STATUSES as INDEXED_STATUSES
 from .monitoring import STATUSES as STATUSES
 from .monitoring import MonitoringOps
 from .monitoring import Stats as Stats
+from .partitions import PartitionOps
 from .replay_rows import ReplayOps
 from .replay_rows import ReplayStep as ReplayStep
-from .retention import RetentionOps
 from .store_core import Count as Count
 from .store_core import connect_failure_is_permanent as connect_failure_is_permanent
 from .store_core import redact_dsn as redact_dsn
@@ -44,7 +45,7 @@ from .wakeups import Listener as Listener
 from .wakeups import WakeupOps
 
 
-class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, ReplayOps, RetentionOps, WakeupOps):
+class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, ReplayOps, PartitionOps, WakeupOps):
     """Statements on one outbox table over a connection pool (autocommit connections)."""
 
 
