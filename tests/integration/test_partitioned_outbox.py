@@ -7,6 +7,7 @@ relay drains and a writer writes."""
 from __future__ import annotations
 
 import itertools
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +22,7 @@ from outbox_relay.db.store import FinalizeItem, OutboxStore
 from outbox_relay.observability.metrics import RelayMetrics
 from outbox_relay.runtime.partition_maintenance import PartitionMaintenance
 from outbox_relay.runtime.relay import Relay
-from tests.helpers.cli import cli
+from tests.helpers.cli import cli, cli_env
 from tests.helpers.db import ON_DONE, make_row, run_sql, wait_for
 
 HOUR = 3600
@@ -346,3 +347,34 @@ def test_dedup_keys_on_a_partitioned_outbox(pg_dsn, table, pstore):
         )
     assert int(again) == int(first) and again.duplicate  # type: ignore[attr-defined]
     make_row(pg_dsn, table)
+
+
+def test_status_and_vacuum_figures_read_the_partitions(pg_dsn, table, pstore):
+    for _ in range(3):
+        make_row(pg_dsn, table)
+    make_row(pg_dsn, table, status="dead", last_error="boom")
+    figures = pstore.vacuum_figures()
+    assert figures.heap_bytes > 0 and figures.index_bytes > 0
+    env = cli_env(pg_dsn, table)
+    status = cli("status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    depth = json.loads(status.stdout)["queue_depth"]
+    assert depth["pending"] == 3 and depth["dead"] == 1
+    listed = cli("dead", "list", "--json", env=env)
+    assert listed.returncode == 0 and len(json.loads(listed.stdout)) == 1
+
+
+def test_delete_mode_works_on_a_partitioned_outbox(pg_dsn, table):
+    """relay.on_done = delete is allowed: the finalize deletes by id across partitions
+    (the partitions then empty themselves, and maintenance drops them all the same)."""
+    store = OutboxStore(pg_dsn, table, pool_size=2)
+    store.open()
+    try:
+        store.migrate(on_done="delete", partitioning=layout())
+        ids = [make_row(pg_dsn, table) for _ in range(3)]
+        claimed = store.claim(owner="w", batch=10, lease_seconds=30, max_attempts=5).rows
+        assert sorted(c.id for c in claimed) == ids
+        assert store.finalize([FinalizeItem(c.id, c.lease_version, "done") for c in claimed]) == set(ids)
+        assert run_sql(pg_dsn, table, "SELECT count(*) FROM {t}") == [(0,)]
+    finally:
+        store.close()
