@@ -14,6 +14,7 @@ from psycopg import errors as pg_errors
 
 from ..errors import ConfigError, DatabaseError, SchemaMissing
 from . import migrations
+from .convert import convert_to_partitioned
 from .partitions import PartitionLayout
 from .schema import BASE_INDEXES, OBSOLETE_INDEXES, ORDERING_INDEXES
 from .store_core import StoreCore
@@ -41,6 +42,7 @@ class MigrateOps(StoreCore):
         autovacuum: Mapping[str, str] | None = None,
         recreate_from_id: int | None = None,
         partitioning: PartitionLayout | None = None,
+        convert_to_partitioned: bool = False,
     ) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
@@ -78,6 +80,8 @@ class MigrateOps(StoreCore):
                 time.sleep(0.2)
             try:
                 wanted = [*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())]
+                if convert_to_partitioned:
+                    notes += self._convert(conn, partitioning, wanted)
                 for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
                     try:
                         notes += self._migrate_schema(
@@ -132,6 +136,25 @@ class MigrateOps(StoreCore):
             )
             migrations.apply(run)
         return run.notes
+
+    def _convert(
+        self, conn: psycopg.Connection[Any], partitioning: PartitionLayout | None, wanted: Sequence[str]
+    ) -> list[str]:
+        """migrate --convert-to-partitioned (db/convert.py): only a plain table that
+        exists and is at this version's layout; a partitioned one is left as it is."""
+        if partitioning is None:
+            raise ConfigError("--convert-to-partitioned needs [partitioning] (partitioning.interval)")
+        if not self._exists(conn):
+            return []  # a new table: the migrate below creates it partitioned
+        row = conn.execute(self.sql.query("is_partitioned"), {"table": self.sql.regclass_text}).fetchone()
+        if row and row[0]:
+            return [f"{self.table} is partitioned already"]
+        if not self._schema_current(conn):
+            raise ConfigError(
+                f"table {self.table!r} has the layout of an older version: run `outbox-relay migrate` first, "
+                "then convert"
+            )
+        return convert_to_partitioned(conn, self.sql, partitioning, wanted_indexes=list(wanted))
 
     def _converge_indexes(
         self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool, drop_ordering_indexes: bool

@@ -206,7 +206,7 @@ class PartitionOps(RetentionOps):
         result: MaintenanceResult,
         sleep: Callable[[float], object],
     ) -> None:
-        now = _db_now(conn, self.sql)
+        now = database_now(conn, self.sql)
         existing = _list_partitions(conn, self.sql)
         for start, end in wanted_ranges(now, layout.interval_seconds, layout.premake):
             overlapping = [
@@ -215,7 +215,13 @@ class PartitionOps(RetentionOps):
                 if not p.is_default and (p.from_at is None or p.from_at < end) and (p.to_at is None or p.to_at > start)
             ]
             if overlapping:
-                if not any(p.from_at == start and p.to_at == end for p in overlapping):
+                # Covered already (by a partition of this range, or by the table a
+                # conversion attached over everything before its boundary): nothing to do.
+                covered = any(
+                    (p.from_at is None or p.from_at <= start) and (p.to_at is None or p.to_at >= end)
+                    for p in overlapping
+                )
+                if not covered:
                     result.failed.append(
                         f"range {start.isoformat()} to {end.isoformat()} overlaps partition "
                         f"{overlapping[0].name} of another width: left to the operator"
@@ -239,7 +245,7 @@ class PartitionOps(RetentionOps):
         result: MaintenanceResult,
         sleep: Callable[[float], object],
     ) -> None:
-        cutoff = _db_now(conn, self.sql) - timedelta(seconds=layout.retention_seconds)
+        cutoff = database_now(conn, self.sql) - timedelta(seconds=layout.retention_seconds)
         for part in _list_partitions(conn, self.sql):
             if part.is_default or part.to_at is None or part.to_at > cutoff:
                 continue
@@ -361,14 +367,14 @@ def create_ahead_in_transaction(
 ) -> list[str]:
     """migrate on a table it has just created: the current partition and those ahead."""
     names = []
-    for start, end in wanted_ranges(_db_now(conn, table_sql), layout.interval_seconds, layout.premake):
+    for start, end in wanted_ranges(database_now(conn, table_sql), layout.interval_seconds, layout.premake):
         name = table_sql.partition_name(partition_suffix(start))
         create_partition(conn, table_sql, layout, name, start, end)
         names.append(name)
     return names
 
 
-def _db_now(conn: psycopg.Connection[Any], table_sql: TableSql) -> datetime:
+def database_now(conn: psycopg.Connection[Any], table_sql: TableSql) -> datetime:
     row = conn.execute(table_sql.query("database_now")).fetchone()
     assert row is not None
     value: datetime = row[0]

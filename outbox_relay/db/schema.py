@@ -90,6 +90,10 @@ def _short(name: str, suffix: str) -> str:
     return f"{name[: 63 - len(suffix) - 10]}_{digest}_{suffix}"
 
 
+#: Public name of _short for the modules that name partitions and their indexes.
+short_name = _short
+
+
 @dataclass(frozen=True)
 class TableSql:
     """Statements of sql/*.sql with the identifiers of one outbox table filled in."""
@@ -176,6 +180,9 @@ class TableSql:
             # enqueue(tombstone=..., partition=...): the record columns, only when asked for.
             "record_columns": sql.SQL(""),
             "record_values": sql.SQL(""),
+            # The checks of a partitioned outbox (sql/partitions.sql), named as PostgreSQL names a plain table's.
+            "status_check": sql.Identifier(_short(base, "status_check")),
+            "lease_check": sql.Identifier(_short(base, "check")),
         }
 
     def index_name(self, key: str) -> str:

@@ -12,6 +12,7 @@ gauges are reset rather than left frozen at a stale value, and
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -247,6 +248,16 @@ class RelayMetrics(PublisherObserver):
             ["result"],
             registry=r,
         )
+        # NaN until a maintenance round ran in this process: a relay of a plain table (or
+        # one leaving maintenance to a CronJob) reports no partition figures at all.
+        for gauge in (
+            self.partitions,
+            self.partition_default_rows,
+            self.partitions_kept_past_retention,
+            self.partition_maintenance_ok,
+            self.partition_maintenance_timestamp_seconds,
+        ):
+            gauge.set(math.nan)
         for status in STATUSES:
             self.queue_depth.labels(status=status).set(0)
         for outcome in OUTCOMES:

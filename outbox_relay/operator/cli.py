@@ -175,6 +175,15 @@ def migrate(
             "as new). Does nothing while the table exists.",
         ),
     ] = None,
+    convert_to_partitioned: Annotated[
+        bool,
+        typer.Option(
+            "--convert-to-partitioned",
+            help="With [partitioning]: make the existing plain outbox partitioned without moving a row (it becomes "
+            "the partition of everything before a boundary one partition width ahead; indexes built CONCURRENTLY, "
+            "then one short lock). See docs/how-to/partitioned-outbox.md.",
+        ),
+    ] = False,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
@@ -187,6 +196,7 @@ def migrate(
             ("--all-sources", all_sources),
             ("--drop-ordering-indexes", drop_ordering_indexes),
             ("--recreate-from-id", recreate_from_id is not None),
+            ("--convert-to-partitioned", convert_to_partitioned),
         ):
             if given:
                 _fail(f"--print-sql prints the schema of one new table: {flag} does not apply", 2)
@@ -201,6 +211,8 @@ def migrate(
             _fail("--source and --all-sources exclude each other", 2)
         if recreate_from_id is not None:
             _fail("--recreate-from-id names one table: use it with --source, not --all-sources", 2)
+        if convert_to_partitioned:
+            _fail("--convert-to-partitioned changes one table: use it with --source, not --all-sources", 2)
         _migrate_all(settings, config, no_notify_trigger, drop_ordering_indexes)
         return
     settings = _for_source(settings, source)
@@ -218,6 +230,7 @@ def migrate(
             autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
             recreate_from_id=recreate_from_id,
             partitioning=PartitionLayout.from_settings(settings),
+            convert_to_partitioned=convert_to_partitioned,
         )
     for note in notes:
         typer.echo(f"  {note}")
@@ -278,6 +291,7 @@ def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool
                 operator_role=None,
                 writer_role=None,
                 recreate_from_id=None,
+                convert_to_partitioned=False,
             )
         except typer.Exit as exc:
             if exc.exit_code:

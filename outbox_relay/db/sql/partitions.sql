@@ -13,6 +13,8 @@
 -- each partition's primary key index (one probe per partition, see the how-to page).
 -- No fillfactor here: a partitioned table has no storage of its own, every partition
 -- gets the queue's fillfactor and autovacuum parameters when it is created.
+-- {status_check}, {lease_check}: the names PostgreSQL gives a plain table's checks
+-- (a converted table's own names: a partition's checks must be named as its parent's).
 CREATE TABLE IF NOT EXISTS {table} (
     id              bigint      GENERATED ALWAYS AS IDENTITY,
     aggregate_type  text        NOT NULL,
@@ -23,7 +25,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     headers         jsonb       NULL,
     created_at      timestamptz NOT NULL DEFAULT now(),
     status          text        NOT NULL DEFAULT 'pending'
-                    CHECK (status IN ('pending', 'processing', 'done', 'dead')),
+                    CONSTRAINT {status_check} CHECK (status IN ('pending', 'processing', 'done', 'dead')),
     available_at    timestamptz NOT NULL DEFAULT now(),
     attempts        integer     NOT NULL DEFAULT 0,
     lease_owner     text        NULL,
@@ -32,7 +34,7 @@ CREATE TABLE IF NOT EXISTS {table} (
     last_error      text        NULL,
     done_at         timestamptz NULL,
     dedup_key       text        NULL,
-    CHECK ((status = 'processing') = (lease_until IS NOT NULL)),
+    CONSTRAINT {lease_check} CHECK ((status = 'processing') = (lease_until IS NOT NULL)),
     PRIMARY KEY (id, created_at)
 ) PARTITION BY RANGE (created_at)
 
@@ -118,3 +120,85 @@ SELECT pg_advisory_unlock(hashtextextended(%(key)s, 0))
 
 -- name: utc_session
 SET TIME ZONE 'UTC'
+
+-- Converting an existing plain outbox (migrate --convert-to-partitioned, migrate_ops.py).
+-- The plain table becomes the partition of everything before a boundary; no row moves.
+-- What takes long runs first, without blocking writers: two indexes built CONCURRENTLY
+-- and a range check validated under SHARE UPDATE EXCLUSIVE. Then one short transaction
+-- under ACCESS EXCLUSIVE swaps the names and attaches the table (catalog changes only).
+
+-- name: convert_index_id_created_at
+-- The partition's match for the partitioned table's primary key (id, created_at).
+CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {table} (id, created_at)
+
+-- name: convert_index_dedup_plain
+-- The partition's match for the partitioned table's (non-unique) dedup index.
+CREATE INDEX CONCURRENTLY IF NOT EXISTS {index} ON {table} (dedup_key) WHERE dedup_key IS NOT NULL
+
+-- name: convert_range_check_exists
+SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = %(table)s::regclass AND conname = %(constraint)s)
+
+-- name: convert_add_range_check
+-- Every row of the plain table was created before {boundary} (a timestamptz literal at
+-- least one partition width ahead): NOT VALID takes its lock for a catalog change only.
+ALTER TABLE {table} ADD CONSTRAINT {constraint} CHECK (created_at < {boundary}) NOT VALID
+
+-- name: convert_range_check_bound
+-- The boundary of a range check added by an earlier, interrupted conversion.
+SELECT (regexp_match(pg_get_constraintdef(oid), '''([^'']+)'''))[1]::timestamptz
+FROM pg_constraint WHERE conrelid = %(table)s::regclass AND conname = %(constraint)s
+
+-- name: convert_validate_range_check
+-- Reads the whole table under SHARE UPDATE EXCLUSIVE: writers and relays go on. Once
+-- valid, ATTACH trusts it and does not scan the table under its own lock.
+ALTER TABLE {table} VALIDATE CONSTRAINT {constraint}
+
+-- name: convert_lock
+LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE
+
+-- name: rename_table
+ALTER TABLE {table} RENAME TO {new_name}
+
+-- name: rename_index
+ALTER INDEX {index} RENAME TO {new_name}
+
+-- name: drop_primary_key
+-- The plain table's primary key on id (and its index) gives way to the one on
+-- (id, created_at), which serves every lookup by id as well (its first column).
+ALTER TABLE {partition} DROP CONSTRAINT {constraint}
+
+-- name: primary_key_name
+SELECT conname FROM pg_constraint WHERE conrelid = %(table)s::regclass AND contype = 'p'
+
+-- name: drop_identity
+-- A partition takes its ids from the partitioned table's identity, never its own.
+ALTER TABLE {partition} ALTER COLUMN id DROP IDENTITY
+
+-- name: check_constraints
+-- The plain table's two checks (status values; a lease exactly while processing), by name.
+SELECT conname, pg_get_constraintdef(oid) LIKE '%%lease_until%%' AS is_lease
+FROM pg_constraint WHERE conrelid = %(table)s::regclass AND contype = 'c' AND conname <> %(range_check)s
+
+-- name: max_id_of
+SELECT coalesce(max(id), 0) FROM {partition}
+
+-- name: primary_key_using_index
+-- ATTACH pairs the partitioned table's primary key with the partition's.
+ALTER TABLE {partition} ADD CONSTRAINT {constraint} PRIMARY KEY USING INDEX {index}
+
+-- name: attach_first_partition
+ALTER TABLE {table} ATTACH PARTITION {partition} FOR VALUES FROM (MINVALUE) TO ({to_at})
+
+-- name: drop_trigger_of
+DROP TRIGGER IF EXISTS {trigger} ON {partition}
+
+-- name: table_privileges
+-- Privileges granted on the plain table (its owner's own left out): the partitioned
+-- table gets the same, so writers, relays and operators keep working.
+SELECT CASE WHEN a.grantee = 0 THEN 'PUBLIC' ELSE a.grantee::regrole::text END, a.privilege_type
+FROM pg_class AS c CROSS JOIN LATERAL aclexplode(c.relacl) AS a
+WHERE c.oid = %(table)s::regclass AND a.grantee <> c.relowner
+
+-- name: grant_privilege
+-- {privilege}: a privilege name read from aclexplode; {grantee}: a role or PUBLIC.
+GRANT {privilege} ON {table} TO {grantee}
