@@ -216,33 +216,33 @@ class RelayMetrics(PublisherObserver):
         self._statements = {kind: self.statements_total.labels(statement=kind) for kind in STATEMENT_KINDS}
         # A partitioned outbox ([partitioning]): what the last maintenance round found and did.
         self.partitions = Gauge(
-            "outbox_relay_partitions",
+            "outbox_relay_table_partitions",
             "Partitions of a partitioned outbox (the default partition included), after the last maintenance.",
             registry=r,
         )
         self.partition_default_rows = Gauge(
-            "outbox_relay_partition_default_rows",
+            "outbox_relay_table_partition_default_rows",
             "Rows in the default partition of a partitioned outbox (no partition covers their created_at; "
             "normally 0), at the last maintenance.",
             registry=r,
         )
         self.partitions_kept_past_retention = Gauge(
-            "outbox_relay_partitions_kept_past_retention",
+            "outbox_relay_table_partitions_kept_past_retention",
             "Partitions older than partitioning.retention kept because they hold pending, processing or dead rows.",
             registry=r,
         )
         self.partition_maintenance_ok = Gauge(
-            "outbox_relay_partition_maintenance_ok",
+            "outbox_relay_table_partition_maintenance_ok",
             "1 when the last maintenance round ran every partition change it meant to, 0 when one failed.",
             registry=r,
         )
         self.partition_maintenance_timestamp_seconds = Gauge(
-            "outbox_relay_partition_maintenance_timestamp_seconds",
+            "outbox_relay_table_partition_maintenance_timestamp_seconds",
             "Unix time of the last maintenance round that ran (skipped rounds excluded).",
             registry=r,
         )
         self.partition_maintenance_total = Counter(
-            "outbox_relay_partition_maintenance",
+            "outbox_relay_table_partition_maintenance",
             "Maintenance rounds by result: ok, failed (a partition change did not run), skipped (another "
             "maintainer held the table), error (the round raised).",
             ["result"],

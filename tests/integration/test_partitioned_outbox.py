@@ -130,16 +130,16 @@ def test_rows_in_the_default_partition_raise_the_gauge(pg_dsn, table, pstore):
     metrics = RelayMetrics()
     service = PartitionMaintenance(pstore, layout(), metrics, interval_seconds=60)
     service.step()
-    assert sample(metrics, "outbox_relay_partition_default_rows") == 0
-    assert sample(metrics, "outbox_relay_partitions") == 5
-    assert sample(metrics, "outbox_relay_partition_maintenance_ok") == 1
+    assert sample(metrics, "outbox_relay_table_partition_default_rows") == 0
+    assert sample(metrics, "outbox_relay_table_partitions") == 5
+    assert sample(metrics, "outbox_relay_table_partition_maintenance_ok") == 1
     far = datetime.now(UTC) + timedelta(days=30)  # no partition covers it
     insert_at(pg_dsn, table, far, status="pending")
     insert_at(pg_dsn, table, far + timedelta(hours=1), status="pending")
     service.step()
-    assert sample(metrics, "outbox_relay_partition_default_rows") == 2
+    assert sample(metrics, "outbox_relay_table_partition_default_rows") == 2
     assert pstore.default_partition_rows() == 2
-    assert metrics.registry.get_sample_value("outbox_relay_partition_maintenance_total", {"result": "ok"}) == 2
+    assert metrics.registry.get_sample_value("outbox_relay_table_partition_maintenance_total", {"result": "ok"}) == 2
 
 
 def test_default_rows_of_a_range_make_its_creation_fail_and_say_so(pg_dsn, table, pstore):
@@ -307,7 +307,7 @@ def test_a_drop_while_a_relay_drains_and_a_writer_writes_loses_nothing(make_sett
         relay.stop()
     assert len(written) == 600
     assert set(names_before) <= set(names(pstore))
-    assert relay.metrics.registry.get_sample_value("outbox_relay_partition_maintenance_ok") == 1
+    assert relay.metrics.registry.get_sample_value("outbox_relay_table_partition_maintenance_ok") == 1
 
 
 def test_purge_refuses_a_partitioned_table_and_maintain_runs_from_the_cli(pg_dsn, table, pstore, tmp_path):

@@ -51,7 +51,7 @@ SELECT coalesce((SELECT relkind = 'p' FROM pg_class WHERE oid = to_regclass(%(ta
 -- The safety net: a row whose created_at no partition covers (maintenance stopped for
 -- longer than the partitions made ahead, or a writer setting created_at far in the
 -- past or future) lands here instead of failing the writer's transaction. The gauge
--- outbox_relay_partition_default_rows shows it; maintenance never drops it.
+-- outbox_relay_table_partition_default_rows shows it; maintenance never drops it.
 CREATE TABLE IF NOT EXISTS {partition} PARTITION OF {table} DEFAULT WITH ({storage})
 
 -- name: create_partition_table
