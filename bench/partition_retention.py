@@ -2,8 +2,9 @@
 """Retention of delivered rows: dropping partitions vs keep + purge vs delete mode, in
 WAL bytes per event; and what the claim reads with 30 and 300 partitions.
 
-Part 1, WAL per event (pg_current_wal_lsn() differences: counts, independent of load
-and machine). Per mode, a fresh table made by the relay's own `migrate`:
+Part 1, WAL per event (differences of the WAL insert position,
+pg_current_wal_insert_lsn(): counts, independent of load and machine). Per mode, a
+fresh table made by the relay's own `migrate`:
 
   drop    [partitioning] interval 1 hour: rows in an hour partition past the retention,
           delivered (done, kept), then `maintain` detaches and drops the partition.
@@ -53,7 +54,10 @@ MODES = ("drop", "purge", "delete")
 
 
 def lsn(conn: psycopg.Connection[Any]) -> int:
-    row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    """The WAL insert position: pg_current_wal_lsn() is the write position, which does
+    not move for WAL still in the WAL buffers (a VACUUM's records stay there until a
+    later flush, and would be counted in the next phase or not at all)."""
+    row = conn.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn").fetchone()
     assert row is not None
     return int(row[0])
 
