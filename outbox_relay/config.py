@@ -577,7 +577,9 @@ class PartitioningSettings(_Section):
         "(with maintain_in_relay).",
     )
     maintain_in_relay: bool = Field(
-        default=True, description="Does `run` do the partition maintenance itself (besides `outbox-relay maintain`)?"
+        default=True,
+        description="Does `run` do the partition maintenance itself (besides `outbox-relay maintain`)? It needs "
+        "the table's owner: with a least-privilege relay role, set false and run `maintain` as the owner.",
     )
     lock_timeout_ms: int = Field(
         default=2000,
