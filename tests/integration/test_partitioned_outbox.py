@@ -470,3 +470,20 @@ def test_convert_a_plain_outbox_in_use_without_moving_a_row(pg_dsn, table, store
     assert again.returncode == 0 and "partitioned already" in again.stdout
     run_sql(pg_dsn, table, f'DROP OWNED BY "{role}"')
     run_sql(pg_dsn, table, f'DROP ROLE "{role}"')
+
+
+def test_migrate_from_the_cli_creates_a_partitioned_outbox_and_print_sql_says_not_yet(pg_dsn, table, tmp_path):
+    config = tmp_path / "relay.toml"
+    config.write_text(
+        f'[database]\ndsn = "{pg_dsn}"\ntable = "{table}"\n[relay]\non_done = "{ON_DONE}"\n'
+        '[partitioning]\ninterval = "1 day"\npremake = 2\nretention = "7d"\n'
+    )
+    migrated = cli("migrate", "--config", str(config))
+    assert migrated.returncode == 0, migrated.stderr
+    assert "created default partition" in migrated.stdout and "created 3 partitions" in migrated.stdout
+    [(kind,)] = run_sql(pg_dsn, table, "SELECT relkind::text FROM pg_class WHERE oid = %s::regclass", (table,))
+    assert kind == "p"
+    again = cli("migrate", "--config", str(config))
+    assert again.returncode == 0 and "created" not in again.stdout
+    printed = cli("migrate", "--print-sql", "--config", str(config))
+    assert printed.returncode == 2 and "not yet" in printed.stderr
