@@ -166,15 +166,11 @@ class MigrateOps(StoreCore):
         row = conn.execute(self.sql.query("is_partitioned"), {"table": self.sql.regclass_text}).fetchone()
         partitioned = bool(row and row[0])
         if partitioned:
-            # CREATE/DROP INDEX CONCURRENTLY does not exist for a partitioned table, and a
-            # plain build would block writers for its whole length: not done (yet).
-            missing = [self.sql.index_name(k) for k in wanted if not valid.get(self.sql.index_name(k))]
-            if missing:
-                notes.append(
-                    f"the partitioned table lacks the indexes {', '.join(missing)}: building them on a partitioned "
-                    "outbox without blocking writers is not automated yet (docs/how-to/partitioned-outbox.md)"
-                )
-            return notes
+            for key in wanted:
+                if not valid.get(self.sql.index_name(key)):
+                    self._build_partitioned_index(conn, key)
+                    notes.append(f"created index {self.sql.index_name(key)} (on each partition, concurrently)")
+            return notes  # obsolete indexes never existed on a partitioned outbox
         for key in wanted:
             name = self.sql.index_name(key)
             if valid.get(name) is False:  # left behind by an interrupted CREATE INDEX CONCURRENTLY
@@ -197,6 +193,46 @@ class MigrateOps(StoreCore):
                 "`outbox-relay migrate --drop-ordering-indexes` to save their WAL"
             )
         return notes
+
+    def _build_partitioned_index(self, conn: psycopg.Connection[Any], key: str) -> None:
+        """One missing index of a partitioned outbox (sql/partitions.sql says how); each
+        step is idempotent, so an interrupted build is finished by the next migrate."""
+        name = self.sql.index_name(key)
+        qualified = self.sql.partition_ident(name).as_string(None)
+
+        def on_only() -> None:
+            conn.execute(self.sql.query("migrate_lock_timeout"))
+            conn.execute(self.sql.partitioned_index_ddl(key, partition=None))
+
+        for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
+            try:
+                with conn.transaction():
+                    on_only()
+                break
+            except pg_errors.LockNotAvailable:
+                if attempt == _MIGRATE_LOCK_ATTEMPTS:
+                    raise DatabaseError(
+                        f"migrate: a lock on {self.table!r} was not available within 5 s, {attempt} times: "
+                        "a long transaction holds the table; retry when it ended"
+                    ) from None
+                time.sleep(1.0)
+        attached = {str(r[0]) for r in conn.execute(self.sql.query("partition_indexes"), {"index": qualified})}
+        for part in self.partitions_on(conn):
+            part_index = self.sql.partition_index_name(part, key)
+            if part_index in attached:
+                continue
+            conn.execute(self.sql.partitioned_index_ddl(key, partition=part))
+            conn.execute(
+                self.sql.query(
+                    "attach_index",
+                    index=self.sql.partition_ident(name),
+                    partition_index=self.sql.partition_ident(part_index),
+                )
+            )
+
+    def partitions_on(self, conn: psycopg.Connection[Any]) -> list[str]:
+        rows = conn.execute(self.sql.query("list_partitions"), {"table": self.sql.regclass_text}).fetchall()
+        return [str(r[1]) for r in rows]
 
     @contextlib.contextmanager
     def _ddl_connection(self) -> Iterator[psycopg.Connection[Any]]:

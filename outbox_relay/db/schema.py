@@ -197,6 +197,26 @@ class TableSql:
             **self._names, concurrently=sql.SQL("CONCURRENTLY" if concurrently else "")
         )
 
+    def partitioned_index_ddl(self, key: str, *, partition: str | None) -> sql.Composed:
+        """Building a missing index of a partitioned outbox without blocking writers:
+        ``partition`` None, the invalid index on the partitioned table alone (ON ONLY);
+        else the same index built CONCURRENTLY on one partition, named after it."""
+        section = "index_dedup_key_partitioned" if key == "dedup_key" else "index_" + key
+        if partition is None:
+            target: sql.Composable = sql.SQL("ONLY ") + self.ident
+            name = sql.Identifier(self.index_name(key))
+            concurrently = ""
+        else:
+            target = self.partition_ident(partition)
+            name = sql.Identifier(_short(partition, f"{key}_idx"))
+            concurrently = "CONCURRENTLY"
+        return sql.SQL(_strip_comments(QUERIES[section])).format(
+            **dict(self._names, table=target, **{f"idx_{key}": name}), concurrently=sql.SQL(concurrently)
+        )
+
+    def partition_index_name(self, partition: str, key: str) -> str:
+        return _short(partition, f"{key}_idx")
+
     def drop_index(self, key: str, *, concurrently: bool) -> sql.Composed:
         return sql.SQL(QUERIES["drop_index"]).format(
             index=self._qualified(self.index_name(key)), concurrently=sql.SQL("CONCURRENTLY" if concurrently else "")

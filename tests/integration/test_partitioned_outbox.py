@@ -487,3 +487,33 @@ def test_migrate_from_the_cli_creates_a_partitioned_outbox_and_print_sql_says_no
     assert again.returncode == 0 and "created" not in again.stdout
     printed = cli("migrate", "--print-sql", "--config", str(config))
     assert printed.returncode == 2 and "not yet" in printed.stderr
+
+
+def test_ordering_indexes_added_later_are_built_partition_by_partition(pg_dsn, table, pstore):
+    """relay.ordered_event_types set after the table was made: migrate builds the ordering
+    indexes on a partitioned outbox without a plain CREATE INDEX (which would block
+    writers): ON ONLY the table, CONCURRENTLY on each partition, then attached; the
+    index is valid once every partition's is, and the ordered claim uses it."""
+    first = make_row(pg_dsn, table, aggregate_id="a")
+    make_row(pg_dsn, table, aggregate_id="a")
+    insert_at(pg_dsn, table, datetime.now(UTC) + timedelta(days=30), status="pending")  # in the default partition
+    assert pstore.missing_ordering_indexes()
+    notes = pstore.migrate(on_done=ON_DONE, ordering=True, partitioning=layout())
+    assert any("created index" in n for n in notes)
+    assert pstore.missing_ordering_indexes() == []
+    assert pstore.migrate(on_done=ON_DONE, ordering=True, partitioning=layout()) == []  # nothing left to do
+    schema = table.split(".")[0]
+    for part in pstore.partitions():
+        [(n,)] = run_sql(
+            pg_dsn,
+            table,
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = %s AND tablename = %s AND indexdef LIKE "
+            "'%%(aggregate_id, id)%%'",
+            (schema, part.name),
+        )
+        assert n == 2, part.name
+    claimed = pstore.claim(owner="w", batch=10, lease_seconds=30, max_attempts=5, ordered_types=["*"]).rows
+    assert first in [c.id for c in claimed] and len([c for c in claimed if c.aggregate_id == "a"]) == 1
+    # A partition made afterwards gets the index when it is attached.
+    assert pstore.maintain_partitions(layout(premake=5)).ok
+    assert pstore.missing_ordering_indexes() == []

@@ -202,3 +202,18 @@ WHERE c.oid = %(table)s::regclass AND a.grantee <> c.relowner
 -- name: grant_privilege
 -- {privilege}: a privilege name read from aclexplode; {grantee}: a role or PUBLIC.
 GRANT {privilege} ON {table} TO {grantee}
+
+-- Building a missing index of a partitioned outbox (migrate, e.g. the ordering indexes
+-- once relay.ordered_event_types is set): CREATE INDEX CONCURRENTLY does not exist for a
+-- partitioned table, and a plain build would block writers for its whole length. So:
+-- the index on the partitioned table alone (ON ONLY: invalid, a catalog change under a
+-- brief lock and lock_timeout), the same index built CONCURRENTLY on each partition,
+-- each attached to it; the index turns valid once every partition's is attached.
+
+-- name: attach_index
+ALTER INDEX {index} ATTACH PARTITION {partition_index}
+
+-- name: partition_indexes
+-- The partitions' indexes already attached to one index of the partitioned table.
+SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+WHERE i.inhparent = to_regclass(%(index)s)
