@@ -10,6 +10,7 @@ import itertools
 import json
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -517,3 +518,53 @@ def test_ordering_indexes_added_later_are_built_partition_by_partition(pg_dsn, t
     # A partition made afterwards gets the index when it is attached.
     assert pstore.maintain_partitions(layout(premake=5)).ok
     assert pstore.missing_ordering_indexes() == []
+
+
+def test_a_process_serving_many_sources_maintains_each_partitioned_one(pg_dsn, table, pstore, broker, topic_prefix):
+    """[sources.*] with [partitioning]: the one process maintains every source whose table
+    is partitioned (expired partitions dropped in each) and skips a plain one."""
+    from outbox_relay.config import load_settings
+    from outbox_relay.runtime.multi import MultiRelay
+
+    other_schema = "t_" + uuid.uuid4().hex[:12]
+    plain_schema = "t_" + uuid.uuid4().hex[:12]
+    run_sql(pg_dsn, table, f'CREATE SCHEMA "{other_schema}"')
+    run_sql(pg_dsn, table, f'CREATE SCHEMA "{plain_schema}"')
+    other, plain = f"{other_schema}.outbox", f"{plain_schema}.outbox"
+    relay = None
+    other_store = OutboxStore(pg_dsn, other, pool_size=2)
+    plain_store = OutboxStore(pg_dsn, plain, pool_size=2)
+    other_store.open()
+    plain_store.open()
+    try:
+        other_store.migrate(on_done=ON_DONE, partitioning=layout())
+        plain_store.migrate(on_done=ON_DONE)
+        expired = [old_partition(pg_dsn, s, days_ago=3)[0] for s in (pstore, other_store)]
+        settings = load_settings(
+            None,
+            kafka={"bootstrap_servers": broker.bootstrap_servers, "topic_template": topic_prefix + ".{aggregate_type}"},
+            relay={"workers": 1, "lease_seconds": 10, "poll_interval_seconds": 0.2, "on_done": ON_DONE},
+            metrics={"enabled": False},
+            log={"level": "WARNING", "format": "json"},
+            partitioning={"interval": "1 hour", "premake": 3, "retention": "1d", "maintain_interval_seconds": 0.5},
+            sources={
+                "one": {"dsn": pg_dsn, "table": table},
+                "two": {"dsn": pg_dsn, "table": other},
+                "plain": {"dsn": pg_dsn, "table": plain},
+            },
+        )
+        relay = MultiRelay(settings)
+        relay.start()
+        wait_for(
+            lambda: expired[0] not in names(pstore) and expired[1] not in names(other_store),
+            timeout=60,
+            message="expired partitions of both partitioned sources dropped",
+        )
+        assert not plain_store.is_partitioned()
+    finally:
+        if relay is not None:
+            relay.stop(timeout_seconds=5)
+        other_store.close()
+        plain_store.close()
+        run_sql(pg_dsn, table, f'DROP SCHEMA "{other_schema}" CASCADE')
+        run_sql(pg_dsn, table, f'DROP SCHEMA "{plain_schema}" CASCADE')
