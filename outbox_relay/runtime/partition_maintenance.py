@@ -10,6 +10,7 @@ import structlog
 from ..core.service import PeriodicService
 from ..db.partitions import PartitionLayout
 from ..db.store import OutboxStore
+from ..errors import ConfigError
 from ..observability.metrics import RelayMetrics
 
 log = structlog.get_logger("outbox_relay.partitions")
@@ -29,6 +30,10 @@ class PartitionMaintenance(PeriodicService):
     def step(self) -> None:
         try:
             result = self._store.maintain_partitions(self._layout, sleep=self._stop.wait)
+        except ConfigError as exc:  # [partitioning] set on a plain table: one line, not a traceback
+            self._metrics.record_partition_maintenance(None)
+            log.warning("partition maintenance skipped", reason=str(exc))
+            return
         except Exception:
             self._metrics.record_partition_maintenance(None)
             raise  # logged by PeriodicService, the next round tries again

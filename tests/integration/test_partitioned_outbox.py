@@ -568,3 +568,11 @@ def test_a_process_serving_many_sources_maintains_each_partitioned_one(pg_dsn, t
         plain_store.close()
         run_sql(pg_dsn, table, f'DROP SCHEMA "{other_schema}" CASCADE')
         run_sql(pg_dsn, table, f'DROP SCHEMA "{plain_schema}" CASCADE')
+
+
+def test_the_relays_maintenance_on_a_plain_table_says_so_and_goes_on(store):
+    metrics = RelayMetrics()
+    service = PartitionMaintenance(store, layout(), metrics, interval_seconds=60)
+    service.step()  # no exception: a warning line, the error counted
+    assert metrics.registry.get_sample_value("outbox_relay_table_partition_maintenance_total", {"result": "error"}) == 1
+    assert metrics.registry.get_sample_value("outbox_relay_table_partition_maintenance_ok") == 0
