@@ -168,6 +168,14 @@ class PartitionOps(RetentionOps):
     ) -> MaintenanceResult:
         """One maintenance round: partitions ahead, expired ones dropped, dedup keys
         older than the retention purged. ConfigError when the table is not partitioned."""
+        if self.transaction_pooler:
+            # The maintainer's session advisory lock needs one server connection
+            # throughout, which a transaction pooler does not give.
+            raise ConfigError(
+                "partition maintenance needs a direct connection to PostgreSQL, not a transaction pooler: run "
+                "`outbox-relay maintain` with database.dsn pointing at the database and "
+                "database.transaction_pooler = false"
+            )
         result = MaintenanceResult()
         key = "outbox-relay-maintain:" + self.table
         with self._mapped("maintain"), self._maintenance_connection() as conn:
