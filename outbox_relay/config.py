@@ -587,6 +587,87 @@ class RelaySettings(_Section):
         return value
 
 
+_INTERVAL_RE = re.compile(r"^\s*(\d+)\s*(hours?|days?|h|d)\s*\Z", re.IGNORECASE)
+
+
+def parse_partition_interval(text: str) -> int:
+    """A partition width in whole hours or days (``'1 hour'``, ``'6 hours'``, ``'1 day'``,
+    ``'7 days'``, or ``'12h'``, ``'1d'``) -> seconds. Partitions are aligned to the Unix
+    epoch in UTC, so a width that does not divide a week would drift against weekdays:
+    any whole number of hours is still accepted, the alignment is documented."""
+    match = _INTERVAL_RE.match(str(text))
+    if not match or int(match.group(1)) == 0:
+        raise ValueError(
+            f"invalid partition interval {text!r}: use a whole number of hours or days, "
+            'e.g. "1 hour", "6 hours", "1 day", "7 days"'
+        )
+    unit = match.group(2).lower()
+    return int(match.group(1)) * (86400 if unit.startswith("d") else 3600)
+
+
+class PartitioningSettings(_Section):
+    """A time-partitioned outbox (keep mode): partitions by created_at, retention by
+    dropping whole partitions instead of deleting rows (docs/how-to/partitioned-outbox.md)."""
+
+    interval: str | None = Field(
+        default=None,
+        description='Width of one partition: "1 hour", "1 day", or any whole number of hours or days '
+        '("6 hours", "7 days"). Set: `migrate` creates a new outbox partitioned by range of created_at. '
+        "Unset (default): a plain table.",
+    )
+    retention: str = Field(
+        default="7d",
+        description="How long rows are kept, counted from created_at: a partition whose whole range is older "
+        "than this is dropped once it holds no pending, processing or dead row (30s, 15m, 12h, 7d).",
+    )
+    premake: int = Field(default=4, ge=1, le=1000, description="Partitions created ahead of the current one.")
+    maintain_interval_seconds: float = Field(
+        default=300.0,
+        gt=0,
+        description="How often a running relay creates partitions ahead and drops expired ones "
+        "(with maintain_in_relay).",
+    )
+    maintain_in_relay: bool = Field(
+        default=True,
+        description="Does `run` do the partition maintenance itself (besides `outbox-relay maintain`)? It needs "
+        "the table's owner: with a least-privilege relay role, set false and run `maintain` as the owner.",
+    )
+    lock_timeout_ms: int = Field(
+        default=2000,
+        ge=10,
+        le=60_000,
+        description="lock_timeout of every partition DDL: the longest a writer may queue behind one attempt.",
+    )
+    ddl_attempts: int = Field(
+        default=5, ge=1, le=100, description="Attempts of one partition DDL whose lock was not available."
+    )
+
+    @field_validator("interval")
+    @classmethod
+    def _check_interval(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_partition_interval(value)
+        return value
+
+    @field_validator("retention")
+    @classmethod
+    def _check_retention(cls, value: str) -> str:
+        parse_duration(value)
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval is not None
+
+    @property
+    def interval_seconds(self) -> int:
+        return parse_partition_interval(self.interval or "")
+
+    @property
+    def retention_seconds(self) -> float:
+        return parse_duration(self.retention)
+
+
 class MetricsSettings(_Section):
     """The Prometheus sidecar."""
 
@@ -866,6 +947,7 @@ class Settings(BaseSettings):
     otel: OtelSettings = Field(default_factory=OtelSettings)
     console: ConsoleSettings = Field(default_factory=ConsoleSettings)
     log: LogSettings = Field(default_factory=LogSettings)
+    partitioning: PartitioningSettings = Field(default_factory=PartitioningSettings)
     # Many outboxes from one process (source_config.py); empty = [database] is the one source.
     sources: dict[str, SourceSettings] = Field(default_factory=dict)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)

@@ -14,6 +14,8 @@ from psycopg import errors as pg_errors
 
 from ..errors import ConfigError, DatabaseError, SchemaMissing
 from . import migrations
+from .convert import convert_to_partitioned
+from .partitions import PartitionLayout
 from .schema import BASE_INDEXES, OBSOLETE_INDEXES, ORDERING_INDEXES
 from .store_core import StoreCore
 
@@ -39,6 +41,8 @@ class MigrateOps(StoreCore):
         lock_wait_seconds: float = 600.0,
         autovacuum: Mapping[str, str] | None = None,
         recreate_from_id: int | None = None,
+        partitioning: PartitionLayout | None = None,
+        convert_to_partitioned: bool = False,
     ) -> list[str]:
         """Create table, indexes and the wake-up trigger; bring an existing table to this
         version's index layout. Safe to run again, and while relays and writers run:
@@ -76,6 +80,8 @@ class MigrateOps(StoreCore):
                 time.sleep(0.2)
             try:
                 wanted = [*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())]
+                if convert_to_partitioned:
+                    notes += self._convert(conn, partitioning, wanted)
                 for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
                     try:
                         notes += self._migrate_schema(
@@ -85,6 +91,7 @@ class MigrateOps(StoreCore):
                             wanted=wanted,
                             autovacuum=autovacuum or {},
                             recreate_from_id=recreate_from_id,
+                            partitioning=partitioning,
                         )
                         break
                     except pg_errors.LockNotAvailable:
@@ -110,6 +117,7 @@ class MigrateOps(StoreCore):
         wanted: Sequence[str],
         autovacuum: Mapping[str, str],
         recreate_from_id: int | None,
+        partitioning: PartitionLayout | None = None,
     ) -> list[str]:
         """The transactional part of migrate (db/migrations.py: the numbered steps not yet
         recorded for this table, then the every-run steps), under a lock timeout; it is
@@ -124,9 +132,29 @@ class MigrateOps(StoreCore):
                 wanted_indexes=wanted,
                 autovacuum=autovacuum,
                 recreate_from_id=recreate_from_id,
+                partitioning=partitioning,
             )
             migrations.apply(run)
         return run.notes
+
+    def _convert(
+        self, conn: psycopg.Connection[Any], partitioning: PartitionLayout | None, wanted: Sequence[str]
+    ) -> list[str]:
+        """migrate --convert-to-partitioned (db/convert.py): only a plain table that
+        exists and is at this version's layout; a partitioned one is left as it is."""
+        if partitioning is None:
+            raise ConfigError("--convert-to-partitioned needs [partitioning] (partitioning.interval)")
+        if not self._exists(conn):
+            return []  # a new table: the migrate below creates it partitioned
+        row = conn.execute(self.sql.query("is_partitioned"), {"table": self.sql.regclass_text}).fetchone()
+        if row and row[0]:
+            return [f"{self.table} is partitioned already"]
+        if not self._schema_current(conn):
+            raise ConfigError(
+                f"table {self.table!r} has the layout of an older version: run `outbox-relay migrate` first, "
+                "then convert"
+            )
+        return convert_to_partitioned(conn, self.sql, partitioning, wanted_indexes=list(wanted))
 
     def _converge_indexes(
         self, conn: psycopg.Connection[Any], wanted: Sequence[str], *, ordering: bool, drop_ordering_indexes: bool
@@ -135,6 +163,14 @@ class MigrateOps(StoreCore):
         ones nothing reads any more, each CONCURRENTLY in autocommit."""
         notes: list[str] = []
         valid = self._index_validity(conn)
+        row = conn.execute(self.sql.query("is_partitioned"), {"table": self.sql.regclass_text}).fetchone()
+        partitioned = bool(row and row[0])
+        if partitioned:
+            for key in wanted:
+                if not valid.get(self.sql.index_name(key)):
+                    self._build_partitioned_index(conn, key)
+                    notes.append(f"created index {self.sql.index_name(key)} (on each partition, concurrently)")
+            return notes  # obsolete indexes never existed on a partitioned outbox
         for key in wanted:
             name = self.sql.index_name(key)
             if valid.get(name) is False:  # left behind by an interrupted CREATE INDEX CONCURRENTLY
@@ -157,6 +193,46 @@ class MigrateOps(StoreCore):
                 "`outbox-relay migrate --drop-ordering-indexes` to save their WAL"
             )
         return notes
+
+    def _build_partitioned_index(self, conn: psycopg.Connection[Any], key: str) -> None:
+        """One missing index of a partitioned outbox (sql/partitions.sql says how); each
+        step is idempotent, so an interrupted build is finished by the next migrate."""
+        name = self.sql.index_name(key)
+        qualified = self.sql.partition_ident(name).as_string(None)
+
+        def on_only() -> None:
+            conn.execute(self.sql.query("migrate_lock_timeout"))
+            conn.execute(self.sql.partitioned_index_ddl(key, partition=None))
+
+        for attempt in range(1, _MIGRATE_LOCK_ATTEMPTS + 1):
+            try:
+                with conn.transaction():
+                    on_only()
+                break
+            except pg_errors.LockNotAvailable:
+                if attempt == _MIGRATE_LOCK_ATTEMPTS:
+                    raise DatabaseError(
+                        f"migrate: a lock on {self.table!r} was not available within 5 s, {attempt} times: "
+                        "a long transaction holds the table; retry when it ended"
+                    ) from None
+                time.sleep(1.0)
+        attached = {str(r[0]) for r in conn.execute(self.sql.query("partition_indexes"), {"index": qualified})}
+        for part in self.partitions_on(conn):
+            part_index = self.sql.partition_index_name(part, key)
+            if part_index in attached:
+                continue
+            conn.execute(self.sql.partitioned_index_ddl(key, partition=part))
+            conn.execute(
+                self.sql.query(
+                    "attach_index",
+                    index=self.sql.partition_ident(name),
+                    partition_index=self.sql.partition_ident(part_index),
+                )
+            )
+
+    def partitions_on(self, conn: psycopg.Connection[Any]) -> list[str]:
+        rows = conn.execute(self.sql.query("list_partitions"), {"table": self.sql.regclass_text}).fetchall()
+        return [str(r[1]) for r in rows]
 
     @contextlib.contextmanager
     def _ddl_connection(self) -> Iterator[psycopg.Connection[Any]]:

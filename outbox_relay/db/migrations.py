@@ -38,6 +38,7 @@ from psycopg import sql
 
 from ..errors import SchemaMissing
 from .autovacuum import check_overrides, parse_reloptions, plan
+from .partitions import PartitionLayout, create_ahead_in_transaction, create_default_partition
 from .schema import FILLFACTOR, TableSql
 
 
@@ -55,8 +56,15 @@ class MigrationRun:
     #: migrate --recreate-from-id: recreate a dropped outbox table whose record is kept,
     #: its ids starting here (None: such a table is refused, see apply).
     recreate_from_id: int | None = None
+    #: [partitioning]: a table created now is partitioned by range of created_at.
+    partitioning: PartitionLayout | None = None
     created: bool = False  # the outbox table did not exist when this run started
     notes: list[str] = field(default_factory=list)
+
+    @property
+    def partitioned(self) -> bool:
+        """Is the outbox (as it is now, in this transaction) a partitioned table?"""
+        return bool(self.one("is_partitioned", {"table": self.sql.regclass_text}))
 
     def one(self, name: str, params: dict[str, Any] | None = None) -> Any:
         """The first column of the first row of a section, or None."""
@@ -81,11 +89,14 @@ class Step:
 
 def _create_table(run: MigrationRun) -> None:
     """The outbox table with its fillfactor; on a table created now, the indexes of the
-    layout in this transaction (plain CREATE INDEX on an empty table)."""
-    run.conn.execute(run.sql.query("create_table"))
+    layout in this transaction (plain CREATE INDEX on an empty table). With
+    [partitioning], a table created now is partitioned by range of created_at (the
+    same columns; sql/partitions.sql): the choice is made once, when the table is made."""
+    partitioned = run.created and run.partitioning is not None
+    run.conn.execute(run.sql.query("create_partitioned_table" if partitioned else "create_table"))
     if run.created:
         for key in run.wanted_indexes:
-            run.conn.execute(run.sql.index_ddl(key, concurrently=False))
+            run.conn.execute(run.sql.index_ddl(key, concurrently=False, partitioned=partitioned))
 
 
 def _add_dedup_key(run: MigrationRun) -> None:
@@ -170,6 +181,8 @@ BASELINE = 5
 def _fillfactor(run: MigrationRun) -> None:
     """A table without a fillfactor of its own gets the layout's (an operator's own
     value is kept); a table created now has it from its DDL."""
+    if run.partitioned:
+        return  # no storage of its own: each partition gets it when created (partitions.py)
     if run.one("table_fillfactor", {"table": run.sql.regclass_text}) is None:
         run.conn.execute(run.sql.query("set_fillfactor"))
         run.notes.append(
@@ -181,6 +194,8 @@ def _autovacuum(run: MigrationRun) -> None:
     """The queue table's autovacuum parameters (autovacuum.py decides, this writes):
     the operator's database.autovacuum values, the queue defaults for the rest, and
     never over a value the table got from someone else."""
+    if run.partitioned:
+        return  # set on each partition when it is created (partitions.partition_storage)
     row = run.conn.execute(run.sql.query("autovacuum_state"), {"table": run.sql.regclass_text}).fetchone()
     current = parse_reloptions(row[0] if row else None)
     applied = {str(k): str(v) for k, v in ((row[1] if row else None) or {}).items()}
@@ -232,7 +247,33 @@ def _notify_trigger(run: MigrationRun) -> None:
         run.run("drop_notify_trigger")
 
 
+def _partitions(run: MigrationRun) -> None:
+    """[partitioning]: the default partition, and on a table created now the current
+    partition and those ahead (later ones are maintenance's: partitions.py). Notes when
+    the setting and the table disagree."""
+    partitioned = run.partitioned
+    if run.partitioning is None:
+        if partitioned:
+            run.notes.append(
+                "the table is partitioned but [partitioning] is not set: no partition is created ahead, new rows "
+                "will land in the default partition; set [partitioning] as when the table was created"
+            )
+        return
+    if not partitioned:
+        run.notes.append(
+            "[partitioning] is set but the table is not partitioned (it existed before): it stays as it is; "
+            "converting it is not automated yet (docs/how-to/partitioned-outbox.md)"
+        )
+        return
+    if create_default_partition(run.conn, run.sql, run.partitioning):
+        run.notes.append(f"created default partition {run.sql.partition_name('default')}")
+    if run.created:
+        made = create_ahead_in_transaction(run.conn, run.sql, run.partitioning)
+        run.notes.append(f"created {len(made)} partitions ({made[0]} to {made[-1]})")
+
+
 EVERY_RUN: tuple[Callable[[MigrationRun], None], ...] = (
+    _partitions,
     _fillfactor,
     _autovacuum,
     _on_done_mode,

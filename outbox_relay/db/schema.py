@@ -34,6 +34,7 @@ SQL_FILES: tuple[str, ...] = (
     "grants.sql",
     "pauses.sql",
     "discovery.sql",
+    "partitions.sql",
 )
 
 
@@ -94,6 +95,10 @@ def _short(name: str, suffix: str) -> str:
         return candidate
     digest = hashlib.sha1(name.encode()).hexdigest()[:8]
     return f"{name[: 63 - len(suffix) - 10]}_{digest}_{suffix}"
+
+
+#: Public name of _short for the modules that name partitions and their indexes.
+short_name = _short
 
 
 @dataclass(frozen=True)
@@ -195,16 +200,42 @@ class TableSql:
             # enqueue(tombstone=..., partition=...): the record columns, only when asked for.
             "record_columns": sql.SQL(""),
             "record_values": sql.SQL(""),
+            # The checks of a partitioned outbox (sql/partitions.sql), named as PostgreSQL names a plain table's.
+            "status_check": sql.Identifier(_short(base, "status_check")),
+            "lease_check": sql.Identifier(_short(base, "check")),
         }
 
     def index_name(self, key: str) -> str:
         """Name of one of the layout's indexes (unqualified: an index lives in its table's schema)."""
         return _short(self.table_name, f"{key}_idx")
 
-    def index_ddl(self, key: str, *, concurrently: bool) -> sql.Composed:
-        return sql.SQL(_strip_comments(QUERIES["index_" + key])).format(
+    def index_ddl(self, key: str, *, concurrently: bool, partitioned: bool = False) -> sql.Composed:
+        """``partitioned``: the index on a partitioned outbox (the dedup index is then not
+        unique: see sql/partitions.sql, index_dedup_key_partitioned)."""
+        section = "index_dedup_key_partitioned" if partitioned and key == "dedup_key" else "index_" + key
+        return sql.SQL(_strip_comments(QUERIES[section])).format(
             **self._names, concurrently=sql.SQL("CONCURRENTLY" if concurrently else "")
         )
+
+    def partitioned_index_ddl(self, key: str, *, partition: str | None) -> sql.Composed:
+        """Building a missing index of a partitioned outbox without blocking writers:
+        ``partition`` None, the invalid index on the partitioned table alone (ON ONLY);
+        else the same index built CONCURRENTLY on one partition, named after it."""
+        section = "index_dedup_key_partitioned" if key == "dedup_key" else "index_" + key
+        if partition is None:
+            target: sql.Composable = sql.SQL("ONLY ") + self.ident
+            name = sql.Identifier(self.index_name(key))
+            concurrently = ""
+        else:
+            target = self.partition_ident(partition)
+            name = sql.Identifier(_short(partition, f"{key}_idx"))
+            concurrently = "CONCURRENTLY"
+        return sql.SQL(_strip_comments(QUERIES[section])).format(
+            **dict(self._names, table=target, **{f"idx_{key}": name}), concurrently=sql.SQL(concurrently)
+        )
+
+    def partition_index_name(self, partition: str, key: str) -> str:
+        return _short(partition, f"{key}_idx")
 
     def drop_index(self, key: str, *, concurrently: bool) -> sql.Composed:
         return sql.SQL(QUERIES["drop_index"]).format(
@@ -217,6 +248,18 @@ class TableSql:
         if strict:
             names["strict"] = sql.SQL("AND o.lease_until > now()")
         return sql.SQL(EXECUTABLE[name]).format(**names)
+
+    def partition_ident(self, name: str) -> sql.Identifier:
+        """A partition of this table (it lives in the table's schema)."""
+        return self._qualified(name)
+
+    def partition_name(self, suffix: str) -> str:
+        """Name of a partition: the table's name and a suffix (``default``, ``p2026120300``)."""
+        return _short(self.table_name, suffix)
+
+    def partition_query(self, name: str, partition: str, **extra: sql.Composable) -> sql.Composed:
+        """A statement of sql/partitions.sql on one partition (its unqualified name)."""
+        return self.query(name, strict=False, partition=self.partition_ident(partition), **extra)
 
     def grants(self, kind: str, role: str, *, database: str | None = None) -> list[sql.Composed]:
         """GRANT statements (sql/grants.sql ``grant_<kind>``) for a role of one kind:

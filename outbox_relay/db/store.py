@@ -10,7 +10,8 @@ migrate_ops.py (schema, migrate, index convergence), delivery.py (claim, fenced
 finalize, lease extension), monitoring.py (stats, exact counts, vacuum figures),
 dead_rows.py (dead-letter operations, audit, row and aggregate detail),
 replay_rows.py (what a replay of delivered rows reads), pauses.py (operator pauses),
-retention.py (purge) and wakeups.py (LISTEN/NOTIFY). This module combines them and
+retention.py (purge), partitions.py (a partitioned outbox's maintenance) and
+wakeups.py (LISTEN/NOTIFY). This module combines them and
 keeps every name callers import from it.
 """
 
@@ -35,13 +36,13 @@ from .monitoring import STATUSES as STATUSES
 from .monitoring import MonitoringOps
 from .monitoring import PauseGauges as PauseGauges
 from .monitoring import Stats as Stats
+from .partitions import PartitionOps
 from .pauses import PARKED_FROM as PARKED_FROM
 from .pauses import ChunkStep as ChunkStep
 from .pauses import PauseOps
 from .pauses import PauseRow as PauseRow
 from .replay_rows import ReplayOps
 from .replay_rows import ReplayStep as ReplayStep
-from .retention import RetentionOps
 from .store_core import Count as Count
 from .store_core import connect_failure_is_permanent as connect_failure_is_permanent
 from .store_core import redact_dsn as redact_dsn
@@ -49,7 +50,7 @@ from .wakeups import Listener as Listener
 from .wakeups import WakeupOps
 
 
-class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, ReplayOps, PauseOps, RetentionOps, WakeupOps):
+class OutboxStore(MigrateOps, DeliveryOps, MonitoringOps, DeadRowOps, ReplayOps, PauseOps, PartitionOps, WakeupOps):
     """Statements on one outbox table over a connection pool (autocommit connections)."""
 
 

@@ -12,6 +12,7 @@ gauges are reset rather than left frozen at a stale value, and
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -25,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.decision import Kind
 from ..core.service import PeriodicService
+from ..db.partitions import MaintenanceResult
 from ..db.statement_counts import STATEMENT_KINDS, StatementCounts
 from ..db.store import INDEXED_STATUSES, STATUSES, ClaimResult, OutboxStore, PauseGauges, Stats
 from ..db.vacuum_health import HorizonClock, HorizonWarning, VacuumFigures, XminHorizon
@@ -224,6 +226,50 @@ class RelayMetrics(PublisherObserver):
             registry=r,
         )
         self._statements = {kind: self.statements_total.labels(statement=kind) for kind in STATEMENT_KINDS}
+        # A partitioned outbox ([partitioning]): what the last maintenance round found and did.
+        self.partitions = Gauge(
+            "outbox_relay_table_partitions",
+            "Partitions of a partitioned outbox (the default partition included), after the last maintenance.",
+            registry=r,
+        )
+        self.partition_default_rows = Gauge(
+            "outbox_relay_table_partition_default_rows",
+            "Rows in the default partition of a partitioned outbox (no partition covers their created_at; "
+            "normally 0), at the last maintenance.",
+            registry=r,
+        )
+        self.partitions_kept_past_retention = Gauge(
+            "outbox_relay_table_partitions_kept_past_retention",
+            "Partitions older than partitioning.retention kept because they hold pending, processing or dead rows.",
+            registry=r,
+        )
+        self.partition_maintenance_ok = Gauge(
+            "outbox_relay_table_partition_maintenance_ok",
+            "1 when the last maintenance round ran every partition change it meant to, 0 when one failed.",
+            registry=r,
+        )
+        self.partition_maintenance_timestamp_seconds = Gauge(
+            "outbox_relay_table_partition_maintenance_timestamp_seconds",
+            "Unix time of the last maintenance round that ran (skipped rounds excluded).",
+            registry=r,
+        )
+        self.partition_maintenance_total = Counter(
+            "outbox_relay_table_partition_maintenance",
+            "Maintenance rounds by result: ok, failed (a partition change did not run), skipped (another "
+            "maintainer held the table), error (the round raised).",
+            ["result"],
+            registry=r,
+        )
+        # NaN until a maintenance round ran in this process: a relay of a plain table (or
+        # one leaving maintenance to a CronJob) reports no partition figures at all.
+        for gauge in (
+            self.partitions,
+            self.partition_default_rows,
+            self.partitions_kept_past_retention,
+            self.partition_maintenance_ok,
+            self.partition_maintenance_timestamp_seconds,
+        ):
+            gauge.set(math.nan)
         for status in STATUSES:
             self.queue_depth.labels(status=status).set(0)
         for outcome in OUTCOMES:
@@ -244,6 +290,22 @@ class RelayMetrics(PublisherObserver):
 
     def statement_sent(self, kind: str) -> None:
         self._statements[kind].inc()
+
+    def record_partition_maintenance(self, result: MaintenanceResult | None) -> None:
+        """One maintenance round's result (None: the round raised)."""
+        if result is None:
+            self.partition_maintenance_total.labels(result="error").inc()
+            self.partition_maintenance_ok.set(0)
+            return
+        if result.skipped:
+            self.partition_maintenance_total.labels(result="skipped").inc()
+            return
+        self.partition_maintenance_total.labels(result="ok" if result.ok else "failed").inc()
+        self.partition_maintenance_ok.set(1 if result.ok else 0)
+        self.partitions.set(result.partitions)
+        self.partition_default_rows.set(result.default_rows)
+        self.partitions_kept_past_retention.set(len(result.kept))
+        self.partition_maintenance_timestamp_seconds.set(time.time())
 
     # --- lifecycle hooks ----------------------------------------------------------------
     def record_claim(self, result: ClaimResult) -> None:

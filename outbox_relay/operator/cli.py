@@ -175,6 +175,15 @@ def migrate(
             "as new). Does nothing while the table exists.",
         ),
     ] = None,
+    convert_to_partitioned: Annotated[
+        bool,
+        typer.Option(
+            "--convert-to-partitioned",
+            help="With [partitioning]: make the existing plain outbox partitioned without moving a row (it becomes "
+            "the partition of everything before a boundary one partition width ahead; indexes built CONCURRENTLY, "
+            "then one short lock). See docs/how-to/partitioned-outbox.md.",
+        ),
+    ] = False,
 ) -> None:
     """Create the outbox table, its indexes and the wake-up trigger; bring an existing
     table to this version's indexes (CONCURRENTLY: safe while relays run). Idempotent.
@@ -187,9 +196,12 @@ def migrate(
             ("--all-sources", all_sources),
             ("--drop-ordering-indexes", drop_ordering_indexes),
             ("--recreate-from-id", recreate_from_id is not None),
+            ("--convert-to-partitioned", convert_to_partitioned),
         ):
             if given:
                 _fail(f"--print-sql prints the schema of one new table: {flag} does not apply", 2)
+        if _for_source(settings, source).partitioning.enabled:
+            _fail("--print-sql prints the plain layout only (not yet a partitioned one): run `outbox-relay migrate`", 2)
         _print_migration_sql(_for_source(settings, source), no_notify_trigger, roles)
         return
     if any(roles.values()):
@@ -199,12 +211,16 @@ def migrate(
             _fail("--source and --all-sources exclude each other", 2)
         if recreate_from_id is not None:
             _fail("--recreate-from-id names one table: use it with --source, not --all-sources", 2)
+        if convert_to_partitioned:
+            _fail("--convert-to-partitioned changes one table: use it with --source, not --all-sources", 2)
         _migrate_all(settings, config, no_notify_trigger, drop_ordering_indexes)
         return
     settings = _for_source(settings, source)
     ordering = bool(settings.relay.ordered_event_types)
     if drop_ordering_indexes and ordering:
         _fail("--drop-ordering-indexes: relay.ordered_event_types is set, and ordered delivery needs them", 2)
+    from ..db.partitions import PartitionLayout
+
     with _store(settings) as store:
         notes = store.migrate(
             notify_trigger=not no_notify_trigger,
@@ -213,6 +229,8 @@ def migrate(
             drop_ordering_indexes=drop_ordering_indexes,
             autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
             recreate_from_id=recreate_from_id,
+            partitioning=PartitionLayout.from_settings(settings),
+            convert_to_partitioned=convert_to_partitioned,
         )
     for note in notes:
         typer.echo(f"  {note}")
@@ -273,6 +291,7 @@ def _migrate_all(settings: Settings, config: str | None, no_notify_trigger: bool
                 operator_role=None,
                 writer_role=None,
                 recreate_from_id=None,
+                convert_to_partitioned=False,
             )
         except typer.Exit as exc:
             if exc.exit_code:
@@ -776,6 +795,12 @@ def purge(
     settings = _for_source(_settings(config), source)
     with _store(settings) as store:
         store.require_table()
+        if store.is_partitioned():
+            _fail(
+                f"purge: {settings.database.table} is partitioned: its retention is partitioning.retention, applied "
+                "by dropping whole partitions (`outbox-relay maintain`, and every running relay)",
+                2,
+            )
         update = _progress(store.count_purgeable(seconds) if sys.stderr.isatty() else 0, "purging")
         removed = 0
         after: int | None = 0
@@ -789,6 +814,38 @@ def purge(
             n, key_after = store.purge_dedup_keys_chunk(seconds, chunk_size, key_after)
             keys += n
     typer.echo(f"purged {removed} done rows older than {older_than}" + (f" and {keys} dedup keys" if keys else ""))
+
+
+@app.command()
+def maintain(
+    config: ConfigOpt = None,
+    source: SourceOpt = None,
+) -> None:
+    """A partitioned outbox ([partitioning]): create the partitions ahead, drop those
+    older than partitioning.retention that hold no pending, processing or dead row, and
+    purge the dedup keys older than it. For a CronJob; a running relay does the same
+    every partitioning.maintain_interval_seconds. Exit 1 when a DDL could not run."""
+    from ..db.partitions import PartitionLayout
+
+    settings = _for_source(_settings(config), source)
+    layout = PartitionLayout.from_settings(settings)
+    if layout is None:
+        _fail("maintain: [partitioning] is not set (partitioning.interval): there is nothing to maintain", 2)
+        raise AssertionError("unreachable")
+    with _store(settings) as store:
+        store.require_table()
+        result = store.maintain_partitions(layout)
+    if result.skipped:
+        typer.echo(f"maintain: skipped, {result.skipped}")
+        return
+    for line in result.lines():
+        typer.echo(f"  {line}")
+    typer.echo(
+        f"maintained {settings.database.table}: {result.partitions} partitions, {len(result.created)} created, "
+        f"{len(result.dropped)} dropped, {len(result.kept)} kept past the retention"
+    )
+    if not result.ok:
+        _fail(f"maintain: {len(result.failed)} partition changes failed (the next run retries them)", 1)
 
 
 # --- least privilege -------------------------------------------------------------------

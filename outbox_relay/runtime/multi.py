@@ -44,7 +44,7 @@ from ..sources import static_sources
 from .lease_keeper import LeaseKeeper
 from .scheduler import SourceScheduler, SourceState
 from .shell import RelayShell, tune_garbage_collector
-from .source_services import Discovery, GaugeRounds, LeaseRounds, SourceRuntime
+from .source_services import Discovery, GaugeRounds, LeaseRounds, PartitionRounds, SourceRuntime
 from .worker import ClaimedBatch, Worker, WorkerConfig
 
 log = structlog.get_logger("outbox_relay.sources")
@@ -65,6 +65,7 @@ class MultiRelay(RelayShell):
         self._probe_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="source-probe")
         self._gauges: GaugeRounds | None = None
         self._leases: LeaseRounds | None = None
+        self._partition_rounds: PartitionRounds | None = None
         self._discovery: Discovery | None = None
         #: run_forever froze what start() made (tune_garbage_collector): what each
         #: source makes later is frozen in turn (keep_long_lived).
@@ -353,6 +354,11 @@ class MultiRelay(RelayShell):
             self._gauges.start()
         self._leases = LeaseRounds(s, runtimes=self._runtimes_now, pool=self._probe_pool)
         self._leases.start()
+        if s.partitioning.enabled and s.partitioning.maintain_in_relay:
+            self._partition_rounds = PartitionRounds(
+                s.partitioning.maintain_interval_seconds, runtimes=self._runtimes_now, stopping=self.stop_event
+            )
+            self._partition_rounds.start()
         self._start_submitter()
         for thread in self._threads:
             thread.start()
@@ -553,6 +559,8 @@ class MultiRelay(RelayShell):
             self._gauges.stop()
         if self._leases is not None:
             self._leases.stop()
+        if self._partition_rounds is not None:
+            self._partition_rounds.stop()
 
     def _close_sources(self) -> None:
         for runtime in self._runtimes_now():

@@ -17,12 +17,14 @@ import structlog
 
 from ..config import Settings
 from ..core.startup import startup_gave_up
+from ..db.partitions import PartitionLayout
 from ..db.store import make_store
 from ..errors import ConfigError
 from ..observability.metrics import RelayMetrics, StatsRefresher
 from ..observability.tracing import Tracing
 from ..publishers.base import Publisher
 from .lease_keeper import LeaseKeeper
+from .partition_maintenance import PartitionMaintenance
 from .shell import RelayShell
 from .wakeup import NotificationListener, Wakeup
 from .worker import Worker, WorkerConfig
@@ -50,6 +52,7 @@ class Relay(RelayShell):
         self._listener: NotificationListener | None = None
         self._refresher: StatsRefresher | None = None
         self.keeper: LeaseKeeper | None = None
+        self._maintenance: PartitionMaintenance | None = None
 
     # --- start -----------------------------------------------------------------------
     def start(self) -> None:
@@ -161,6 +164,12 @@ class Relay(RelayShell):
         if s.metrics.enabled:
             self._refresher = StatsRefresher.from_settings(self.store, self.metrics, s)
             self._refresher.start()
+        layout = PartitionLayout.from_settings(s)
+        if layout is not None and s.partitioning.maintain_in_relay:
+            self._maintenance = PartitionMaintenance(
+                self.store, layout, self.metrics, interval_seconds=s.partitioning.maintain_interval_seconds
+            )
+            self._maintenance.start()
         for thread in self._threads:
             thread.start()
         self.metrics.worker_threads_alive.set(len(self._threads))
@@ -206,6 +215,8 @@ class Relay(RelayShell):
             self.keeper.stop()
         if self._refresher is not None:
             self._refresher.stop()
+        if self._maintenance is not None:
+            self._maintenance.stop()
 
     def _close_sources(self) -> None:
         self.store.close()

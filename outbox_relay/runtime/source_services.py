@@ -1,7 +1,8 @@
 """What runs beside the workers of a process serving many sources: each source's
 runtime (``SourceRuntime``) and the periodic services every source shares, one thread
-each: the gauge rounds (``GaugeRounds``), the lease rounds (``LeaseRounds``) and the
-discovery of databases (``Discovery``)."""
+each: the gauge rounds (``GaugeRounds``), the lease rounds (``LeaseRounds``), the partition
+maintenance of partitioned sources (``PartitionRounds``) and the discovery of
+databases (``Discovery``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import structlog
 
 from ..config import Settings
 from ..core.service import PeriodicService
+from ..db.partitions import PartitionLayout
 from ..db.store import STATUSES, OutboxStore
 from ..errors import DatabaseError
 from ..observability.metrics import RelayMetrics, StatsRefresher
@@ -56,6 +58,45 @@ class SourceRuntime:
 #: Fast gauge queries (an unloaded database) keep every source at
 #: metrics.refresh_interval_seconds; slow ones spread the rounds out instead.
 GAUGE_QUERY_SHARE = 0.1
+
+
+class PartitionRounds(PeriodicService):
+    """[partitioning] in a process serving many sources: one thread maintains each open
+    source whose table is partitioned in turn (db/partitions.py), a round every
+    ``partitioning.maintain_interval_seconds``; a source whose table is plain is skipped
+    (said once). Each source's figures go to its own metrics."""
+
+    thread_name = "partition-maintenance"
+
+    def __init__(
+        self, interval_seconds: float, *, runtimes: Callable[[], list[SourceRuntime]], stopping: threading.Event
+    ) -> None:
+        super().__init__(interval_seconds, run_first=True)
+        self._runtimes = runtimes
+        self._stopping = stopping
+        self._plain: set[str] = set()
+
+    def step(self) -> None:
+        for runtime in self._runtimes():
+            if self._stopping.is_set() or self._stop.is_set():
+                return
+            layout = PartitionLayout.from_settings(runtime.settings)
+            if layout is None or not runtime.opened or runtime.name in self._plain:
+                continue
+            with structlog.contextvars.bound_contextvars(source=runtime.name):
+                try:
+                    if not runtime.store.is_partitioned():
+                        self._plain.add(runtime.name)
+                        log.info("partition maintenance: the source's table is not partitioned; skipped")
+                        continue
+                    result = runtime.store.maintain_partitions(layout, sleep=self._stop.wait)
+                except Exception:
+                    runtime.metrics.record_partition_maintenance(None)
+                    log.exception("partition maintenance failed; the next round retries")
+                    continue
+                runtime.metrics.record_partition_maintenance(result)
+                if result.failed:
+                    log.warning("partition maintenance: some changes failed", failed=result.failed)
 
 
 class GaugeRounds(PeriodicService):

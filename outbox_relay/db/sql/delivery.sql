@@ -96,7 +96,7 @@ WITH victims AS (
 ), paused AS MATERIALIZED (
     {paused_selectors}
 ), expired AS (
-    SELECT id, 0 AS part, lease_until AS sort_at,
+    SELECT id, 0 AS part, lease_until AS sort_at, created_at AS row_created_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0)
            + coalesce(octet_length(payload_bytes), 0) AS row_bytes
     FROM {table}
@@ -110,7 +110,7 @@ WITH victims AS (
     LIMIT %(candidates)s
     FOR UPDATE SKIP LOCKED
 ), due AS (
-    SELECT id, 1 AS part, available_at AS sort_at,
+    SELECT id, 1 AS part, available_at AS sort_at, created_at AS row_created_at,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0)
            + coalesce(octet_length(payload_bytes), 0) AS row_bytes
     FROM {table}
@@ -152,8 +152,8 @@ WITH victims AS (
         FOR UPDATE SKIP LOCKED))
     RETURNING o.id
 ), picked AS (
-    SELECT id, row_bytes, part FROM (
-        SELECT id, row_bytes, part,
+    SELECT id, row_bytes, part, row_created_at FROM (
+        SELECT id, row_bytes, part, row_created_at,
                row_number() OVER w AS n,
                sum(row_bytes) OVER w AS bytes_through
         FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS both_kinds
@@ -168,7 +168,9 @@ WITH victims AS (
         lease_version = o.lease_version + 1,
         attempts = o.attempts + 1
     FROM picked
-    WHERE o.id = picked.id
+    -- created_at too: on a partitioned outbox (partitioned by it) each picked row is
+    -- then looked up in its own partition only, not in every partition's primary key.
+    WHERE o.id = picked.id AND o.created_at = picked.row_created_at
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,

@@ -217,12 +217,17 @@ LIMIT %(limit)s
 -- The outbox's dead tuples, sizes and last vacuum, from the statistics views (no
 -- table access: cheap at any size). Seconds since the last vacuum: manual or auto,
 -- whichever is later; NULL if the table was never vacuumed.
-SELECT coalesce(s.n_dead_tup, 0) AS dead_tuples,
-       coalesce(s.n_live_tup, 0) AS live_tuples,
-       pg_relation_size(c.oid) AS heap_bytes,
-       pg_indexes_size(c.oid) AS index_bytes,
-       extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8 AS since_vacuum_seconds,
-       coalesce(s.autovacuum_count, 0) + coalesce(s.vacuum_count, 0) AS vacuums
-FROM pg_class AS c
-LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid
-WHERE c.oid = %(table)s::regclass
+-- A partitioned outbox has no storage of its own: the figures are its partitions'
+-- (pg_partition_tree's leaves; a plain table is its own), summed, and the
+-- seconds since the most recently vacuumed of them (old partitions that no longer
+-- change are not vacuumed again, and say nothing about the queue's health).
+SELECT coalesce(sum(s.n_dead_tup), 0)::bigint AS dead_tuples,
+       coalesce(sum(s.n_live_tup), 0)::bigint AS live_tuples,
+       coalesce(sum(pg_relation_size(t.relid)), 0)::bigint AS heap_bytes,
+       coalesce(sum(pg_indexes_size(t.relid)), 0)::bigint AS index_bytes,
+       extract(epoch FROM now() - max(greatest(s.last_vacuum, s.last_autovacuum)))::float8 AS since_vacuum_seconds,
+       coalesce(sum(coalesce(s.autovacuum_count, 0) + coalesce(s.vacuum_count, 0)), 0)::bigint AS vacuums
+FROM (SELECT p.relid FROM pg_partition_tree(%(table)s::regclass) AS p WHERE p.isleaf
+      UNION
+      SELECT c.oid FROM pg_class AS c WHERE c.oid = %(table)s::regclass AND c.relkind <> 'p') AS t
+LEFT JOIN pg_stat_user_tables AS s ON s.relid = t.relid

@@ -27,13 +27,15 @@ RETURNING dedup_key
 -- name: enqueue_dedup
 -- Step 2 (the key was new): the row, and the key's link to it. The outbox's own
 -- unique index on dedup_key still refuses a key held by a row an older enqueue()
--- wrote without a key row.
+-- wrote without a key row. ON CONFLICT without a target: the id never conflicts (one
+-- identity sequence), so only that index can, and a partitioned outbox, whose dedup
+-- index cannot be unique (sql/partitions.sql), takes the same statement.
 WITH new_row AS (
     INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, topic, headers, available_at, dedup_key
                          {record_columns})
     VALUES (%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(topic)s, %(headers)s,
             now() + make_interval(secs => %(delay_seconds)s), %(dedup_key)s {record_values})
-    ON CONFLICT (dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    ON CONFLICT DO NOTHING
     RETURNING id
 ), linked AS (
     UPDATE {dedup_keys} AS k SET outbox_id = new_row.id FROM new_row WHERE k.dedup_key = %(dedup_key)s

@@ -21,6 +21,17 @@ EXTRA = {
     "table_oid": sql.Literal('"app"."outbox"'),
     "first_id": sql.Literal(1000),  # restart_ids
     "constraint": sql.Identifier("some_check"),  # drop_audit_check, add_audit_replay_check
+    # sql/partitions.sql: a partition, its bounds and storage, conversion's names
+    "partition": sql.Identifier("app", "outbox_p2026120300"),
+    "from_at": sql.Literal("2026-12-03 00:00:00+00"),
+    "to_at": sql.Literal("2026-12-04 00:00:00+00"),
+    "storage": sql.SQL("fillfactor = 50"),
+    "boundary": sql.Literal("2026-12-04 00:00:00+00"),
+    "new_name": sql.Identifier("outbox_p_before"),
+    "trigger": sql.Identifier("outbox_notify_trg"),
+    "privilege": sql.SQL("INSERT"),
+    "grantee": sql.Identifier("some_role"),
+    "partition_index": sql.Identifier("app", "outbox_p2026120300_pending_idx"),
 }
 
 

@@ -1,0 +1,30 @@
+"""The claim / lease / fencing semantics of test_semantics.py, run again on a
+time-partitioned outbox ([partitioning]: primary key (id, created_at), the claim's
+partial indexes on every partition, a default partition). Every test of that module is
+collected here with this module's ``store`` fixture, which migrates the table
+partitioned; nothing else changes: the statements find rows by id across partitions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from outbox_relay.db.partitions import PartitionLayout, partition_storage
+from outbox_relay.db.store import OutboxStore
+from tests.helpers.db import ON_DONE
+from tests.integration.test_semantics import *  # noqa: F403  (the tests, collected again with the fixture below)
+
+PARTITIONED = PartitionLayout(interval_seconds=3600, premake=2, retention_seconds=86400, storage=partition_storage({}))
+
+
+@pytest.fixture
+def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
+    s = OutboxStore(pg_dsn, table, pool_size=8)
+    s.open()
+    s.migrate(on_done=ON_DONE, partitioning=PARTITIONED)
+    assert s.is_partitioned()
+    try:
+        yield s
+    finally:
+        s.close()
