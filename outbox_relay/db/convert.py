@@ -131,7 +131,10 @@ def convert_to_partitioned(
         )
         max_id = int(_one(conn, table_sql.query("max_id_of", partition=part)) or 0)
         conn.execute(table_sql.query("create_partitioned_table", strict=False, **checks))
-        conn.execute(table_sql.query("add_record_columns"))  # migration step 7's columns, as the table has them
+        # The columns later migration steps added (7: tombstone, partition; 10:
+        # payload_bytes), as the table has them: a partition must have its parent's columns.
+        conn.execute(table_sql.query("add_record_columns"))
+        conn.execute(table_sql.query("add_payload_bytes"))
         conn.execute(table_sql.query("restart_ids", first_id=sql.Literal(max_id + 1)))
         for key in wanted_indexes:
             conn.execute(table_sql.index_ddl(key, concurrently=False, partitioned=True))

@@ -393,8 +393,9 @@ def fresh_install_sql(
     # Step 7: the record columns; step 8: the audit's rows_failed.
     out.append(_render(table_sql.query("add_record_columns")))
     out.append(_render(table_sql.query("add_audit_rows_failed")))
-    # Step 9: the operator pauses table (its audit check is above).
+    # Step 9: the operator pauses table (its audit check is above); step 10: payload_bytes.
     out += [_render(statement) for statement in table_sql.statements("create_pauses")]
+    out.append(_render(table_sql.query("add_payload_bytes")))
     out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
     # Every-run steps on a new table: the autovacuum parameters and their record, the
     # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).

@@ -3,7 +3,7 @@ would cost a dict or a call per row on the relay's hottest statement). So the co
 names the server reports for every statement that builds a ``Claimed`` must be, in
 order, the dataclass's fields: reordering a RETURNING list fails here instead of
 silently swapping two fields. The store takes ``Claimed(*record[1:12])`` plus
-``tombstone``, ``partition`` from ``record[14:16]`` from the plain claim (column 0 says
+``tombstone``, ``partition``, ``payload_bytes`` from ``record[14:17]`` from the plain claim (column 0 says
 whether the row was reaped, column 12 is the reaped row's owner, 13 a due row's key),
 ``Claimed(*row[:-1])`` from the ordered heads (the last column is the round-robin
 cursor) and ``Claimed(*row)`` from the ordered runs."""
@@ -67,7 +67,7 @@ def test_every_statement_that_builds_a_claimed_returns_its_fields_in_order(store
     make_row(pg_dsn, table)  # something to claim, so every branch of the plan has a row
     columns = _columns(store, pg_dsn, statement)
     if statement == "claim":
-        columns = [*columns[taken], *columns[14:16]]
+        columns = [*columns[taken], *columns[14:17]]
     else:
         columns = columns[taken]
     assert columns == CLAIMED_COLUMNS
@@ -76,12 +76,12 @@ def test_every_statement_that_builds_a_claimed_returns_its_fields_in_order(store
 def test_the_plain_claim_keeps_the_reaped_columns_where_the_store_reads_them(store, pg_dsn, table):
     """Reaped rows are read as (record[1], record[2], record[12]): id, version, owner;
     record[13] is a claimed due row's key, where the claim cursor starts later claims;
-    record[14:16] the claimed row's tombstone and partition."""
+    record[14:17] the claimed row's tombstone, partition and payload_bytes."""
     columns = _columns(store, pg_dsn, "claim")
     assert columns[0] == "reaped" and columns[1:3] == ["id", "lease_version"] and columns[12] == "reaped_owner"
     assert columns[13] == "due_at"
-    assert columns[14:] == ["tombstone", "partition"]
-    assert len(columns) == 16
+    assert columns[14:] == ["tombstone", "partition", "payload_bytes"]
+    assert len(columns) == 17
 
 
 def test_a_claimed_row_carries_each_column_in_its_own_field(store, pg_dsn, table):
