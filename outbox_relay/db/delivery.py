@@ -93,11 +93,15 @@ def _bigint_array(values: Sequence[int]) -> str:
 # jit = off: before PostgreSQL 18 a disabled plan node still costs 1e10, which crosses
 # jit_above_cost, and compiling the statement then took 1.5 s on every call.
 CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "jit": "off"}
-# The plain claim (no ordered types) with its generic plan: planning it cost 20x running
-# it when it finds a row or two (0.6 ms against 0.03 ms), and what the plan must do does
-# not depend on the values: every condition that bounds its index scans is an index
-# condition in the generic plan too (delivery.sql "claim"). The ordered claims keep
-# custom plans (their round-robin start may be NULL, which only a custom plan folds).
+# The plain claim (no ordered types) of a relay that is not busy, with its generic plan:
+# planning it cost 20x running it when it finds a row or two (0.6 ms against 0.03 ms),
+# and every condition that bounds its index scans is an index condition in the generic
+# plan too (delivery.sql "claim"). A busy relay's claims keep custom plans: at 2 000
+# events/s (keep mode) the generic plan's full claims took ~28 ms instead of ~0.4 ms,
+# which made the claim cursor switch to fast claims and left rows below their start
+# waiting for the next full claim (p99 ~20 s instead of ~40 ms; bench/primary_cost.py).
+# The ordered claims keep custom plans too (their round-robin start may be NULL, which
+# only a custom plan folds).
 PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, plan_cache_mode="force_generic_plan")
 # Also the lease keeper's extend_lease (the same join). enable_nestloop = off: with
 # statistics that see almost no live row (an ANALYZE while vacuum is held back) the
@@ -129,9 +133,12 @@ class DeliveryOps(StoreCore):
         max_batch_bytes: int = 2**62,
         candidates: int | None = None,
         max_message_bytes: int | None = None,
+        generic_plan: bool = False,
     ) -> ClaimResult:
         """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
-        committed before this returns (so before any publish)."""
+        committed before this returns (so before any publish). ``generic_plan``: the
+        plain claim may use its generic plan (a relay that is not busy: see
+        PLAIN_CLAIM_SETTINGS)."""
         ordering = OrderingRule.of(ordered_types)
         all_ordered = ordering.all_types
         types = ordering.explicit_types
@@ -145,6 +152,7 @@ class DeliveryOps(StoreCore):
             "max_batch_bytes": max_batch_bytes,
             "candidates": max(1, min(batch, candidates if candidates is not None else batch)),
             "max_message_bytes": max_message_bytes,
+            "generic_plan": generic_plan,
         }
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
@@ -204,8 +212,9 @@ class DeliveryOps(StoreCore):
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
+                settings = PLAIN_CLAIM_SETTINGS if params.get("generic_plan") else CLAIM_SETTINGS
                 reaped = self._plain_claim(
-                    conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=PLAIN_CLAIM_SETTINGS
+                    conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=settings
                 )
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)

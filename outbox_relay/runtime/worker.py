@@ -182,6 +182,8 @@ class Worker:
         self._in_flight: ClaimedBatch | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self._last_candidates = config.batch_size  # the rows the last claim could size at most
+        # The relay keeps finding rows (runtime/wakeup.py): claims then use custom plans.
+        self._busy = False
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -244,7 +246,7 @@ class Worker:
                     full = len(batch.rows) >= self.cfg.batch_size
                     if full:
                         wakeup.wake_one()  # a backlog: get another worker going
-                    busy = full or busy_cycles >= BUSY_AFTER_CYCLES
+                    busy = self._busy = full or busy_cycles >= BUSY_AFTER_CYCLES
                     if busy:
                         self._mark_busy()
                     self.start_batch(batch, submitter)  # with a submitter: built and submitted on its thread
@@ -276,6 +278,7 @@ class Worker:
                     self._idle_wait()
                     continue
                 busy_cycles = 0
+                self._busy = False
                 if in_flight is not None:
                     self.finish_batch(in_flight)
                     in_flight = None
@@ -446,6 +449,7 @@ class Worker:
             max_batch_bytes=cfg.max_batch_bytes,
             candidates=candidates,
             max_message_bytes=cfg.max_message_bytes,
+            generic_plan=not self._busy,
         )
         self._ordered_after = result.ordered_after
         if result.rows:
