@@ -535,6 +535,14 @@ class RelaySettings(_Section):
         description="Idle sleep between empty claims (jittered) of each worker when the relay does not "
         "listen for inserts (relay.listen_notify = false, or a transaction pooler without database.listen_dsn).",
     )
+    claim_linger_ms: float = Field(
+        default=10.0,
+        ge=0,
+        le=1000,
+        description="While inserts arrive at least twice per this many milliseconds (a few hundred events "
+        "per second and more), a worker woken by a notification waits this long before it claims, so one "
+        "claim takes several rows instead of one each. Slower, a row is claimed at once. 0: never wait.",
+    )
     idle_poll_interval_seconds: float = Field(
         default=5.0,
         gt=0,

@@ -12,6 +12,10 @@ often it wakes, so the rules are:
   wake only on their idle poll and join when a claim comes back full. The lock goes
   with its connection: a waker that dies or loses its connection hands over to the
   next at once.
+- **A short linger at a few hundred events per second.** A worker woken by a
+  notification waits ``relay.claim_linger_ms`` before it claims while notifications
+  come at least twice per linger, so one claim takes several rows; at lower rates a
+  row is alone anyway and is claimed at once.
 - **One worker per notification, and none while one is active.** A worker that is
   claiming or publishing will look again when it is done if a notification came in
   meanwhile (``Wakeup.notices``), so rows inserted meanwhile are taken by it in one
@@ -64,6 +68,8 @@ class Wakeup:
         self._generation = 0  # bumped by wake_all (stop)
         self._tokens = 0
         self._notices = 0  # notifications received so far
+        self._last_notice_at: float | None = None
+        self._notice_gap_seconds = float("inf")  # moving average of the time between notifications
         self._active: dict[int, float] = {}  # worker key -> when its current cycle began (monotonic)
         self._sentry: int | None = None  # the sleeping worker that polls for the process
         self._due_at: float | None = None  # earliest monotonic time a row this process rescheduled is due
@@ -128,12 +134,25 @@ class Wakeup:
                 self._due_at = due
                 self._cond.notify_all()  # the sentry's deadline may come sooner
 
+    def linger_seconds(self, max_seconds: float) -> float:
+        """How long a worker woken by a notification waits before it claims: while
+        notifications come at least twice per ``max_seconds`` (a few hundred events per
+        second), waiting that long lets one claim take the rows of several; slower, the
+        row is alone anyway and is claimed at once."""
+        with self._cond:
+            gap = self._notice_gap_seconds
+            if self._last_notice_at is not None and time.monotonic() - self._last_notice_at > 10 * max_seconds:
+                return 0.0  # the rate the average describes is over
+        return max_seconds if gap <= max_seconds / 2 else 0.0
+
     # --- sleeping ----------------------------------------------------------------------
-    def idle_wait(self, key: int, *, poll_seconds: float, listening_poll_seconds: float) -> None:
+    def idle_wait(self, key: int, *, poll_seconds: float, listening_poll_seconds: float) -> bool:
         """Sleep until woken or until this worker's poll is due. While the process
         listens, one sleeping worker (the sentry) polls every ``listening_poll_seconds``
         (or when a rescheduled row is due) and the others sleep until woken; otherwise
-        every worker polls every ``poll_seconds`` (both jittered)."""
+        every worker polls every ``poll_seconds`` (both jittered). True when woken by a
+        notification or a full batch (not a stop, not the poll)."""
+        woken = False
         with self._cond:
             self._active.pop(key, None)
             seen = self._generation
@@ -145,6 +164,7 @@ class Wakeup:
                     break
                 if self._tokens > 0:
                     self._tokens -= 1
+                    woken = True
                     break
                 now = time.monotonic()
                 if not self.listening:
@@ -172,6 +192,7 @@ class Wakeup:
             if self._due_at is not None and self._due_at <= time.monotonic():
                 self._due_at = None
             self._active[key] = time.monotonic()
+        return woken
 
     def wait(self, timeout: float) -> None:
         """Sleep until woken or for ``timeout`` seconds (loops without a sentry)."""
@@ -187,6 +208,13 @@ class Wakeup:
         with self._cond:
             self._notices += 1
             now = time.monotonic()
+            if self._last_notice_at is not None:
+                gap = now - self._last_notice_at
+                if self._notice_gap_seconds == float("inf"):
+                    self._notice_gap_seconds = gap
+                else:
+                    self._notice_gap_seconds += 0.2 * (gap - self._notice_gap_seconds)
+            self._last_notice_at = now
             if self._active and min(self._active.values()) > now - COALESCE_SECONDS:
                 return
             self._tokens = 1

@@ -71,6 +71,7 @@ class WorkerConfig:
     listen_notify: bool = False
     idle_poll_interval_seconds: float = 5.0  # while listening: the process's one idle poll (runtime/wakeup.py)
     durable_finalize: bool = True  # relay.finalize_synchronous_commit = "on"
+    claim_linger_ms: float = 0.0  # relay.claim_linger_ms (runtime/wakeup.py)
     max_batch_bytes: int = 2**62  # relay.max_batch_bytes
     max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
     #: The message format (``kafka.message_format``); None = the contract with ``topic_template``.
@@ -109,6 +110,7 @@ class WorkerConfig:
             poll_interval_seconds=s.relay.poll_interval_seconds,
             idle_poll_interval_seconds=s.relay.idle_poll_interval_seconds,
             durable_finalize=s.relay.finalize_synchronous_commit == "on",
+            claim_linger_ms=s.relay.claim_linger_ms,
             backoff_base_seconds=s.relay.backoff_base_seconds,
             backoff_cap_seconds=s.relay.backoff_cap_seconds,
             publish_timeout_seconds=timeout,
@@ -325,11 +327,14 @@ class Worker:
 
     def _idle_wait(self) -> None:
         if self.cfg.listen_notify:
-            self.wakeup.idle_wait(
+            woken = self.wakeup.idle_wait(
                 self.index,
                 poll_seconds=self.cfg.poll_interval_seconds,
                 listening_poll_seconds=self.cfg.idle_poll_interval_seconds,
             )
+            linger = self.wakeup.linger_seconds(self.cfg.claim_linger_ms / 1000) if woken else 0.0
+            if linger > 0:
+                self.stop_event.wait(linger)
         else:
             self.wakeup.leave(self.index)
             self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))

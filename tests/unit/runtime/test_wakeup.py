@@ -134,3 +134,31 @@ def test_a_rescheduled_row_brings_the_poll_forward():
     wakeup.rescheduled(0.05)  # a row this process released is due in 50 ms
     thread.join(timeout=5)
     assert woken == [0]
+
+
+def test_a_woken_worker_lingers_only_while_notifications_come_fast():
+    wakeup = Wakeup()
+    assert wakeup.linger_seconds(0.01) == 0.0  # nothing heard yet
+    for _ in range(20):
+        wakeup.notified()  # back to back: far more than two per linger
+    assert wakeup.linger_seconds(0.01) == 0.01
+    slow = Wakeup()
+    for _ in range(4):
+        slow.notified()
+        time.sleep(0.03)  # a row every 30 ms: alone in its claim anyway
+    assert slow.linger_seconds(0.01) == 0.0
+
+
+def test_idle_wait_says_whether_a_notification_woke_it():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    results: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: results.append(wakeup.idle_wait(0, poll_seconds=60, listening_poll_seconds=60)), daemon=True
+    )
+    thread.start()
+    time.sleep(0.05)
+    wakeup.notified()
+    thread.join(timeout=5)
+    assert results == [True]
+    assert wakeup.idle_wait(0, poll_seconds=0.01, listening_poll_seconds=0.01) is False  # its poll
