@@ -197,19 +197,8 @@ class WireFormat:
             return self._encode_bytes(row, topic, row.payload_bytes, extra)
         payload = None if tombstone else row.payload
         message_id = str(row.id)
-        if fmt is MessageFormat.CONTRACT:
-            headers = [
-                ("message_id", message_id),
-                ("event_type", row.event_type),
-                ("aggregate_type", row.aggregate_type),
-                ("aggregate_id", row.aggregate_id),
-                *extra,
-            ]
-            return Encoded(topic, row.aggregate_id, payload, headers)
-        if fmt is MessageFormat.DEBEZIUM:
-            if any(name == "id" for name, _ in extra):
-                raise FormatError("header 'id' is reserved in the debezium format (it carries the outbox id)")
-            return Encoded(topic, row.aggregate_id, payload, [("id", message_id), *extra])
+        if fmt in (MessageFormat.CONTRACT, MessageFormat.DEBEZIUM):
+            return self._encode_headers_only(row, topic, payload, extra)
         plain, extensions = _split_extensions(extra)
         attributes = [
             ("specversion", CE_SPECVERSION),
@@ -239,15 +228,13 @@ class WireFormat:
         headers = [(CONTENT_TYPE_HEADER, STRUCTURED_CONTENT_TYPE), ("message_id", message_id), *plain]
         return Encoded(topic, row.aggregate_id, value, headers)
 
-    def _encode_bytes(self, row: Claimed, topic: str, value: bytes, extra: list[tuple[str, str]]) -> Encoded:
-        """A row whose writer encoded its value (``payload_bytes``): the bytes are the
-        value as they are, in every format. Their data content type is the row's
-        ``content-type`` header, else ``application/octet-stream``: in the CloudEvents
-        formats it is the ``datacontenttype`` (binary mode: the ``content-type`` header;
-        structured mode: the bytes go base64-encoded under ``data_base64``)."""
+    def _encode_headers_only(
+        self, row: Claimed, topic: str, value: str | bytes | None, extra: list[tuple[str, str]]
+    ) -> Encoded:
+        """The contract and debezium formats: the value as it is, what describes it in
+        headers (the contract's four; debezium's ``id``, the outbox id)."""
         message_id = str(row.id)
-        fmt = self.format
-        if fmt is MessageFormat.CONTRACT:
+        if self.format is MessageFormat.CONTRACT:
             headers = [
                 ("message_id", message_id),
                 ("event_type", row.event_type),
@@ -256,10 +243,20 @@ class WireFormat:
                 *extra,
             ]
             return Encoded(topic, row.aggregate_id, value, headers)
-        if fmt is MessageFormat.DEBEZIUM:
-            if any(name == "id" for name, _ in extra):
-                raise FormatError("header 'id' is reserved in the debezium format (it carries the outbox id)")
-            return Encoded(topic, row.aggregate_id, value, [("id", message_id), *extra])
+        if any(name == "id" for name, _ in extra):
+            raise FormatError("header 'id' is reserved in the debezium format (it carries the outbox id)")
+        return Encoded(topic, row.aggregate_id, value, [("id", message_id), *extra])
+
+    def _encode_bytes(self, row: Claimed, topic: str, value: bytes, extra: list[tuple[str, str]]) -> Encoded:
+        """A row whose writer encoded its value (``payload_bytes``): the bytes are the
+        value as they are, in every format. Their data content type is the row's
+        ``content-type`` header, else ``application/octet-stream``: in the CloudEvents
+        formats it is the ``datacontenttype`` (binary mode: the ``content-type`` header;
+        structured mode: the bytes go base64-encoded under ``data_base64``)."""
+        message_id = str(row.id)
+        fmt = self.format
+        if fmt in (MessageFormat.CONTRACT, MessageFormat.DEBEZIUM):
+            return self._encode_headers_only(row, topic, value, extra)
         content_types = [v for name, v in extra if name.lower() == CONTENT_TYPE_HEADER]
         if len(content_types) > 1:
             raise FormatError("more than one content-type header")
