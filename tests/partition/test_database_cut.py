@@ -37,9 +37,9 @@ def _cut_and_heal(net: Partition, *, draining: bool) -> dict[str, object]:
         "relay",
         OUTBOX_RELAY_RELAY__LEASE_SECONDS="4",
         OUTBOX_RELAY_RELAY__BATCH_SIZE="50",
-        # An idle relay claims once per idle poll: once a second, so the cut is met by
-        # claims (and seen as errors) within the cut, not only after it.
-        OUTBOX_RELAY_RELAY__IDLE_POLL_INTERVAL_SECONDS="1",
+        # Every worker polls once a second (no LISTEN: a listening relay polls once per
+        # process), so the cut is met by claims, and seen as errors, within the cut.
+        OUTBOX_RELAY_RELAY__LISTEN_NOTIFY="false",
         OUTBOX_RELAY_DATABASE__STATEMENT_TIMEOUT_MS=str(STATEMENT_TIMEOUT_MS),
         OUTBOX_RELAY_DATABASE__TCP_USER_TIMEOUT_MS="3000",
         OUTBOX_RELAY_METRICS__ENABLED="true",
