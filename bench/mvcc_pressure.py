@@ -343,11 +343,20 @@ class Holder:
 
 
 # --- sampling ----------------------------------------------------------------------------
-# A fast claim (claim_cursor.py) passes its start bounds as parameters: the same one twice
-# in its lease bound. A full claim has them written as NULL (normalized by
-# pg_stat_statements into two different $n, or left as NULL). A relay before that split
-# has one statement only: all its claims count as "full" here.
-FAST_CLAIM = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
+# A fast claim (claim_cursor.py) bounds its processing-index scan by a parameter
+# ("lease_until >= $n::timestamptz"); a full claim has no such bound. Relays from before
+# the bounds became index conditions wrote "($a::timestamptz IS NULL OR lease_until >=
+# $b::timestamptz)", with the same parameter twice in a fast claim. A relay before the
+# fast/full split has one statement only: all its claims count as "full" here.
+FAST_CLAIM = re.compile(r"(?<!OR )lease_until >= \$\d+::timestamptz")
+FAST_CLAIM_BEFORE = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
+
+
+def is_fast_claim(text: str) -> bool:
+    before = FAST_CLAIM_BEFORE.search(text)
+    if before is not None:
+        return before.group(1) == before.group(2)
+    return FAST_CLAIM.search(text) is not None
 
 
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
@@ -361,8 +370,7 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, floa
         if text.startswith(FINALIZE_PREFIX):
             names = ["finalize"]
         else:
-            match = FAST_CLAIM.search(text)
-            names = ["claim", "claim_fast" if match and match.group(1) == match.group(2) else "claim_full"]
+            names = ["claim", "claim_fast" if is_fast_claim(text) else "claim_full"]
         for name in names:
             out[name] = (out[name][0] + int(calls), out[name][1] + float(total))
     return out
@@ -525,22 +533,31 @@ def batch_job(
 
 
 def wait_batch_delivered(
-    conn: psycopg.Connection[Any], table: str, label: str, id_range: tuple[int, int], timeout: float
-) -> tuple[float | None, int]:
-    """Seconds from now until none of the batch's rows is pending or processing (None:
-    not within ``timeout``), and how many were left at the end."""
+    conn: psycopg.Connection[Any], table: str, label: str, id_range: tuple[int, int], rows: int, timeout: float
+) -> tuple[float | None, float | None, int]:
+    """Seconds from now until the first of the batch's rows was claimed (fewer than
+    ``rows`` pending) and until none is pending or processing (None: not within
+    ``timeout``), and how many were left at the end."""
     query = sql.SQL(
-        "SELECT count(*) FROM {} WHERE id BETWEEN %s AND %s AND aggregate_id = %s "
-        "AND status IN ('pending', 'processing')"
+        "SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FROM {} "
+        "WHERE id BETWEEN %s AND %s AND aggregate_id = %s AND status IN ('pending', 'processing')"
     ).format(c.ident(table))
     started = time.monotonic()
+    first: float | None = None
     left = -1
     while time.monotonic() - started < timeout:
-        left = int(conn.execute(query, (*id_range, label)).fetchone()[0])  # type: ignore[index]
+        pending, left = (int(v) for v in conn.execute(query, (*id_range, label)).fetchone())  # type: ignore[union-attr]
+        if first is None and pending < rows:
+            first = time.monotonic() - started
         if left == 0:
-            return time.monotonic() - started, 0
-        time.sleep(0.1)
-    return None, left
+            return first, time.monotonic() - started, 0
+        time.sleep(0.05)
+    return first, None, left
+
+
+def mean_claim_ms(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> float | None:
+    calls = after["claim"][0] - before["claim"][0]
+    return round((after["claim"][1] - before["claim"][1]) / calls, 3) if calls else None
 
 
 def run_batch_jobs(
@@ -560,25 +577,33 @@ def run_batch_jobs(
         relay.wait_started()
         mon = psycopg.connect(dsn, autocommit=True, application_name="bench-monitor")
         writer.start()
-        time.sleep(args.baseline_seconds)
+        time.sleep(min(5.0, args.baseline_seconds / 2))  # the relay's first claims and plans
+        baseline_from = statement_totals(mon)
+        time.sleep(max(0.0, args.baseline_seconds - min(5.0, args.baseline_seconds / 2)))
+        baseline_claim_ms = mean_claim_ms(baseline_from, statement_totals(mon))
         holder.open()
-        c.say(f"  holder open; batch jobs after {args.batch_job_warmup_seconds} s")
+        c.say(f"  baseline claim {baseline_claim_ms} ms; holder open; jobs after {args.batch_job_warmup_seconds} s")
         time.sleep(args.batch_job_warmup_seconds)
         for i, open_seconds in enumerate(args.batch_job_open):
             label = f"batch-job-{i}"
             before = statement_totals(mon)
             low, high, _ = batch_job(dsn, table, args.batch_job_rows, open_seconds, label, args.payload_bytes)
-            seconds, left = wait_batch_delivered(mon, table, label, (low, high), args.batch_job_timeout_seconds)
+            first, seconds, left = wait_batch_delivered(
+                mon, table, label, (low, high), args.batch_job_rows, args.batch_job_timeout_seconds
+            )
             after = statement_totals(mon)
             if writer.error is not None:
                 raise RuntimeError(f"writer failed: {writer.error}")
             job = {
                 "open_s": open_seconds,
                 "rows": args.batch_job_rows,
+                "commit_to_first_claimed_s": round(first, 2) if first is not None else None,
                 "commit_to_delivered_s": round(seconds, 2) if seconds is not None else None,
                 "left_at_timeout": left if seconds is None else 0,
                 "full_claims": after["claim_full"][0] - before["claim_full"][0],
                 "fast_claims": after["claim_fast"][0] - before["claim_fast"][0],
+                "claim_ms_mean": mean_claim_ms(before, after),
+                "baseline_claim_ms": baseline_claim_ms,
             }
             jobs.append(job)
             c.say("  " + " ".join(f"{k}={v}" for k, v in job.items()))
@@ -736,8 +761,8 @@ def main() -> int:
     if args.batch_job_rows:
         lines = [
             title,
-            f"{'on_done':<8}{'holder':<10}{'rate':>6}{'rows':>7}{'open s':>8}{'commit -> delivered s':>23}"
-            f"{'full claims':>12}{'fast claims':>12}",
+            f"{'on_done':<8}{'holder':<10}{'rate':>6}{'rows':>7}{'open s':>8}{'-> first claimed s':>19}"
+            f"{'-> all delivered s':>19}{'full claims':>12}{'fast claims':>12}{'claim ms':>9}{'base ms':>8}",
         ]
         for r in results:
             for job in r["batch_jobs"]:
@@ -749,7 +774,8 @@ def main() -> int:
                 )
                 lines.append(
                     f"{r['on_done']:<8}{r['holder']:<10}{r['rate']:>6}{job['rows']:>7}{job['open_s']:>8g}"
-                    f"{shown!s:>23}{job['full_claims']:>12}{job['fast_claims']:>12}"
+                    f"{job['commit_to_first_claimed_s']!s:>19}{shown!s:>19}{job['full_claims']:>12}"
+                    f"{job['fast_claims']:>12}{job['claim_ms_mean']!s:>9}{job['baseline_claim_ms']!s:>8}"
                 )
         c.emit(report, lines, args.json)
         return 0

@@ -31,7 +31,10 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
   at once when the claim whose look saw the writer end found nothing). A look is applied
   only when it was taken after the last one applied (the database's clock at the
   look), so a slow claim's older look cannot make the cursor forget a writer still
-  open. A full claim due first takes the catch-up's place (it reads from the front).
+  open. While full claims are cheap (every claim is one) a full claim takes the
+  catch-up's place (it reads from the front); while they are slow, a full claim due at
+  the same time leaves the catch-up to the next fast claim, which reaches the ended
+  writer's rows at once instead of after the full claim's walk from the front.
   A catch-up claim that fails quickly is sent again; one that runs out of its
   statement timeout is not, and that writer's rows are left to the full claims;
 - the processing index, once per ``lease_scan_interval_seconds`` (at once again while
@@ -212,10 +215,15 @@ class DueCursor:
             cheap = not self._slow  # nothing to save: every claim is full
             interval = self._full_interval()
             if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
-                # A full claim reads from the front: it takes over a pending catch-up
-                # (what it finds below the fast start enters the window, and the fast
-                # claims after it drain upwards through the ended writer's rows).
-                catch_up_from, self._catch_up_from = self._catch_up_from, None
+                # A full claim reads from the front: while full claims are cheap (every
+                # claim is one) it takes over a pending catch-up (what it finds below the
+                # fast start enters the window). While they are slow it does not: it may
+                # run for seconds, or out of its statement timeout, before it reaches
+                # the ended writer's rows, so the catch-up stays for the next fast claim,
+                # which starts at that writer's start at once.
+                catch_up_from = None
+                if cheap or start is None:
+                    catch_up_from, self._catch_up_from = self._catch_up_from, None
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
