@@ -360,19 +360,25 @@ def is_fast_claim(text: str) -> bool:
 
 
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
-    """(calls, total ms) of the claim (all, full, fast) and finalize statements since the last reset."""
-    out = {"claim": (0, 0.0), "claim_full": (0, 0.0), "claim_fast": (0, 0.0), "finalize": (0, 0.0)}
+    """(calls, total ms) of the claim (all, full, fast) and finalize statements since the
+    last reset; under "<name>_rows", (rows claimed, the same total ms): a claim statement
+    returns its claimed and reaped rows and one report row."""
+    names_all = ("claim", "claim_full", "claim_fast", "finalize")
+    out = dict.fromkeys(names_all, (0, 0.0)) | {f"{name}_rows": (0, 0.0) for name in names_all}
     rows = conn.execute(
-        "SELECT query, calls, total_exec_time FROM pg_stat_statements WHERE query LIKE %s OR query LIKE %s",
+        "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements WHERE query LIKE %s OR query LIKE %s",
         (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"),
     ).fetchall()
-    for text, calls, total in rows:
+    for text, calls, total, returned in rows:
         if text.startswith(FINALIZE_PREFIX):
             names = ["finalize"]
+            claimed = int(returned)
         else:
             names = ["claim", "claim_fast" if is_fast_claim(text) else "claim_full"]
+            claimed = int(returned) - int(calls)
         for name in names:
             out[name] = (out[name][0] + int(calls), out[name][1] + float(total))
+            out[f"{name}_rows"] = (out[f"{name}_rows"][0] + claimed, out[f"{name}_rows"][1] + float(total))
     return out
 
 
@@ -558,7 +564,8 @@ def wait_batch_delivered(
 def mean_claim_ms(
     before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], kind: str = "claim"
 ) -> float | None:
-    """The mean time of the claims (``kind``: claim, claim_fast, claim_full) between two totals."""
+    """The mean time of the claims (``kind``: claim, claim_fast, claim_full) between two
+    totals; with ``kind`` + "_rows", per row claimed."""
     calls = after[kind][0] - before[kind][0]
     return round((after[kind][1] - before[kind][1]) / calls, 3) if calls else None
 
@@ -583,7 +590,9 @@ def run_batch_jobs(
         time.sleep(min(5.0, args.baseline_seconds / 2))  # the relay's first claims and plans
         baseline_from = statement_totals(mon)
         time.sleep(max(0.0, args.baseline_seconds - min(5.0, args.baseline_seconds / 2)))
-        baseline_claim_ms = mean_claim_ms(baseline_from, statement_totals(mon))
+        baseline_to = statement_totals(mon)
+        baseline_claim_ms = mean_claim_ms(baseline_from, baseline_to)
+        baseline_claim_ms_per_row = mean_claim_ms(baseline_from, baseline_to, "claim_rows")
         holder.open()
         c.say(f"  baseline claim {baseline_claim_ms} ms; holder open; jobs after {args.batch_job_warmup_seconds} s")
         time.sleep(args.batch_job_warmup_seconds)
@@ -609,6 +618,8 @@ def run_batch_jobs(
                 "fast_claim_ms_mean": mean_claim_ms(before, after, "claim_fast"),
                 "full_claim_ms_mean": mean_claim_ms(before, after, "claim_full"),
                 "baseline_claim_ms": baseline_claim_ms,
+                "fast_claim_ms_per_row": mean_claim_ms(before, after, "claim_fast_rows"),
+                "baseline_claim_ms_per_row": baseline_claim_ms_per_row,
             }
             jobs.append(job)
             c.say("  " + " ".join(f"{k}={v}" for k, v in job.items()))
@@ -768,7 +779,7 @@ def main() -> int:
             title,
             f"{'on_done':<8}{'holder':<10}{'rate':>6}{'rows':>7}{'open s':>8}{'-> first claimed s':>19}"
             f"{'-> all delivered s':>19}{'full claims':>12}{'fast claims':>12}{'claim ms':>9}{'fast ms':>8}"
-            f"{'full ms':>9}{'base ms':>8}",
+            f"{'full ms':>9}{'base ms':>8}{'fast ms/row':>12}{'base ms/row':>12}",
         ]
         for r in results:
             for job in r["batch_jobs"]:
@@ -783,6 +794,7 @@ def main() -> int:
                     f"{job['commit_to_first_claimed_s']!s:>19}{shown!s:>19}{job['full_claims']:>12}"
                     f"{job['fast_claims']:>12}{job['claim_ms_mean']!s:>9}{job['fast_claim_ms_mean']!s:>8}"
                     f"{job['full_claim_ms_mean']!s:>9}{job['baseline_claim_ms']!s:>8}"
+                    f"{job['fast_claim_ms_per_row']!s:>12}{job['baseline_claim_ms_per_row']!s:>12}"
                 )
         c.emit(report, lines, args.json)
         return 0
