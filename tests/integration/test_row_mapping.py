@@ -59,7 +59,7 @@ def _columns(store, pg_dsn, name: str) -> list[str]:
     ("statement", "taken"),
     [
         ("claim", slice(1, 12)),  # reaped flag first, reaped owner last
-        ("claim_ordered_heads", slice(None, -1)),  # the round-robin cursor last
+        ("claim_ordered_heads", slice(None, -2)),  # the round-robin cursor and the clock last
         ("claim_ordered_runs", slice(None)),
     ],
 )
