@@ -748,7 +748,7 @@ def summarize(
         None,
     )
     held_before = base[-1] if base else None
-    rate_base = delivered_per_second(base, None)
+    rate_base = delivered_per_second(base, {"t": 0, "delivered": 0})  # the writer starts at t = 0
     rate_held = delivered_per_second(held, held_before)
     lagging = [s for s in released if s["lag_s"] >= 1.0]
     caught_up = [s for s in released if not lagging or s["t"] > lagging[-1]["t"]]

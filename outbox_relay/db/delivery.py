@@ -457,7 +457,7 @@ class DeliveryOps(StoreCore):
             if record[0] == "claimed":
                 heads.append(Claimed(*record[1:15]))
             else:
-                self.ordered_bounds.looked(ticket, record[5], record[1], record[15])
+                self.ordered_bounds.looked(ticket, record[5], record[1], bool(record[15]))
         return heads
 
     def _plain_claim(

@@ -12,7 +12,7 @@ instead, and finds the aggregates to look at without the skip scan.
 
 The rule it relies on. A bound B of aggregate X is proven when a statement saw, at its
 snapshot, that no ordered row of X below B was pending, processing or dead (the first
-unfinished row found from an earlier proven bound, the dead-rows index read below it).
+unfinished row found from an earlier proven bound, and no dead row below it).
 Once proven it stays true: a finished row never becomes unfinished again. Only a
 finalize moves a row out of processing (and only its claim's rows, which were at or
 above B when claimed), dead_retry moves only dead rows back to pending, dead_skip
@@ -21,14 +21,14 @@ may add a row below B only by committing out of id order within the aggregate, w
 ordering forbids (enqueue(ordered=True) or the aggregate lock: docs/explanation/
 ordering.md); such a row is taken, as it would have been before, by the next full
 claim. So a row of X found first at or above B, with no ordered dead row of X below it
-(that check still reads the dead-rows index from its front: it holds only rows that
-went dead), has no earlier unfinished row: it is X's head, and claiming it keeps the
+(one probe of the dead-rows index, which holds only rows that went dead, as in the
+full claim), has no earlier unfinished row: it is X's head, and claiming it keeps the
 order. A bound is never moved past a dead row (a retry would make it pending again
 below it).
 
 Bounds come from what this process saw: a full claim's claimed heads (proven from the
 front), then every fast look, which moves the bound to the first unfinished row it
-found (or to the first dead row below it). The walk from a bound therefore reads only
+found, unless a dead row lies below that row. The walk from a bound therefore reads only
 the entries of the rows delivered since the last look at that aggregate. An aggregate
 never seen yet starts at bound 0 (its history read once).
 
@@ -121,10 +121,10 @@ class AggregateBounds:
                 taken.append((aggregate_id, self._bounds.get(aggregate_id, 0)))
             return self._ticket, taken
 
-    def looked(self, ticket: int, aggregate_id: str, first_unfinished: int | None, first_dead: int | None) -> None:
+    def looked(self, ticket: int, aggregate_id: str, first_unfinished: int | None, blocked: bool) -> None:
         """What a look from the bound found: the aggregate's first pending or processing
-        ordered row at or above it (None: none) and the first ordered dead row below
-        that one (None: none)."""
+        ordered row at or above it (None: none), and whether an ordered dead row lies
+        below that one (then the bound stays: a retry would make that row pending again)."""
         with self._lock:
             if first_unfinished is None:
                 # Nothing to wait for: leave the visited set, unless a discovery found a
@@ -133,7 +133,8 @@ class AggregateBounds:
                 if seen is not None and seen < ticket:
                     del self._visited[aggregate_id]
                 return
-            self._prove(aggregate_id, first_dead if first_dead is not None else first_unfinished)
+            if not blocked:
+                self._prove(aggregate_id, first_unfinished)
 
     def _prove(self, aggregate_id: str, bound: int) -> None:
         if bound > self._bounds.get(aggregate_id, 0):

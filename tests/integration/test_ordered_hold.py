@@ -350,3 +350,36 @@ def test_concurrent_fast_and_full_ordered_claims_keep_every_aggregates_order_und
     assert sorted(int(i) for i, _ in audit) == sorted(inserted), "every row delivered once"
     _assert_in_id_order([(a, int(i)) for i, a in audit])
     assert store.ordered_cursor.fast_claims > store.ordered_cursor.full_claims > 1
+
+
+def test_a_dead_row_blocks_its_aggregate_in_fast_claims_and_its_retry_goes_first(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """A bound never passes a dead row: when it is retried (pending again, its id below
+    the rows waiting behind it), the fast claims take it before them."""
+    store.ordered_cursor = _fast_ordered_cursor()
+    with _held_snapshot(pg_dsn):
+        ids = [int(r[0]) for r in run_sql(pg_dsn, table, BULK_INSERT + " RETURNING id", (3 * AGGREGATES,))]
+        x = [i for i in ids if (i - ids[0]) % AGGREGATES == 0]  # aggregate 'a1': three rows in id order
+
+        def claim() -> list[Any]:
+            return store.claim(owner="t", batch=50, lease_seconds=30, max_attempts=5, ordered_types=ALL).rows
+
+        first = claim()  # the full claim: every aggregate's head
+        assert store.ordered_cursor.full_claims == 1 and x[0] in {r.id for r in first}
+        head = next(r for r in first if r.id == x[0])
+        assert store.mark_dead([(head.id, head.lease_version, "broken")]) == {head.id}
+        store.mark_done([(r.id, r.lease_version) for r in first if r.id != x[0]])
+        for _ in range(3):  # fast claims: the others go on, this aggregate is blocked
+            rows = claim()
+            assert x[1] not in {r.id for r in rows}
+            store.mark_done([(r.id, r.lease_version) for r in rows])
+        assert store.ordered_cursor.fast_claims >= 3
+        assert store.dead_retry([x[0]]) == {x[0]}
+        order: list[int] = []
+        for _ in range(5):
+            rows = [r for r in claim() if r.aggregate_id == head.aggregate_id]
+            order += [r.id for r in rows]
+            store.mark_done([(r.id, r.lease_version) for r in rows])
+        assert order == x, "the retried row first, then the rows behind it, in id order"
+        assert store.ordered_cursor.full_claims == 1

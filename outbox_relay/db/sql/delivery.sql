@@ -465,27 +465,26 @@ SELECT 'report', NULL, (SELECT id FROM reach),
 -- The fast ordered claim's heads (ordered_bounds.py explains the rule): for each
 -- aggregate of %(aggregate_ids)s, its first pending or processing row of an ordered
 -- type at or above its proven bound %(bounds)s (every ordered row of it below the
--- bound is finished), read from {idx_aggregate_active} at that key instead of from
--- the aggregate's front, and the first ordered dead row below that row (read from the
--- front of {idx_aggregate_dead}, which holds only rows that went dead). A row found so
--- is its aggregate's head; it is claimed under the same conditions as in
--- "claim_ordered_heads" (due, or an expired lease with attempts left; not paused; no
--- dead row before it), at most %(batch)s of them, in the order of the arrays, within
--- the byte budget. The claimed rows come first (kind = 'claimed', the Claimed
--- columns), then one row per aggregate looked at (kind = 'looked': the aggregate, its
--- first unfinished row, the first dead row below it), from which the process moves the
--- bounds.
+-- bound is finished), read from {idx_aggregate_active} at that key instead of from the
+-- aggregate's front, and whether an ordered dead row lies below that row (a probe of
+-- {idx_aggregate_dead}, which holds only rows that went dead, as in
+-- "claim_ordered_heads"). A row found so is its aggregate's head; it is claimed under
+-- the same conditions as in "claim_ordered_heads" (due, or an expired lease with
+-- attempts left; not paused; no dead row before it), at most %(batch)s of them, in
+-- the order of the arrays, within the byte budget. The claimed rows come first (kind
+-- = 'claimed', the Claimed columns), then one row per aggregate looked at (kind =
+-- 'looked': the aggregate, its first unfinished row, whether a dead row blocks it),
+-- from which the process moves the bounds.
 WITH paused AS MATERIALIZED (
     -- operator pauses (pauses.sql)
     {paused_selectors}
 ), looked AS MATERIALIZED (
     SELECT v.aggregate_id, v.ord, h.id, h.status, h.available_at, h.lease_until, h.attempts,
            h.event_type, h.aggregate_type, h.topic,
-           CASE WHEN h.id IS NOT NULL THEN
-               (SELECT min(d.id) FROM {table} AS d
-                WHERE d.aggregate_id = v.aggregate_id AND d.status = 'dead' AND d.id < h.id
-                  AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s)))
-           END AS dead_id
+           h.id IS NOT NULL AND EXISTS (
+               SELECT 1 FROM {table} AS d
+               WHERE d.aggregate_id = v.aggregate_id AND d.status = 'dead' AND d.id < h.id
+                 AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))) AS blocked
     FROM unnest(%(aggregate_ids)s::text[], %(bounds)s::bigint[]) WITH ORDINALITY AS v(aggregate_id, bound, ord)
     LEFT JOIN LATERAL (
         SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts, f.event_type, f.aggregate_type, f.topic
@@ -498,7 +497,7 @@ WITH paused AS MATERIALIZED (
     ) AS h ON true
 ), heads AS (
     SELECT l.id FROM looked AS l
-    WHERE l.id IS NOT NULL AND l.dead_id IS NULL
+    WHERE l.id IS NOT NULL AND NOT l.blocked
       AND ((l.status = 'pending' AND l.available_at <= now())
         OR (l.status = 'processing' AND l.lease_until < now() AND l.attempts < %(max_attempts)s))
       AND NOT (l.event_type = ANY((SELECT event_types FROM paused)::text[])
@@ -535,11 +534,11 @@ WITH paused AS MATERIALIZED (
               o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload_bytes END AS payload_bytes
 )
-SELECT 'claimed' AS kind, claimed.*, NULL::bigint AS dead_id
+SELECT 'claimed' AS kind, claimed.*, NULL::boolean AS blocked
 FROM claimed
 UNION ALL
 SELECT 'looked', looked.id, NULL, NULL, NULL, looked.aggregate_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, looked.dead_id
+       NULL, looked.blocked
 FROM looked
 
 -- name: finalize

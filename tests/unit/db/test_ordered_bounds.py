@@ -11,12 +11,14 @@ def test_a_bound_only_moves_up_and_never_past_a_dead_row() -> None:
     bounds.discovered(["x"])
     ticket, visit = bounds.to_visit(10)
     assert visit == [("x", 0)]
-    bounds.looked(ticket, "x", 40, None)  # first unfinished row 40, nothing dead below it
+    bounds.looked(ticket, "x", 40, False)  # first unfinished row 40, nothing dead below it
     assert bounds.bound("x") == 40
-    bounds.looked(ticket, "x", 90, 55)  # a dead row 55 below the first unfinished 90
-    assert bounds.bound("x") == 55
-    bounds.looked(ticket, "x", 30, None)  # an older look (another worker's): kept at 55
-    assert bounds.bound("x") == 55
+    bounds.looked(ticket, "x", 90, True)  # a dead row below the first unfinished 90: kept
+    assert bounds.bound("x") == 40
+    bounds.looked(ticket, "x", 70, False)
+    assert bounds.bound("x") == 70
+    bounds.looked(ticket, "x", 30, False)  # an older look (another worker's): kept at 70
+    assert bounds.bound("x") == 70
 
 
 def test_an_aggregate_found_idle_leaves_the_visited_set_but_keeps_its_bound() -> None:
@@ -25,7 +27,7 @@ def test_an_aggregate_found_idle_leaves_the_visited_set_but_keeps_its_bound() ->
     assert bounds.heads_claimed([("x", 8)]) == 0  # visited already
     ticket, visit = bounds.to_visit(10)
     assert sorted(visit) == [("x", 8), ("y", 9)]
-    bounds.looked(ticket, "x", None, None)
+    bounds.looked(ticket, "x", None, False)
     assert bounds.visited_count() == 1 and bounds.bound("x") == 8
 
 
@@ -34,10 +36,10 @@ def test_a_look_that_began_before_a_discovery_does_not_drop_what_it_found() -> N
     bounds.discovered(["x"])
     ticket, _ = bounds.to_visit(10)  # this look's statement may not see the row found next
     bounds.discovered(["x"])  # a pending row found by a discovery that ran meanwhile
-    bounds.looked(ticket, "x", None, None)
+    bounds.looked(ticket, "x", None, False)
     assert bounds.visited_count() == 1
     later, _ = bounds.to_visit(10)
-    bounds.looked(later, "x", None, None)
+    bounds.looked(later, "x", None, False)
     assert bounds.visited_count() == 0
 
 
