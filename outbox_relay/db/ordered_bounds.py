@@ -47,14 +47,17 @@ writers missed, an expired lease of an aggregate nobody here was visiting).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 
-# How many aggregates' bounds are remembered (a bound is one int per aggregate).
-MAX_KNOWN_AGGREGATES = 200_000
+# How many aggregates' bounds are remembered, least recently used first out. Full
+# claims record theirs too, also without MVCC pressure (the aggregates in flight when
+# the fast claims take over must be known then): some 15 MB at most.
+MAX_KNOWN_AGGREGATES = 100_000
 # How many aggregates the visited set holds; beyond it the oldest are left to full claims.
-MAX_VISITED_AGGREGATES = 100_000
+MAX_VISITED_AGGREGATES = 50_000
 
 
 class AggregateBounds:
@@ -116,7 +119,7 @@ class AggregateBounds:
         with self._lock:
             self._ticket += 1
             taken: list[tuple[str, int]] = []
-            for aggregate_id in list(self._visited)[:limit]:
+            for aggregate_id in list(itertools.islice(self._visited, limit)):
                 self._visited.move_to_end(aggregate_id)
                 taken.append((aggregate_id, self._bounds.get(aggregate_id, 0)))
             return self._ticket, taken
