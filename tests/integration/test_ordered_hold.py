@@ -383,3 +383,30 @@ def test_a_dead_row_blocks_its_aggregate_in_fast_claims_and_its_retry_goes_first
             store.mark_done([(r.id, r.lease_version) for r in rows])
         assert order == x, "the retried row first, then the rows behind it, in id order"
         assert store.ordered_cursor.full_claims == 1
+
+
+def test_fast_ordered_claims_of_some_types_leave_the_others_to_the_plain_claim(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    store.ordered_cursor = _fast_ordered_cursor()
+    insert = (
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT 'order', 'a' || (g %% 5), CASE WHEN g %% 4 = 0 THEN 'Note' ELSE 'OrderCreated' END, '{{}}'::jsonb "
+        "FROM generate_series(1, 400) AS g RETURNING id, event_type"
+    )
+    delivered: list[tuple[str, int]] = []
+    types: dict[int, str] = {}
+    with _held_snapshot(pg_dsn):
+        for _ in range(3):
+            types.update({int(i): t for i, t in run_sql(pg_dsn, table, insert)})
+            for _ in range(100):  # bounded
+                rows = store.claim(
+                    owner="t", batch=100, lease_seconds=30, max_attempts=5, ordered_types=["OrderCreated"]
+                ).rows
+                if not rows:
+                    break
+                store.mark_done([(r.id, r.lease_version) for r in rows])
+                delivered += [(r.aggregate_id, r.id) for r in sorted(rows, key=lambda r: r.id)]
+    assert sorted(i for _, i in delivered) == sorted(types), "every row delivered once"
+    _assert_in_id_order([(a, i) for a, i in delivered if types[i] == "OrderCreated"])
+    assert store.ordered_cursor.full_claims == 1 and store.ordered_cursor.fast_claims > 3
