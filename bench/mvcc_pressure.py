@@ -26,6 +26,16 @@ from its commit until none of its rows is pending or processing (delivered; poll
 every 0.1 s by primary key range, up to ``--batch-job-timeout-seconds``), and the full
 and fast claims the relay ran meanwhile (pg_stat_statements).
 
+Ordered scenario (``--ordered``): the relay runs with ``relay.ordered_event_types =
+["*"]`` (every row ordered by its aggregate, ``--aggregates`` of them, runs of up to
+``--run-length``), so every claim is the ordered claim (ordered_bounds.py). The samples
+add the ordered claims' statements (full: from the front of the aggregate index; fast:
+the discovery and the bounded heads), and the summary the delivered events per second
+before and during the hold: compare a ``--holders none`` run with a ``--holders
+snapshot`` run of the same settings (throughput held / without the hold), or read
+``delivered_ratio`` (held / baseline) of one run when ``--rate`` is within what the relay
+delivers.
+
 ``--relay-root DIR``: run the relay (migrate and run) from another checkout, e.g. the
 code before a change: ``git worktree add --detach /tmp/mvcc-before main``, then
 ``--relay-root /tmp/mvcc-before``. The bench itself always comes from this checkout.
@@ -73,6 +83,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--holders", default="snapshot", help="comma-separated: snapshot, prepared, none")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--payload-bytes", type=int, default=200)
+    p.add_argument("--ordered", action="store_true", help='ordered scenario: relay.ordered_event_types = ["*"]')
+    p.add_argument("--aggregates", type=int, default=100, help="distinct aggregate_ids the writer spreads rows over")
+    p.add_argument("--run-length", type=int, default=0, help="--ordered: relay.max_run_length (0: the default)")
     p.add_argument("--relay-root", help="checkout whose relay (migrate + run) is measured; default: this one")
     p.add_argument("--label", default="", help="name of this relay in the report (e.g. before/after)")
     p.add_argument(
@@ -113,6 +126,8 @@ def parse_args() -> argparse.Namespace:
         help="the longest wait for a batch job's rows after its commit",
     )
     args = p.parse_args()
+    if args.aggregates < 1:
+        p.error("--aggregates must be 1 or more")
     if args.batch_job_rows < 0:
         p.error("--batch-job-rows must be 0 or more")
     try:
@@ -192,6 +207,10 @@ def relay_env(
     env = c.relay_env(
         dsn, table, bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=on_done, OUTBOX_RELAY_METRICS__HOST="127.0.0.1"
     )
+    if args.ordered:
+        env["OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES"] = '["*"]'
+        if args.run_length:
+            env["OUTBOX_RELAY_RELAY__MAX_RUN_LENGTH"] = str(args.run_length)
     root = Path(args.relay_root).resolve() if args.relay_root else c.ROOT
     env["PYTHONPATH"] = str(root)
     return env
@@ -250,9 +269,12 @@ def scrape(port: int) -> dict[str, float]:
 class Writer(threading.Thread):
     """``rate`` events/s in transactions of ``per_txn`` rows, on an absolute schedule."""
 
-    def __init__(self, dsn: str, table: str, rate: int, per_txn: int, payload_bytes: int) -> None:
+    def __init__(
+        self, dsn: str, table: str, rate: int, per_txn: int, payload_bytes: int, aggregates: int = 100
+    ) -> None:
         super().__init__(name="writer", daemon=True)
         self.dsn, self.table, self.rate, self.per_txn = dsn, table, rate, per_txn
+        self.aggregates = aggregates
         self.pad = max(0, payload_bytes - 40)
         self.written = 0
         self.history: list[tuple[int, float]] = []  # (rows written so far, when): the delivery lag
@@ -263,7 +285,7 @@ class Writer(threading.Thread):
     def run(self) -> None:
         stmt = sql.SQL(
             "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-            "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', "
+            "SELECT 'order', 'agg-' || (g %% %(aggregates)s), 'OrderCreated', "
             "jsonb_build_object('seq', g, 'note', repeat('x', %(pad)s)) "
             "FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g"
         ).format(c.ident(self.table))
@@ -281,7 +303,13 @@ class Writer(threading.Thread):
                     else:
                         self.behind_max_seconds = max(self.behind_max_seconds, now - due)
                     conn.execute(
-                        stmt, {"pad": self.pad, "first": self.written + 1, "last": self.written + self.per_txn}
+                        stmt,
+                        {
+                            "pad": self.pad,
+                            "aggregates": self.aggregates,
+                            "first": self.written + 1,
+                            "last": self.written + self.per_txn,
+                        },
                     )
                     self.written += self.per_txn
                     self.history.append((self.written, time.monotonic()))
@@ -359,20 +387,44 @@ def is_fast_claim(text: str) -> bool:
     return FAST_CLAIM.search(text) is not None
 
 
+# The ordered claims' statements (delivery.sql), told apart by text that survives
+# pg_stat_statements' normalization: the heads from the front of the aggregate index
+# (full), and a fast claim's discovery and bounded heads.
+ORDERED_FULL_PREFIX = "WITH RECURSIVE paused"
+ORDERED_DISCOVER_MARK = "due AS MATERIALIZED"
+ORDERED_BOUNDED_MARK = "WITH ORDINALITY AS v(aggregate_id, bound, ord)"
+
+
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
-    """(calls, total ms) of the claim (all, full, fast) and finalize statements since the
-    last reset; under "<name>_rows", (rows claimed, the same total ms): a claim statement
-    returns its claimed and reaped rows and one report row."""
-    names_all = ("claim", "claim_full", "claim_fast", "finalize")
+    """(calls, total ms) of the claim (all, full, fast), the ordered claim's (full, and a
+    fast one's discovery and heads) and finalize statements since the last reset; under
+    "<name>_rows", (rows claimed, the same total ms): a plain claim statement returns its
+    claimed and reaped rows and one report row."""
+    names_all = (
+        "claim",
+        "claim_full",
+        "claim_fast",
+        "finalize",
+        "ordered_full",
+        "ordered_discover",
+        "ordered_bounded",
+    )
     out = dict.fromkeys(names_all, (0, 0.0)) | {f"{name}_rows": (0, 0.0) for name in names_all}
     rows = conn.execute(
-        "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements WHERE query LIKE %s OR query LIKE %s",
-        (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"),
+        "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
+        "WHERE query LIKE %s OR query LIKE %s OR query LIKE %s OR query LIKE %s",
+        (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%", ORDERED_FULL_PREFIX + "%", "%" + ORDERED_BOUNDED_MARK + "%"),
     ).fetchall()
     for text, calls, total, returned in rows:
+        claimed = int(returned)  # the ordered statements return their claimed rows only
         if text.startswith(FINALIZE_PREFIX):
             names = ["finalize"]
-            claimed = int(returned)
+        elif text.startswith(ORDERED_FULL_PREFIX):
+            names = ["ordered_full"]
+        elif ORDERED_DISCOVER_MARK in text:
+            names = ["ordered_discover"]
+        elif ORDERED_BOUNDED_MARK in text:
+            names = ["ordered_bounded"]
         else:
             names = ["claim", "claim_fast" if is_fast_claim(text) else "claim_full"]
             claimed = int(returned) - int(calls)
@@ -426,7 +478,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         f"reloptions {reloptions[0] if reloptions else None}"
     )
     relay = Relay(["--workers", str(args.workers)], env)
-    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
+    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes, args.aggregates)
     holder = Holder(dsn, holder_kind)
     samples: list[dict[str, Any]] = []
     named_after: float | None = None
@@ -490,6 +542,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 "finalize_ms": (
                     round(window["finalize"][1] / window["finalize"][0], 2) if window["finalize"][0] else None
                 ),
+                **(ordered_figures(window) if args.ordered else {}),
                 "xmin_gauge_s": metrics.get("outbox_relay_xmin_horizon_age_seconds"),
                 **table_figures(mon, table),
             }
@@ -507,6 +560,29 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         warnings = relay.warnings(limit=20)
         relay.cleanup()
     return summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
+
+
+def ordered_figures(window: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """The ordered claims of one sample window: how many full and fast ones, and their
+    mean time (a fast one: its discovery + its bounded heads)."""
+    full_calls, full_ms = window["ordered_full"]
+    fast_calls, discover_ms = window["ordered_discover"]
+    bounded_ms = window["ordered_bounded"][1]
+    return {
+        "ordered_full_claims": full_calls,
+        "ordered_full_ms": round(full_ms / full_calls, 2) if full_calls else None,
+        "ordered_fast_claims": fast_calls,
+        "ordered_fast_ms": round((discover_ms + bounded_ms) / fast_calls, 2) if fast_calls else None,
+    }
+
+
+def delivered_per_second(samples: list[dict[str, Any]], before: dict[str, Any] | None) -> float | None:
+    """Events delivered per second over consecutive samples (from the sample before them)."""
+    if not samples:
+        return None
+    first = before if before is not None else samples[0]
+    seconds = samples[-1]["t"] - first["t"]
+    return round((samples[-1]["delivered"] - first["delivered"]) / seconds, 1) if seconds > 0 else None
 
 
 # --- batch-job scenario ---------------------------------------------------------------------
@@ -580,7 +656,7 @@ def run_batch_jobs(
     relay_cli(env, "migrate")
     c.say(f"[{args.label or 'relay'} {on_done} {holder_kind}] batch jobs, table {table}")
     relay = Relay(["--workers", str(args.workers)], env)
-    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
+    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes, args.aggregates)
     holder = Holder(dsn, holder_kind)
     jobs: list[dict[str, Any]] = []
     try:
@@ -712,6 +788,9 @@ def summarize(
         (s for prev, s in zip([final, *released], released, strict=False) if s["dead_tuples"] < prev["dead_tuples"]),
         None,
     )
+    held_before = base[-1] if base else None
+    rate_base = delivered_per_second(base, {"t": 0, "delivered": 0})  # the writer starts at t = 0
+    rate_held = delivered_per_second(held, held_before)
     lagging = [s for s in released if s["lag_s"] >= 1.0]
     caught_up = [s for s in released if not lagging or s["t"] > lagging[-1]["t"]]
     return {
@@ -725,6 +804,11 @@ def summarize(
         "claim_ms_baseline": claim_base,
         "claim_ms_last_minute_held": claim_last,
         "claim_ratio": round(claim_last / claim_base, 2) if claim_base and claim_last else None,
+        "ordered": bool(args.ordered),
+        "aggregates": args.aggregates,
+        "delivered_per_s_baseline": rate_base,
+        "delivered_per_s_held": rate_held,
+        "delivered_ratio": round(rate_held / rate_base, 2) if rate_base and rate_held else None,
         "oldest_pending_max_s": round(max(oldest), 1) if oldest else None,
         "oldest_pending_gauge_samples": f"{len(oldest)}/{len(held)}",
         "lag_max_s": round(max(lags), 1) if lags else None,
@@ -813,6 +897,12 @@ def main() -> int:
             f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
             f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}"
         )
+        if r.get("ordered"):
+            lines.append(
+                f"{'':<8}ordered ({r['aggregates']} aggregates): delivered/s baseline {r['delivered_per_s_baseline']}, "
+                f"held {r['delivered_per_s_held']} (ratio {r['delivered_ratio']}), "
+                f"lag max {r['lag_max_s']} s, last minute held {r['lag_last_minute_max_s']} s"
+            )
         lines.append(
             f"{'':<8}after the release: dead tuples removed after {r['dead_tuples_removed_after_release_s']} s, "
             f"lag < 1 s after {r['lag_under_1s_after_release_s']} s; end of run: heap {r['heap_mb_end_of_run']} MB, "

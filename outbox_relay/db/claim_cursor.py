@@ -264,16 +264,27 @@ class DueCursor:
                 writers_within_seconds=self.writers_within_seconds,
             )
 
-    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
-        """Record what a claim's statements saw and, for a full claim, its cost."""
+    def end(
+        self,
+        plan: ClaimPlan,
+        outcomes: list[ClaimOutcome],
+        elapsed_seconds: float,
+        claimed_rows: int = 0,
+        *,
+        found_below: bool | None = None,
+    ) -> None:
+        """Record what a claim's statements saw and, for a full claim, its cost.
+        ``found_below``: whether a full claim found a row the fast claims would not have
+        found (None: one keyed below where they start, as the plain claim reports it)."""
         now = self._clock()
         with self._lock:
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
                 server = [o.server_seconds for o in outcomes if o.server_seconds is not None]
                 self._record_full_cost(elapsed_seconds, claimed_rows, sum(server) if server else None)
-                claimed = [o.lowest for o in outcomes if o.lowest is not None]
-                found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
+                if found_below is None:
+                    claimed = [o.lowest for o in outcomes if o.lowest is not None]
+                    found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
                 if found_below or not self._slow:
                     self._quiet_full_claims = 0
                 else:

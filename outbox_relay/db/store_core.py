@@ -31,6 +31,7 @@ from ..errors import (
     SchemaMissing,
 )
 from .claim_cursor import DueCursor
+from .ordered_bounds import AggregateBounds
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
 from .statement_counts import StatementCounts
@@ -208,6 +209,22 @@ class StoreCore:
         # bounds written as NULL: the plan of the claim without bounds, and an entry of
         # its own in pg_stat_statements, so full and fast claims are measured apart.
         self._full_claim_statement = self.sql.query("claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+        # The ordered claims (relay.ordered_event_types) have a cursor of their own:
+        # where their discovery scan of the due index starts (fast claims), and when a
+        # full ordered claim comes round; and the per-aggregate bounds their fast claims
+        # read the aggregate index from (ordered_bounds.py). Fast once the least of three
+        # full ordered claims took fast_above_seconds (0.1 s) or more: they are timed in
+        # the client (several statements), so the per-row rule, which would react to a
+        # busy client machine (an empty claim of 5 ms in three round trips), is off.
+        self.ordered_cursor = DueCursor(fast_above_seconds_per_row=float("inf"))
+        self.ordered_bounds = AggregateBounds()
+        self._ordered_discover_statement = self.sql.query(
+            "claim_ordered_discover",
+            due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
+            leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
+            lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
+            writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
+        )
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:
