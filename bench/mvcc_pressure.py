@@ -87,6 +87,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--aggregates", type=int, default=100, help="distinct aggregate_ids the writer spreads rows over")
     p.add_argument("--run-length", type=int, default=0, help="--ordered: relay.max_run_length (0: the default)")
     p.add_argument("--relay-root", help="checkout whose relay (migrate + run) is measured; default: this one")
+    p.add_argument(
+        "--relay-setting",
+        action="append",
+        default=[],
+        metavar="SECTION__NAME=VALUE",
+        help="a setting of the relay under test, as its OUTBOX_RELAY_ variable without the prefix (repeatable)",
+    )
     p.add_argument("--label", default="", help="name of this relay in the report (e.g. before/after)")
     p.add_argument(
         "--autovacuum",
@@ -211,6 +218,9 @@ def relay_env(
         env["OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES"] = '["*"]'
         if args.run_length:
             env["OUTBOX_RELAY_RELAY__MAX_RUN_LENGTH"] = str(args.run_length)
+    for setting in args.relay_setting:  # e.g. DATABASE__STATEMENT_TIMEOUT_MS=60000
+        name, _, value = setting.partition("=")
+        env["OUTBOX_RELAY_" + name.upper()] = value
     root = Path(args.relay_root).resolve() if args.relay_root else c.ROOT
     env["PYTHONPATH"] = str(root)
     return env
@@ -614,6 +624,15 @@ def batch_job(
     return min(ids), max(ids), committed
 
 
+# What the relay's backends are doing (printed while a batch job's rows wait).
+RELAY_BACKENDS = (
+    "SELECT pid, state, wait_event_type, wait_event,"
+    " round(extract(epoch FROM clock_timestamp() - query_start)::numeric, 1),"
+    " left(regexp_replace(query, '\\s+', ' ', 'g'), 80) FROM pg_stat_activity"
+    " WHERE application_name LIKE 'outbox-relay%%' AND state <> 'idle' ORDER BY query_start"
+)
+
+
 def wait_batch_delivered(
     conn: psycopg.Connection[Any], table: str, label: str, id_range: tuple[int, int], rows: int, timeout: float
 ) -> tuple[float | None, float | None, int]:
@@ -627,10 +646,15 @@ def wait_batch_delivered(
     started = time.monotonic()
     first: float | None = None
     left = -1
+    last_dump = started
     while time.monotonic() - started < timeout:
         pending, left = (int(v) for v in conn.execute(query, (*id_range, label)).fetchone())  # type: ignore[union-attr]
         if first is None and pending < rows:
             first = time.monotonic() - started
+        if first is None and time.monotonic() - last_dump >= 5.0:  # none claimed yet: what the relay waits for
+            last_dump = time.monotonic()
+            for line in conn.execute(RELAY_BACKENDS).fetchall():
+                c.say("    still none claimed: " + " | ".join(str(v) for v in line))
         if left == 0:
             return first, time.monotonic() - started, 0
         time.sleep(0.05)
