@@ -79,9 +79,12 @@ from dataclasses import dataclass
 LAG_SECONDS = 0.1
 # An open writer transaction older than this no longer holds fast claims back (one
 # left open for minutes would make every fast claim walk the dead entries since its
-# start): it is remembered instead, and its rows are taken by one catch-up claim from
-# its start once a look no longer sees it.
-WRITERS_WITHIN_SECONDS = 5.0
+# start, and the index entries of the rows it has written so far): it is remembered
+# instead, and its rows are taken by one catch-up claim from its start once a look no
+# longer sees it. One second: an application's transaction rarely lasts longer, and a
+# batch job writing 10 000 rows a second pins the fast claims behind its uncommitted
+# entries for at most that long (a catch-up claim costs one walk from its start, once).
+WRITERS_WITHIN_SECONDS = 1.0
 # How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
 # a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS, so
 # looks come at least twice per window.
