@@ -25,6 +25,13 @@ SELECT pg_advisory_lock(hashtextextended(%(key)s, 0))
 -- Poison rows: claimed max_attempts times and never finalized (a worker died every
 -- time). They never reach a finalize, so the claim is where they go dead. The CTE
 -- keeps the last owner for the log line (RETURNING shows the row after the update).
+-- Every UPDATE here that joins the rows a CTE picked also says
+-- "o.id = ANY(ARRAY(SELECT id FROM <cte>))": an index condition on the primary key
+-- whichever side of the join the planner puts the outbox on. With statistics that see
+-- an almost empty outbox (delete mode drains it; an ANALYZE then counts a row or two
+-- in all its pages) the join alone became a nested loop whose outer side read the whole
+-- primary key: after one writer transaction committed 100 000 rows, every claim ran
+-- into its statement timeout until autovacuum analyzed the table again.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
@@ -36,7 +43,7 @@ SET status = 'dead',
     lease_owner = NULL,
     lease_until = NULL
 FROM victims
-WHERE o.id = victims.id
+WHERE o.id = victims.id AND o.id = ANY(ARRAY(SELECT id FROM victims))
 RETURNING o.id, o.lease_version, victims.lease_owner
 
 -- name: claim
@@ -89,7 +96,7 @@ WITH victims AS (
         lease_owner = NULL,
         lease_until = NULL
     FROM victims
-    WHERE o.id = victims.id
+    WHERE o.id = victims.id AND o.id = ANY(ARRAY(SELECT id FROM victims))
     RETURNING o.id, o.lease_version, victims.lease_owner
 ), writers AS MATERIALIZED (
     {writers_look}
@@ -170,7 +177,7 @@ WITH victims AS (
     FROM picked
     -- created_at too: on a partitioned outbox (partitioned by it) each picked row is
     -- then looked up in its own partition only, not in every partition's primary key.
-    WHERE o.id = picked.id AND o.created_at = picked.row_created_at
+    WHERE o.id = picked.id AND o.created_at = picked.row_created_at AND o.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,
@@ -328,7 +335,7 @@ SET status = 'processing',
     lease_version = o.lease_version + 1,
     attempts = o.attempts + 1
 FROM picked
-WHERE o.id = picked.id
+WHERE o.id = picked.id AND o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
           o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
@@ -399,7 +406,7 @@ SET status = 'processing',
     lease_version = o.lease_version + 1,
     attempts = o.attempts + 1
 FROM picked
-WHERE o.id = picked.id
+WHERE o.id = picked.id AND o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
           o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
@@ -430,7 +437,7 @@ WITH victims AS (
         lease_owner = NULL,
         lease_until = NULL
     FROM victims
-    WHERE o.id = victims.id
+    WHERE o.id = victims.id AND o.id = ANY(ARRAY(SELECT id FROM victims))
     RETURNING o.id, o.lease_version, victims.lease_owner
 ), writers AS MATERIALIZED (
     {writers_look}
@@ -528,7 +535,7 @@ WITH paused AS MATERIALIZED (
         lease_version = o.lease_version + 1,
         attempts = o.attempts + 1
     FROM picked
-    WHERE o.id = picked.id
+    WHERE o.id = picked.id AND o.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
               o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
