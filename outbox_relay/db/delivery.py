@@ -135,7 +135,15 @@ CLAIM_SETTINGS = {"enable_bitmapscan": "off", "enable_seqscan": "off", "jit": "o
 # waiting for the next full claim (p99 ~20 s instead of ~40 ms; bench/primary_cost.py).
 # The ordered claims keep custom plans too (their round-robin start may be NULL, which
 # only a custom plan folds).
-PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, plan_cache_mode="force_generic_plan")
+PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, plan_cache_mode="force_generic_plan", enable_nestloop="off")
+# The plain claim on its own statement (not inside an ordered claim's transaction) of a
+# busy relay. enable_nestloop = off, in PLAIN_CLAIM_SETTINGS too: its UPDATEs find the
+# picked rows by "id = ANY(ARRAY(SELECT id FROM picked))" (delivery.sql "reap"); in a
+# nested loop with the picked rows outside, every lookup inside took that condition as
+# an index key and sorted the whole array again (a 1 000-row claim 2-3x slower); a hash
+# join reads the array once. The ordered claim's transaction keeps CLAIM_SETTINGS, which
+# its own statements are planned for.
+BUSY_PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, enable_nestloop="off")
 # Also the lease keeper's extend_lease (the same join). enable_nestloop = off: with
 # statistics that see almost no live row (an ANALYZE while vacuum is held back) the
 # planner expected one outbox row and joined the batch's arrays to it in a nested loop,
@@ -243,7 +251,7 @@ class DeliveryOps(StoreCore):
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
-                settings = PLAIN_CLAIM_SETTINGS if params.get("generic_plan") else CLAIM_SETTINGS
+                settings = PLAIN_CLAIM_SETTINGS if params.get("generic_plan") else BUSY_PLAIN_CLAIM_SETTINGS
                 reaped = self._plain_claim(
                     conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=settings
                 )
