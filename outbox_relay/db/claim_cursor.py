@@ -95,10 +95,31 @@ RESCAN_QUIET_MAX_SECONDS = 300.0
 # How often a fast claim also looks for expired leases and poison rows.
 LEASE_SCAN_INTERVAL_SECONDS = 1.0
 
+# The sweep (see the module docstring): one step's target time in the server (a share
+# of the statement timeout, at most this), its first width in seconds of key, how much
+# one step's width may grow or shrink against the last (by the ratio of the target to
+# the last step's time), and the key below which a step reads on to the front.
+SWEEP_STEP_SECONDS = 0.5
+SWEEP_STEP_TIMEOUT_SHARE = 0.05
+SWEEP_FIRST_WIDTH_SECONDS = 1.0
+SWEEP_WIDTH_FACTOR = 16.0
+SWEEP_MIN_WIDTH_SECONDS = 0.001
+SWEEP_MAX_WIDTH_SECONDS = 1e10
+SWEEP_FRONT_AT = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
 # A full claim that fails faster than this (or than fast_above_seconds) is tried again
 # by the next claim; a slower one waits for its interval (DueCursor.failed). A catch-up
 # claim that fails faster than this is sent again; a slower one is not.
 QUICK_FAILURE_SECONDS = 1.0
+
+
+def sweep_step_seconds(statement_timeout_ms: int) -> float:
+    """A sweep step's target time: SWEEP_STEP_SECONDS, or less under a short statement
+    timeout (0: none), so that a step stays far from it."""
+    if statement_timeout_ms <= 0:
+        return SWEEP_STEP_SECONDS
+    return min(SWEEP_STEP_SECONDS, statement_timeout_ms / 1000.0 * SWEEP_STEP_TIMEOUT_SHARE)
+
 
 Key = tuple[dt.datetime, int]  # (available_at, id): the order of the due index
 
@@ -119,6 +140,12 @@ class ClaimPlan:
     # Open writers younger than this hold the window at their start; older ones are
     # remembered for a catch-up claim (the look's threshold, a statement parameter).
     writers_within_seconds: float = WRITERS_WITHIN_SECONDS
+    # A sweep step (fast claims in use): the due index from ``start`` (None: the front)
+    # up to ``until`` (exclusive), the processing index from ``leases_from`` (None: the
+    # front) up to ``leases_until`` (exclusive); nothing outside them.
+    sweep: bool = False
+    until: Key | None = None
+    leases_until: dt.datetime | None = None
 
 
 LongWriter = tuple[int, dt.datetime]  # (backend pid, transaction start): one open writer transaction
@@ -141,6 +168,7 @@ class ClaimOutcome:
     leases_exhausted: bool = False  # its expired-lease scan ran and did not stop at its LIMIT
     server_seconds: float | None = None  # how long the statement ran in the server
     writers_look: WritersLook | None = None  # the statement looked for open writers
+    claimed: int = 0  # rows it claimed (due and expired leases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +177,105 @@ class GaugeBounds:
 
     due_from: Key  # the pending index from this (available_at, id)
     leases_from: dt.datetime | None  # the processing index from this lease_until (None: the front)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepStep:
+    """One step of the sweep: the due index in [(low, 0), due_until) and the processing
+    index in [low, leases_until) (None low: from the front; leases_until at or below low:
+    no lease part)."""
+
+    low: dt.datetime | None
+    due_until: Key
+    leases_until: dt.datetime | None
+
+
+class Sweep:
+    """The full claim in bounded steps while fast claims are in use (see the module
+    docstring): a pass goes down from where the fast claims start to the front of both
+    indexes, one key range per step, each sized so that it runs about
+    ``step_seconds`` in the server. Not thread-safe: DueCursor holds its lock."""
+
+    def __init__(self, *, step_seconds: float = SWEEP_STEP_SECONDS) -> None:
+        self.step_seconds = step_seconds
+        self._top_due: Key | None = None  # the pass's upper end in the due index (exclusive)
+        self._top_leases: dt.datetime | None = None  # ... in the processing index (None: no lease part)
+        self._high: Key | None = None  # the pass swept [high, top) already; None: no pass under way
+        self._width = SWEEP_FIRST_WIDTH_SECONDS  # seconds of key of the next step
+        self._first_width = SWEEP_FIRST_WIDTH_SECONDS  # of a pass's first step
+        self._first_step = False
+        self._step: SweepStep | None = None  # the step sent and not yet ended
+        # The pass so far: client seconds, server seconds, rows claimed, steps.
+        self.pass_seconds = 0.0
+        self.pass_server_seconds = 0.0
+        self.pass_rows = 0
+        self.pass_steps = 0
+        self.passes = 0  # passes completed
+
+    def under_way(self) -> bool:
+        return self._high is not None
+
+    def position(self) -> Key | None:
+        """The upper end of the next step (None: no pass under way)."""
+        return self._high
+
+    def next_step(self, fast_start: Key, leases_from: dt.datetime | None) -> SweepStep:
+        """The next step; a new pass starts at the fast claims' starts."""
+        if self._high is None:
+            self._top_due, self._top_leases = fast_start, leases_from
+            self._high = max(fast_start, (leases_from, 0)) if leases_from is not None else fast_start
+            self._width = self._first_width
+            self._first_step = True
+            self.pass_seconds = self.pass_server_seconds = 0.0
+            self.pass_rows = self.pass_steps = 0
+        assert self._top_due is not None
+        high_at = self._high[0]
+        low: dt.datetime | None
+        try:
+            low = high_at - dt.timedelta(seconds=self._width)
+        except OverflowError:
+            low = None
+        if low is not None and low < SWEEP_FRONT_AT:
+            low = None  # the rest, down to the front, in this step
+        leases_until = None if self._top_leases is None else min(self._top_leases, high_at)
+        self._step = SweepStep(low=low, due_until=min(self._high, self._top_due), leases_until=leases_until)
+        return self._step
+
+    def step_ended(self, *, seconds: float, server_seconds: float | None, rows: int, more: bool) -> bool:
+        """Record a step: ``rows`` it claimed, ``more``: its lease scan was cut by its
+        LIMIT. True when this step completed a pass."""
+        step, self._step = self._step, None
+        if step is None:
+            return False
+        cost = seconds if server_seconds is None else server_seconds
+        self.pass_seconds += seconds
+        self.pass_server_seconds += cost
+        self.pass_rows += rows
+        self.pass_steps += 1
+        if rows or more:
+            return False  # the same range again, until it yields nothing: rows claimed leave it
+        factor = min(SWEEP_WIDTH_FACTOR, max(1.0 / SWEEP_WIDTH_FACTOR, self.step_seconds / max(cost, 1e-4)))
+        width = min(SWEEP_MAX_WIDTH_SECONDS, max(SWEEP_MIN_WIDTH_SECONDS, self._width * factor))
+        if self._first_step:  # the next pass starts where this one did: its first width from this one's
+            self._first_width = width
+            self._first_step = False
+        self._width = width
+        if step.low is None:
+            self._high = None
+            self.passes += 1
+            return True
+        self._high = (step.low, 0)
+        return False
+
+    def step_failed(self, *, seconds: float, timed_out: bool) -> None:
+        """A step that raised: one that ran out of time is tried again narrower."""
+        self._step = None
+        self.pass_seconds += seconds
+        self.pass_server_seconds += seconds
+        if timed_out:
+            self._width = max(SWEEP_MIN_WIDTH_SECONDS, self._width / SWEEP_WIDTH_FACTOR)
+            if self._first_step:
+                self._first_width = self._width
 
 
 class DueCursor:
@@ -167,8 +294,13 @@ class DueCursor:
         fast_above_seconds: float = 0.1,
         fast_above_seconds_per_row: float = FAST_ABOVE_SECONDS_PER_ROW,
         writers_within_seconds: float = WRITERS_WITHIN_SECONDS,
+        sweep_step_seconds: float = SWEEP_STEP_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # While fast claims are in use, the full claim is a sweep in bounded steps.
+        self.sweep = Sweep(step_seconds=sweep_step_seconds)
+        self._sweep_next_at = float("-inf")  # when the next step is due (the clock's seconds)
+        self.sweep_steps = 0
         self.writers_within_seconds = writers_within_seconds
         self._long_writers: frozenset[LongWriter] = frozenset()  # seen open by the last look applied
         self._last_look_at: dt.datetime | None = None  # the database's clock at that look
@@ -210,8 +342,9 @@ class DueCursor:
             self._expire(now)
             start = self._start()
             cheap = not self._slow  # nothing to save: every claim is full
-            interval = self._full_interval()
-            if start is None or cheap or (not self._full_running and now - self._last_full_at >= interval):
+            if start is not None and not cheap and not self._full_running and now >= self._sweep_next_at:
+                return self._sweep_step(now, start)
+            if start is None or cheap:
                 # A full claim reads from the front: it takes over a pending catch-up
                 # (what it finds below the fast start enters the window, and the fast
                 # claims after it drain upwards through the ended writer's rows).
@@ -256,10 +389,60 @@ class DueCursor:
                 writers_within_seconds=self.writers_within_seconds,
             )
 
+    def _sweep_step(self, now: float, start: Key) -> ClaimPlan:
+        """The next step of the sweep (the lock held): one key range below the fast starts."""
+        self._full_running = True
+        self._last_full_at = now
+        self.full_claims += 1
+        self.sweep_steps += 1
+        step = self.sweep.next_step(start, self._leases_from)
+        return ClaimPlan(
+            full=True,
+            sweep=True,
+            start=None if step.low is None else (step.low, 0),
+            until=step.due_until,
+            leases_from=step.low,
+            leases_until=step.leases_until,
+            fast_start=start,
+        )
+
+    def _sweep_ended(self, now: float, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
+        """A sweep step ended (the lock held): the same range again at once while it
+        yields rows, else the next one after its share of time, or the next pass after
+        the full-claim interval; a completed pass counts as one full claim's cost."""
+        self._full_running = False
+        server = [o.server_seconds for o in outcomes if o.server_seconds is not None]
+        server_seconds = sum(server) if server else None
+        rows = sum(o.claimed for o in outcomes)
+        more = any(not o.leases_exhausted for o in outcomes)
+        sweep = self.sweep
+        if not sweep.step_ended(seconds=elapsed_seconds, server_seconds=server_seconds, rows=rows, more=more):
+            cost = elapsed_seconds if server_seconds is None else server_seconds
+            self._sweep_next_at = now if rows or more else now + self._step_interval(cost)
+            return
+        # Each step is judged like a claim (+ 10 rows each, see _record_full_cost), so
+        # that a pass of many cheap steps once the horizon moves on reads as cheap.
+        self._record_full_cost(
+            sweep.pass_seconds, sweep.pass_rows + 10 * (sweep.pass_steps - 1), sweep.pass_server_seconds
+        )
+        self._quiet_full_claims = 0 if sweep.pass_rows or not self._slow else self._quiet_full_claims + 1
+        self._sweep_next_at = now + self._full_interval()
+
+    def _step_interval(self, cost_seconds: float) -> float:
+        return min(self._rescan_max, max(self._rescan_min, cost_seconds / self._cost_share))
+
     def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
         """Record what a claim's statements saw and, for a full claim, its cost."""
         now = self._clock()
         with self._lock:
+            if plan.sweep:
+                # A step reads only its range: its keys are not where fast claims start
+                # (it takes the rows of its range itself), nor does its lease scan say
+                # anything of the leases above it.
+                if self._full_running:
+                    self._sweep_ended(now, outcomes, elapsed_seconds)
+                self._expire(now)
+                return
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
                 server = [o.server_seconds for o in outcomes if o.server_seconds is not None]
@@ -270,6 +453,7 @@ class DueCursor:
                     self._quiet_full_claims = 0
                 else:
                     self._quiet_full_claims += 1
+                self._sweep_next_at = now + self._full_interval()  # the sweep, if slow now, after a pause
             keys = [o.lowest for o in outcomes if o.lowest is not None]
             if keys:
                 self._window.append((now, min(keys)))
@@ -302,6 +486,16 @@ class DueCursor:
             # keep a worker in failing claims): those rows are left to the full claims.
             if plan.catch_up_from is not None and elapsed_seconds < QUICK_FAILURE_SECONDS:
                 self._catch_up(plan.catch_up_from)
+            if plan.sweep:
+                if self._full_running:
+                    self._full_running = False
+                    # One that ran for a while (its statement timeout) is tried again
+                    # narrower, after its share of time; a quick failure at once.
+                    long = elapsed_seconds >= max(self._fast_above, QUICK_FAILURE_SECONDS)
+                    self.sweep.step_failed(seconds=elapsed_seconds, timed_out=long)
+                    retry_after = self._step_interval(elapsed_seconds) if long else float("-inf")
+                    self._sweep_next_at = self._clock() + retry_after
+                return
             if plan.full and plan.measured and self._full_running:
                 self._full_running = False
                 if elapsed_seconds < max(self._fast_above, QUICK_FAILURE_SECONDS):
@@ -309,6 +503,7 @@ class DueCursor:
                 else:  # its interval counts from its end
                     self._last_full_at = self._clock()
                     self._record_full_cost(elapsed_seconds, 0, None)
+                    self._sweep_next_at = self._last_full_at + self._full_interval()
 
     def catch_up_pending(self) -> bool:
         """A remembered long writer has ended and no claim has started from its start yet."""

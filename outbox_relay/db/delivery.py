@@ -157,17 +157,20 @@ class DeliveryOps(StoreCore):
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (never publish what may not be ours).
-        result = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        result, sweep = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
         # An empty claim whose look saw a long writer transaction end: its rows are
         # committed below where fast claims start, and the catch-up claim that takes
         # them is the next claim. Sent at once rather than after the worker's idle wait.
-        if not result.rows and self.due_cursor.catch_up_pending():
-            result = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        # So is the worker's own claim after a sweep step that found nothing (a step
+        # reads only its range, below the rows waiting above the fast start).
+        if not result.rows and (sweep or self.due_cursor.catch_up_pending()):
+            result, _ = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
         return result
 
     def _claim_once(
         self, ordering: OrderingRule, params: dict[str, Any], *, run_length: int, ordered_after: str | None
-    ) -> ClaimResult:
+    ) -> tuple[ClaimResult, bool]:
+        """One claim; and whether it was a sweep step."""
         rows: list[Claimed] = []
         plan = self.due_cursor.begin()
         outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
@@ -181,7 +184,7 @@ class DeliveryOps(StoreCore):
             raise
         self.due_cursor.end(plan, outcomes, time.monotonic() - started, claimed_rows=len(result.rows))
         self.statement_counts.add("claim" if result.rows or result.reaped else "claim_empty")
-        return result
+        return result, plan.sweep
 
     def _claim(
         self,
@@ -208,7 +211,15 @@ class DeliveryOps(StoreCore):
             writers_check=plan.writers_check,
             writers_within_seconds=float(plan.writers_within_seconds),
             full_claim=plan.full,
+            sweep_claim=plan.sweep,
         )
+        if plan.sweep:  # its range's upper ends (exclusive): see claim_cursor.Sweep
+            assert plan.until is not None
+            params.update(
+                to_at=plan.until[0],
+                to_id=plan.until[1],
+                leases_to=plan.leases_until if plan.leases_until is not None else INDEX_FRONT,
+            )
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
@@ -299,7 +310,11 @@ class DeliveryOps(StoreCore):
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         full = params.pop("full_claim", True)
+        sweep = params.pop("sweep_claim", False)
         statement = self._full_claim_statement if full else self._claim_statement
+        if sweep:
+            statement = self._sweep_claim_statement
+        claimed_before = len(rows)
         # A generic plan is worth keeping from the first call: an idle relay's claims,
         # seconds apart, may each land on a connection that has not run it 5 times.
         prepare = True if settings is PLAIN_CLAIM_SETTINGS and not self.transaction_pooler else None
@@ -333,6 +348,7 @@ class DeliveryOps(StoreCore):
                 leases_exhausted=bool(params.get("lease_scan", True)) and expired_seen < int(params["candidates"]),
                 server_seconds=server_seconds,
                 writers_look=writers_look,
+                claimed=len(rows) - claimed_before,
             )
         )
         return reaped

@@ -30,7 +30,7 @@ from ..errors import (
     DatabaseUnavailable,
     SchemaMissing,
 )
-from .claim_cursor import DueCursor
+from .claim_cursor import DueCursor, sweep_step_seconds
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
 from .statement_counts import StatementCounts
@@ -195,7 +195,7 @@ class StoreCore:
 
         # Where plain claims start reading the due index (claim_cursor.py): shared by
         # every worker of this store, so claims stay flat while vacuum is held back.
-        self.due_cursor = DueCursor()
+        self.due_cursor = DueCursor(sweep_step_seconds=sweep_step_seconds(statement_timeout_ms))
         self._claim_statement = self.sql.query(
             "claim",
             due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
@@ -208,6 +208,13 @@ class StoreCore:
         # bounds written as NULL: the plan of the claim without bounds, and an entry of
         # its own in pg_stat_statements, so full and fast claims are measured apart.
         self._full_claim_statement = self.sql.query("claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+        # A step of the full claim's sweep (claim_cursor.py Sweep): one key range of each index.
+        self._sweep_claim_statement = self.sql.query(
+            "claim",
+            due_bound=sql.SQL(EXECUTABLE["claim_sweep_due_bound"]),
+            leases_bound=sql.SQL(EXECUTABLE["claim_sweep_leases_bound"]),
+            claim_report=sql.SQL(EXECUTABLE["claim_report"]),
+        )
 
     # --- lifecycle -------------------------------------------------------------------
     def open(self, *, wait: bool = True, fail_fast: bool = False) -> None:

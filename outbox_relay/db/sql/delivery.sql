@@ -202,6 +202,18 @@ FROM reaped
 -- A fast claim's start in the processing index (see "claim").
 lease_until >= %(leases_from)s::timestamptz
 
+-- name: claim_sweep_due_bound
+-- A step of the full claim's sweep (claim_cursor.py Sweep): one key range of the due
+-- index, from %(from_at)s / %(from_id)s up to %(to_at)s / %(to_id)s (exclusive), both
+-- index conditions, so that the step reads the dead entries of that range only.
+(available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint)
+AND (available_at, id) < (%(to_at)s::timestamptz, %(to_id)s::bigint)
+
+-- name: claim_sweep_leases_bound
+-- The same step's range of the processing index (empty when %(leases_to)s is not above
+-- %(leases_from)s).
+lease_until >= %(leases_from)s::timestamptz AND lease_until < %(leases_to)s::timestamptz
+
 -- name: outbox_writers
 -- The other transactions that have written to the outbox and not yet ended (their
 -- RowExclusiveLock is held until then, and released only after their commit is
