@@ -39,19 +39,53 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
   expired-lease scan was not cut by its LIMIT, less ``lease_margin_seconds``: every
   lease that had expired by then was reclaimed. The other fast claims skip it.
 
-A row that becomes due below the fast start is never skipped: a "full" claim, the
-statement from the front of both indexes, comes round every (its duration /
-``full_cost_share``) seconds within ``rescan_min_seconds``..``rescan_max_seconds``,
-doubled for each full claim in a row that found nothing below the fast start (up to
-``rescan_quiet_max_seconds``). Such rows are those of a writer transaction the look
-for open writers did not see (it wrote to the outbox only after the claims moved past
-its start and ended before the next look, the relay may not read its start: a
-session of another role without pg_read_all_stats, whatever its age, or it was
-prepared for a two-phase commit: a prepared transaction's locks belong to no session,
-so the look takes it for ended at PREPARE TRANSACTION, before its rows are
-committed), of an explicit available_at in the past, or a row whose claim rolled back. The key of what
-a full claim finds enters the window like any other, so the fast claims that follow
-start from it and drain all such rows at once.
+A row that becomes due below the fast start is never skipped: a "full" claim comes
+round for it. Such rows are those of a writer transaction the look for open writers
+did not see (it wrote to the outbox only after the claims moved past its start and
+ended before the next look, the relay may not read its start: a session of another
+role without pg_read_all_stats, whatever its age, or it was prepared for a two-phase
+commit: a prepared transaction's locks belong to no session, so the look takes it for
+ended at PREPARE TRANSACTION, before its rows are committed), of an explicit
+available_at in the past, or a row whose claim rolled back (or whose expired lease
+lies below the processing index's fast start).
+
+A full claim from the front of both indexes walks every dead entry there, and grows
+with the age of the horizon towards its statement timeout. So while fast claims are
+in use the full claim is a "sweep" in bounded steps (Sweep):
+
+- a pass starts at the fast claims' starts (the due index's key, the processing
+  index's lease_until) and goes down to the front of both indexes. Each step reads one
+  range: the due index in [(low, 0), high) and the processing index in
+  [low, min(high, its start)), where high is where the last step's range began, and
+  low = high - width (the last step, once low would fall before 1970, reads on to the
+  front). The width, in seconds of key, is scaled after each step by the ratio of the
+  target time (``sweep_step_seconds``: 0.5 s, or 5 % of the statement timeout if that
+  is less) to the step's time in the server, at most doubled (a cheap range may lie
+  just above a dense one: such a step costs at most twice the target) and at most
+  divided by 16: a step reads about that share of dead entries, whatever the rate and
+  the age of the horizon. A step that runs out of time is tried again 16 times narrower;
+- a step that claimed a row (or whose lease scan was cut by its LIMIT) reads the same
+  range again at once, until it yields nothing: the rows it takes leave the range. Its
+  keys do not enter the window (the fast claims would walk every dead entry above
+  them); and a worker whose step found nothing claims again at once, from the fast start;
+- steps come every (their time / ``full_cost_share``) seconds, at most
+  ``rescan_max_seconds``; a pass completed counts as one full
+  claim of its summed cost (for the switch back to full claims and the interval), and
+  the next pass starts after the full-claim interval, doubled for each pass in a row
+  that found nothing (up to ``rescan_quiet_max_seconds``).
+
+Why no row is skipped: a step reads its whole range (claimed rows and rows locked by
+another claim aside: the latter are being claimed), and the ranges of a pass are
+contiguous, from the fast starts when the pass began down to the front. A row R due
+at key k from time t on: take the first pass that begins after t. If k lies below its
+start, some step of it reads k after t and takes R. If not, R lay at or above where
+fast claims started when the pass began; the fast claims read upwards in key order,
+so the start moves past k only through a claim that took R, or one whose snapshot
+predates t (ended long before the next pass begins): then the next pass starts above
+k and takes R. So R is delivered within two passes and the pause between them, which
+grows with the horizon's age (a pass costs what a full claim would, spent at
+``full_cost_share`` of one worker's time) but is bounded, and no statement reads more
+than one step's range.
 
 While full claims are cheap (see DueCursor._record_full_cost) every claim is a full
 one: without MVCC pressure the claim is exactly what it always was, oldest due row
@@ -98,14 +132,26 @@ LEASE_SCAN_INTERVAL_SECONDS = 1.0
 # The sweep (see the module docstring): one step's target time in the server (a share
 # of the statement timeout, at most this), its first width in seconds of key, how much
 # one step's width may grow or shrink against the last (by the ratio of the target to
-# the last step's time), and the key below which a step reads on to the front.
+# the last step's time), and the key below which a step reads on to the front. Growth
+# is slow (a cheap range may lie just above a dense one: a step is then at most twice
+# its target), shrinking fast.
 SWEEP_STEP_SECONDS = 0.5
 SWEEP_STEP_TIMEOUT_SHARE = 0.05
+# A step's own statement timeout, in targets: one whose range turned out far denser
+# than the last (an idle stretch of keys above a busy one) is cancelled there, far
+# below the claim's statement timeout, and tried again narrower.
+SWEEP_STEP_TIMEOUT_TARGETS = 4.0
 SWEEP_FIRST_WIDTH_SECONDS = 1.0
-SWEEP_WIDTH_FACTOR = 16.0
+SWEEP_WIDTH_GROWTH = 2.0
+SWEEP_WIDTH_SHRINK = 16.0
 SWEEP_MIN_WIDTH_SECONDS = 0.001
 SWEEP_MAX_WIDTH_SECONDS = 1e10
 SWEEP_FRONT_AT = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+# While fast claims are in use, the gauge bounds are published (for `status` in another
+# process) this often; entries older than BOUNDS_STALE_SECONDS are no longer read.
+BOUNDS_PUBLISH_INTERVAL_SECONDS = 5.0
+BOUNDS_STALE_SECONDS = 30.0
 
 # A full claim that fails faster than this (or than fast_above_seconds) is tried again
 # by the next claim; a slower one waits for its interval (DueCursor.failed). A catch-up
@@ -146,6 +192,7 @@ class ClaimPlan:
     sweep: bool = False
     until: Key | None = None
     leases_until: dt.datetime | None = None
+    statement_timeout_ms: int | None = None  # a sweep step's own (SWEEP_STEP_TIMEOUT_TARGETS)
 
 
 LongWriter = tuple[int, dt.datetime]  # (backend pid, transaction start): one open writer transaction
@@ -254,7 +301,7 @@ class Sweep:
         self.pass_steps += 1
         if rows or more:
             return False  # the same range again, until it yields nothing: rows claimed leave it
-        factor = min(SWEEP_WIDTH_FACTOR, max(1.0 / SWEEP_WIDTH_FACTOR, self.step_seconds / max(cost, 1e-4)))
+        factor = min(SWEEP_WIDTH_GROWTH, max(1.0 / SWEEP_WIDTH_SHRINK, self.step_seconds / max(cost, 1e-4)))
         width = min(SWEEP_MAX_WIDTH_SECONDS, max(SWEEP_MIN_WIDTH_SECONDS, self._width * factor))
         if self._first_step:  # the next pass starts where this one did: its first width from this one's
             self._first_width = width
@@ -273,7 +320,7 @@ class Sweep:
         self.pass_seconds += seconds
         self.pass_server_seconds += seconds
         if timed_out:
-            self._width = max(SWEEP_MIN_WIDTH_SECONDS, self._width / SWEEP_WIDTH_FACTOR)
+            self._width = max(SWEEP_MIN_WIDTH_SECONDS, self._width / SWEEP_WIDTH_SHRINK)
             if self._first_step:
                 self._first_width = self._width
 
@@ -301,6 +348,8 @@ class DueCursor:
         self.sweep = Sweep(step_seconds=sweep_step_seconds)
         self._sweep_next_at = float("-inf")  # when the next step is due (the clock's seconds)
         self.sweep_steps = 0
+        self.sweep_timeouts = 0  # steps that ran out of their own statement timeout
+        self._bounds_published_at: float | None = None  # None: none published (or withdrawn)
         self.writers_within_seconds = writers_within_seconds
         self._long_writers: frozenset[LongWriter] = frozenset()  # seen open by the last look applied
         self._last_look_at: dt.datetime | None = None  # the database's clock at that look
@@ -404,6 +453,7 @@ class DueCursor:
             leases_from=step.low,
             leases_until=step.leases_until,
             fast_start=start,
+            statement_timeout_ms=max(1, round(self.sweep.step_seconds * SWEEP_STEP_TIMEOUT_TARGETS * 1000)),
         )
 
     def _sweep_ended(self, now: float, outcomes: list[ClaimOutcome], elapsed_seconds: float) -> None:
@@ -429,7 +479,9 @@ class DueCursor:
         self._sweep_next_at = now + self._full_interval()
 
     def _step_interval(self, cost_seconds: float) -> float:
-        return min(self._rescan_max, max(self._rescan_min, cost_seconds / self._cost_share))
+        """After a step, its share of time (up to rescan_max_seconds; rescan_min_seconds
+        spaces the passes, not their steps: a cheap step is followed at once)."""
+        return min(self._rescan_max, cost_seconds / self._cost_share)
 
     def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
         """Record what a claim's statements saw and, for a full claim, its cost."""
@@ -473,7 +525,7 @@ class DueCursor:
                         self._leases_from = floor
             self._expire(now)
 
-    def failed(self, plan: ClaimPlan, elapsed_seconds: float = 0.0) -> None:
+    def failed(self, plan: ClaimPlan, elapsed_seconds: float = 0.0, *, timed_out: bool = False) -> None:
         """A claim that raised. A full one that failed quickly (a connection lost) is
         tried again by the next claim; one that ran for a while (its statement timeout:
         right after a long-held horizon ends, the first scan from the front prunes and
@@ -489,9 +541,10 @@ class DueCursor:
             if plan.sweep:
                 if self._full_running:
                     self._full_running = False
-                    # One that ran for a while (its statement timeout) is tried again
-                    # narrower, after its share of time; a quick failure at once.
-                    long = elapsed_seconds >= max(self._fast_above, QUICK_FAILURE_SECONDS)
+                    # One that ran for a while (or out of its own statement timeout) is
+                    # tried again narrower, after its share of time; a quick failure at once.
+                    long = timed_out or elapsed_seconds >= max(self._fast_above, QUICK_FAILURE_SECONDS)
+                    self.sweep_timeouts += timed_out
                     self.sweep.step_failed(seconds=elapsed_seconds, timed_out=long)
                     retry_after = self._step_interval(elapsed_seconds) if long else float("-inf")
                     self._sweep_next_at = self._clock() + retry_after
@@ -532,6 +585,25 @@ class DueCursor:
             if start is None or not self._slow:
                 return None
             return GaugeBounds(due_from=start, leases_from=self._leases_from)
+
+    def bounds_to_publish(self) -> tuple[bool, GaugeBounds | None]:
+        """(whether to publish now, what): the gauge bounds every
+        BOUNDS_PUBLISH_INTERVAL_SECONDS while fast claims are in use; once they are not,
+        None once (withdraw them). Nothing at all while full claims are cheap."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            start = self._start()
+            if start is None or not self._slow:
+                if self._bounds_published_at is None:
+                    return False, None
+                self._bounds_published_at = None
+                return True, None
+            last = self._bounds_published_at
+            if last is not None and now - last < BOUNDS_PUBLISH_INTERVAL_SECONDS:
+                return False, None
+            self._bounds_published_at = now
+            return True, GaugeBounds(due_from=start, leases_from=self._leases_from)
 
     def _record_full_cost(self, elapsed_seconds: float, claimed_rows: int, server_seconds: float | None) -> None:
         """Full claims are slow when the least of the last three took fast_above_seconds

@@ -196,6 +196,8 @@ class StoreCore:
         # Where plain claims start reading the due index (claim_cursor.py): shared by
         # every worker of this store, so claims stay flat while vacuum is held back.
         self.due_cursor = DueCursor(sweep_step_seconds=sweep_step_seconds(statement_timeout_ms))
+        self._gauge_bounds_unsupported = False  # the state table has no gauge_bounds column (not migrated)
+        self.gauge_bounds_publish_failures = 0
         self._claim_statement = self.sql.query(
             "claim",
             due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),

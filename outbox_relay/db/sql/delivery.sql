@@ -204,9 +204,14 @@ lease_until >= %(leases_from)s::timestamptz
 
 -- name: claim_sweep_due_bound
 -- A step of the full claim's sweep (claim_cursor.py Sweep): one key range of the due
--- index, from %(from_at)s / %(from_id)s up to %(to_at)s / %(to_id)s (exclusive), both
--- index conditions, so that the step reads the dead entries of that range only.
+-- index, from %(from_at)s / %(from_id)s up to %(to_at)s / %(to_id)s (exclusive), so
+-- that the step reads the dead entries of that range only. The scan starts at the
+-- lower row comparison; it stops at the plain bound on available_at (an upper row
+-- comparison alone does not end a btree scan: it would read on through every index
+-- entry up to now(), without their heap visits), and the upper row comparison drops
+-- the keys at to_at itself from to_id on.
 (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint)
+AND available_at <= %(to_at)s::timestamptz
 AND (available_at, id) < (%(to_at)s::timestamptz, %(to_id)s::bigint)
 
 -- name: claim_sweep_leases_bound
@@ -262,6 +267,24 @@ SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
        NULL, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
        NULL, (SELECT since FROM writers), NULL, NULL, now(), NULL, NULL, NULL
+
+-- name: publish_gauge_bounds
+-- While its fast claims are in use (claim_cursor.py), a relay process publishes where
+-- they start, every few seconds, for `outbox-relay status` in another process
+-- (monitoring.sql published_gauge_bounds): its own entry of the state table's
+-- gauge_bounds under %(process)s (%(bounds)s; NULL withdraws it), and it drops the
+-- entries of processes that have not published for %(stale_seconds)s (gone, or no
+-- longer under pressure and unable to withdraw). A write of a one-row table only
+-- while vacuum is held back; nothing at all otherwise.
+UPDATE {state_table}
+SET gauge_bounds = coalesce((SELECT jsonb_object_agg(e.key, e.value)
+                             FROM jsonb_each(gauge_bounds) AS e
+                             WHERE e.key <> %(process)s
+                               AND (e.value ->> 'at')::timestamptz > now() - make_interval(secs => %(stale_seconds)s)),
+                            '{{}}'::jsonb)
+                   || CASE WHEN %(bounds)s::jsonb IS NULL THEN '{{}}'::jsonb
+                           ELSE jsonb_build_object(%(process)s::text,
+                                                   %(bounds)s::jsonb || jsonb_build_object('at', now())) END
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first

@@ -459,3 +459,38 @@ def test_a_sweep_step_leaves_a_pending_catch_up_to_the_next_fast_claim() -> None
     assert cursor.catch_up_pending()
     catch_up = cursor.begin()
     assert not catch_up.full and catch_up.start == key(40, 0) and cursor.catch_up_claims == 1
+
+
+def test_the_gauge_bounds_are_published_only_while_fast_claims_are_in_use_and_withdrawn_once() -> None:
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=0.25, fast_above_seconds=0.1, rescan_min_seconds=1.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 0.001)
+    assert cursor.bounds_to_publish() == (False, None)  # full claims cheap: nothing written
+    for _ in range(3):  # three slow full claims: fast claims in use
+        cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(clock.now, 1))], 0.5)
+        clock.now += 100
+    publish, bounds = cursor.bounds_to_publish()
+    assert publish and bounds is not None and bounds.due_from == cursor.start_key()
+    clock.now += 1
+    assert cursor.bounds_to_publish() == (False, None)  # not again within the interval
+    clock.now += 5
+    assert cursor.bounds_to_publish()[0]
+    dense_from = key(clock.now + 10**6, 0)[0]
+    run_pass(cursor, clock, dense_from)  # a cheap pass: vacuum has caught up
+    assert not cursor.fast_claims_in_use()
+    assert cursor.bounds_to_publish() == (True, None)  # withdrawn, once
+    assert cursor.bounds_to_publish() == (False, None)
+
+
+def test_a_step_cancelled_by_its_own_timeout_is_tried_narrower_however_quick() -> None:
+    clock = Clock()
+    cursor = slow_cursor(clock, rescan_min_seconds=1.0, rescan_max_seconds=30.0, sweep_step_seconds=0.01)
+    clock.now += 2
+    plan = cursor.begin()
+    assert plan.sweep and plan.statement_timeout_ms == 40 and plan.start is not None
+    cursor.failed(plan, 0.04, timed_out=True)
+    assert cursor.sweep_timeouts == 1
+    clock.now += 30
+    narrower = cursor.begin()
+    assert narrower.sweep and narrower.until == plan.until
+    assert narrower.start is not None and narrower.start > plan.start
