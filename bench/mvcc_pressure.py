@@ -69,6 +69,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--baseline-seconds", type=float, default=60.0, help="writer + relay before the holder opens")
     p.add_argument("--recovery-seconds", type=float, default=60.0, help="after the holder is released")
     p.add_argument("--sample-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--status-every-seconds",
+        type=float,
+        default=60.0,
+        help="while the holder is open, time `outbox-relay status --json` (a new process) this often; 0: never",
+    )
     p.add_argument("--on-done", default="keep,delete", help="comma-separated modes to run")
     p.add_argument("--holders", default="snapshot", help="comma-separated: snapshot, prepared, none")
     p.add_argument("--workers", type=int, default=4)
@@ -343,28 +349,43 @@ class Holder:
 
 
 # --- sampling ----------------------------------------------------------------------------
-# A fast claim (claim_cursor.py) passes its start bounds as parameters: the same one twice
-# in its lease bound. A full claim has them written as NULL (normalized by
-# pg_stat_statements into two different $n, or left as NULL). A relay before that split
-# has one statement only: all its claims count as "full" here.
-FAST_CLAIM = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
+# The claim statements of claim_cursor.py, told apart by their bounds: a sweep step (the
+# full claim while fast claims are in use) bounds the processing index from above; a
+# fast claim starts its due scan at least(its key, the oldest open writer's start); a
+# full claim from the front has neither. An older relay's fast claim passed its start
+# twice in its lease bound (FAST_CLAIM_BEFORE); a relay before the split has one
+# statement only: all its claims count as "full" here.
+SWEEP_CLAIM = re.compile(r"lease_until >= \$\d+::timestamptz AND lease_until < \$\d+::timestamptz")
+FAST_CLAIM = re.compile(r"least\(\$\d+::timestamptz")
+FAST_CLAIM_BEFORE = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
+KINDS = ("claim", "claim_full", "claim_sweep", "claim_fast", "finalize")
+
+
+def claim_kind(text: str) -> str:
+    if SWEEP_CLAIM.search(text):
+        return "claim_sweep"
+    if FAST_CLAIM.search(text):
+        return "claim_fast"
+    before = FAST_CLAIM_BEFORE.search(text)
+    return "claim_fast" if before and before.group(1) == before.group(2) else "claim_full"
 
 
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
-    """(calls, total ms) of the claim (all, full, fast) and finalize statements since the last reset."""
-    out = {"claim": (0, 0.0), "claim_full": (0, 0.0), "claim_fast": (0, 0.0), "finalize": (0, 0.0)}
+    """(calls, total ms) of the claim (all, full from the front, sweep steps, fast) and
+    finalize statements since the last reset; and "<kind>_max" (1, the longest call in
+    ms since the last reset)."""
+    out: dict[str, tuple[int, float]] = dict.fromkeys(KINDS, (0, 0.0))
+    out.update({f"{k}_max": (0, 0.0) for k in KINDS})
     rows = conn.execute(
-        "SELECT query, calls, total_exec_time FROM pg_stat_statements WHERE query LIKE %s OR query LIKE %s",
+        "SELECT query, calls, total_exec_time, max_exec_time FROM pg_stat_statements "
+        "WHERE query LIKE %s OR query LIKE %s",
         (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"),
     ).fetchall()
-    for text, calls, total in rows:
-        if text.startswith(FINALIZE_PREFIX):
-            names = ["finalize"]
-        else:
-            match = FAST_CLAIM.search(text)
-            names = ["claim", "claim_fast" if match and match.group(1) == match.group(2) else "claim_full"]
+    for text, calls, total, longest in rows:
+        names = ["finalize"] if text.startswith(FINALIZE_PREFIX) else ["claim", claim_kind(text)]
         for name in names:
             out[name] = (out[name][0] + int(calls), out[name][1] + float(total))
+            out[f"{name}_max"] = (1, max(out[f"{name}_max"][1], float(longest or 0.0)))
     return out
 
 
@@ -417,9 +438,13 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
     samples: list[dict[str, Any]] = []
     named_after: float | None = None
     gauge_after: float | None = None
+    cli_start_s: float | None = None
     try:
         relay.wait_started()
         port = relay.metrics_port()
+        asked = time.monotonic()
+        relay_cli(env, "--version")  # what a new CLI process costs before any query (part of status_s)
+        cli_start_s = round(time.monotonic() - asked, 2)
         mon = psycopg.connect(dsn, autocommit=True, application_name="bench-monitor")
         mon.execute("SELECT pg_stat_statements_reset()")
         writer.start()
@@ -430,8 +455,18 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         held = released = False
         last_totals = statement_totals(mon)
         next_sample = t0 + args.sample_seconds
+        next_status = hold_at + args.status_every_seconds
+        status_s: float | None = None  # the last `status --json` (a new process) in the sample's window
+        counted_from: Any = None
         while time.monotonic() < end_at:
             now = time.monotonic()
+            if held and not released and args.status_every_seconds > 0 and now >= next_status:
+                asked = time.monotonic()
+                doc = json.loads(relay_cli(env, "status", "--json"))
+                status_s = round(time.monotonic() - asked, 2)
+                counted_from = doc.get("counted_from", "n/a")
+                next_status = time.monotonic() + args.status_every_seconds
+                continue
             if not held and now >= hold_at:
                 holder.open()
                 held = True
@@ -451,7 +486,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 raise RuntimeError(f"writer failed: {writer.error}")
             metrics = scrape(port)
             totals = statement_totals(mon)
-            window = {k: (totals[k][0] - last_totals[k][0], totals[k][1] - last_totals[k][1]) for k in totals}
+            window = {k: (totals[k][0] - last_totals[k][0], totals[k][1] - last_totals[k][1]) for k in KINDS}
             last_totals = totals
             delivered = int(metrics.get("outbox_relay_published_total{outcome=done}", 0))
             phase = "baseline" if not held else ("held" if not released else "released")
@@ -470,6 +505,14 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 "full_claim_ms": (
                     round(window["claim_full"][1] / window["claim_full"][0], 2) if window["claim_full"][0] else None
                 ),
+                # The full claim as a sweep of bounded steps (fast claims in use): steps
+                # in the window, their mean, and the longest step so far.
+                "sweep_steps": window["claim_sweep"][0],
+                "sweep_step_ms": (
+                    round(window["claim_sweep"][1] / window["claim_sweep"][0], 2) if window["claim_sweep"][0] else None
+                ),
+                "sweep_step_max_ms": round(totals["claim_sweep_max"][1], 1),
+                "full_claim_max_ms": round(totals["claim_full_max"][1], 1),
                 "fast_claim_ms": (
                     round(window["claim_fast"][1] / window["claim_fast"][0], 2) if window["claim_fast"][0] else None
                 ),
@@ -477,8 +520,13 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                     round(window["finalize"][1] / window["finalize"][0], 2) if window["finalize"][0] else None
                 ),
                 "xmin_gauge_s": metrics.get("outbox_relay_xmin_horizon_age_seconds"),
+                # `outbox-relay status --json` in its own process (every --status-every-seconds
+                # while held): seconds, and whether it counted from the relays' published start
+                "status_s": status_s,
+                "status_bounded": None if status_s is None else counted_from not in (None, "n/a"),
                 **table_figures(mon, table),
             }
+            status_s = None
             samples.append(sample)
             c.say("  " + " ".join(f"{k}={v}" for k, v in sample.items()))
         writer.stop_event.set()
@@ -492,7 +540,9 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         code = relay.stop()
         warnings = relay.warnings(limit=20)
         relay.cleanup()
-    return summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
+    result = summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
+    result["cli_start_s"] = cli_start_s
+    return result
 
 
 # --- batch-job scenario ---------------------------------------------------------------------
@@ -578,6 +628,7 @@ def run_batch_jobs(
                 "commit_to_delivered_s": round(seconds, 2) if seconds is not None else None,
                 "left_at_timeout": left if seconds is None else 0,
                 "full_claims": after["claim_full"][0] - before["claim_full"][0],
+                "sweep_steps": after["claim_sweep"][0] - before["claim_sweep"][0],
                 "fast_claims": after["claim_fast"][0] - before["claim_fast"][0],
             }
             jobs.append(job)
@@ -700,6 +751,14 @@ def summarize(
         "index_mb_end_of_run": released[-1]["index_mb"] if released else None,
         "dead_tuples_end_of_run": released[-1]["dead_tuples"] if released else None,
         "status_named_holder_after_s": named_after,
+        # `status --json` while held: the longest and the last (seconds, a new process each)
+        "status_s_max_held": max((s["status_s"] for s in held if s.get("status_s") is not None), default=None),
+        "status_s_last_held": next((s["status_s"] for s in reversed(held) if s.get("status_s") is not None), None),
+        # full claims while held: from the front (count, longest ms) and as sweep steps
+        "full_claims_held": sum(s["full_claims"] for s in held),
+        "full_claim_max_ms": final.get("full_claim_max_ms"),
+        "sweep_steps_held": sum(s.get("sweep_steps", 0) for s in held),
+        "sweep_step_max_ms": final.get("sweep_step_max_ms"),
         "gauge_at_least_1s_after_s": gauge_after,
         "relay_exit": code,
         "relay_warnings": warnings,
@@ -767,6 +826,12 @@ def main() -> int:
             f"{r['backlog_max']!s:>12}"
             f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
             f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}"
+        )
+        lines.append(
+            f"{'':<8}full claims while held: {r['full_claims_held']} from the front (longest since start "
+            f"{r['full_claim_max_ms']} ms), {r['sweep_steps_held']} sweep steps (longest {r['sweep_step_max_ms']} ms); "
+            f"status --json took up to {r['status_s_max_held']} s (last {r['status_s_last_held']} s; "
+            f"a new CLI process alone: {r.get('cli_start_s')} s)"
         )
         lines.append(
             f"{'':<8}after the release: dead tuples removed after {r['dead_tuples_removed_after_release_s']} s, "

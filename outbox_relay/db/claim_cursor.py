@@ -257,6 +257,7 @@ class Sweep:
         self.pass_server_seconds = 0.0
         self.pass_rows = 0
         self.pass_steps = 0
+        self.pass_row_cost = 0.0  # the highest of its steps' server seconds / (rows claimed + 10)
         self.passes = 0  # passes completed
 
     def under_way(self) -> bool:
@@ -273,7 +274,7 @@ class Sweep:
             self._high = max(fast_start, (leases_from, 0)) if leases_from is not None else fast_start
             self._width = self._first_width
             self._first_step = True
-            self.pass_seconds = self.pass_server_seconds = 0.0
+            self.pass_seconds = self.pass_server_seconds = self.pass_row_cost = 0.0
             self.pass_rows = self.pass_steps = 0
         assert self._top_due is not None
         high_at = self._high[0]
@@ -299,6 +300,7 @@ class Sweep:
         self.pass_server_seconds += cost
         self.pass_rows += rows
         self.pass_steps += 1
+        self.pass_row_cost = max(self.pass_row_cost, cost / (rows + 10))
         if rows or more:
             return False  # the same range again, until it yields nothing: rows claimed leave it
         factor = min(SWEEP_WIDTH_GROWTH, max(1.0 / SWEEP_WIDTH_SHRINK, self.step_seconds / max(cost, 1e-4)))
@@ -470,11 +472,11 @@ class DueCursor:
             cost = elapsed_seconds if server_seconds is None else server_seconds
             self._sweep_next_at = now if rows or more else now + self._step_interval(cost)
             return
-        # Each step is judged like a claim (+ 10 rows each, see _record_full_cost), so
-        # that a pass of many cheap steps once the horizon moves on reads as cheap.
-        self._record_full_cost(
-            sweep.pass_seconds, sweep.pass_rows + 10 * (sweep.pass_steps - 1), sweep.pass_server_seconds
-        )
+        # Its summed time against fast_above_seconds (what one full claim from the front
+        # would have taken), and per row its most expensive step, judged like a claim:
+        # a pass of many cheap steps, once vacuum has caught up, reads as cheap; one with
+        # a step that walked dead entries does not.
+        self._record_full_cost(sweep.pass_seconds, 0, sweep.pass_server_seconds, row_cost=sweep.pass_row_cost)
         self._quiet_full_claims = 0 if sweep.pass_rows or not self._slow else self._quiet_full_claims + 1
         self._sweep_next_at = now + self._full_interval()
 
@@ -605,7 +607,9 @@ class DueCursor:
             self._bounds_published_at = now
             return True, GaugeBounds(due_from=start, leases_from=self._leases_from)
 
-    def _record_full_cost(self, elapsed_seconds: float, claimed_rows: int, server_seconds: float | None) -> None:
+    def _record_full_cost(
+        self, elapsed_seconds: float, claimed_rows: int, server_seconds: float | None, *, row_cost: float | None = None
+    ) -> None:
         """Full claims are slow when the least of the last three took fast_above_seconds
         or more, or ran in the server fast_above_seconds_per_row or more per row
         claimed (+ 10, so an empty claim is judged too): a small batch that takes tens
@@ -616,7 +620,7 @@ class DueCursor:
         full claim does."""
         self._full_costs.append(elapsed_seconds)
         server = elapsed_seconds if server_seconds is None else server_seconds
-        self._full_row_costs.append(server / (claimed_rows + 10))
+        self._full_row_costs.append(server / (claimed_rows + 10) if row_cost is None else row_cost)
         if len(self._full_costs) < 3:  # the deques keep three
             self._full_cost, self._slow = 0.0, self._fast_above <= 0
             return
