@@ -195,6 +195,7 @@ class DeliveryOps(StoreCore):
         try:
             with self._pool.connection() as conn:
                 conn.execute(self.sql.query("publish_gauge_bounds"), params)
+            self.statement_counts.add("gauge_bounds")
         except pg_errors.UndefinedColumn:
             self._gauge_bounds_unsupported = True
         except Exception:  # the database unreachable, a timeout: the next publication tries again

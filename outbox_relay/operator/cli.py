@@ -310,7 +310,8 @@ def status(
     source: SourceOpt = None,
 ) -> None:
     """Queue depth per status (exact), oldest pending age, expired leases, attempts, blocked aggregates
-    (of every source, or of the one named by --source)."""
+    (of every source, or of the one named by --source). While vacuum is held back, pending and processing
+    are counted from where the relays' claims start (counted_from)."""
     settings = _settings(config)
     from ..sources import uses_sources
 
