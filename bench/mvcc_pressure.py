@@ -26,6 +26,16 @@ from its commit until none of its rows is pending or processing (delivered; poll
 every 0.1 s by primary key range, up to ``--batch-job-timeout-seconds``), and the full
 and fast claims the relay ran meanwhile (pg_stat_statements).
 
+Ordered scenario (``--ordered``): the relay runs with ``relay.ordered_event_types =
+["*"]`` (every row ordered by its aggregate, ``--aggregates`` of them, runs of up to
+``--run-length``), so every claim is the ordered claim (ordered_bounds.py). The samples
+add the ordered claims' statements (full: from the front of the aggregate index; fast:
+the discovery and the bounded heads), and the summary the delivered events per second
+before and during the hold: compare a ``--holders none`` run with a ``--holders
+snapshot`` run of the same settings (throughput held / without the hold), or read
+``delivered_ratio`` (held / baseline) of one run when ``--rate`` is within what the relay
+delivers.
+
 ``--relay-root DIR``: run the relay (migrate and run) from another checkout, e.g. the
 code before a change: ``git worktree add --detach /tmp/mvcc-before main``, then
 ``--relay-root /tmp/mvcc-before``. The bench itself always comes from this checkout.
@@ -79,7 +89,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--holders", default="snapshot", help="comma-separated: snapshot, prepared, none")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--payload-bytes", type=int, default=200)
+    p.add_argument("--ordered", action="store_true", help='ordered scenario: relay.ordered_event_types = ["*"]')
+    p.add_argument("--aggregates", type=int, default=100, help="distinct aggregate_ids the writer spreads rows over")
+    p.add_argument("--run-length", type=int, default=0, help="--ordered: relay.max_run_length (0: the default)")
     p.add_argument("--relay-root", help="checkout whose relay (migrate + run) is measured; default: this one")
+    p.add_argument(
+        "--relay-setting",
+        action="append",
+        default=[],
+        metavar="SECTION__NAME=VALUE",
+        help="a setting of the relay under test, as its OUTBOX_RELAY_ variable without the prefix (repeatable)",
+    )
     p.add_argument("--label", default="", help="name of this relay in the report (e.g. before/after)")
     p.add_argument(
         "--autovacuum",
@@ -119,6 +139,8 @@ def parse_args() -> argparse.Namespace:
         help="the longest wait for a batch job's rows after its commit",
     )
     args = p.parse_args()
+    if args.aggregates < 1:
+        p.error("--aggregates must be 1 or more")
     if args.batch_job_rows < 0:
         p.error("--batch-job-rows must be 0 or more")
     try:
@@ -198,6 +220,13 @@ def relay_env(
     env = c.relay_env(
         dsn, table, bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=on_done, OUTBOX_RELAY_METRICS__HOST="127.0.0.1"
     )
+    if args.ordered:
+        env["OUTBOX_RELAY_RELAY__ORDERED_EVENT_TYPES"] = '["*"]'
+        if args.run_length:
+            env["OUTBOX_RELAY_RELAY__MAX_RUN_LENGTH"] = str(args.run_length)
+    for setting in args.relay_setting:  # e.g. DATABASE__STATEMENT_TIMEOUT_MS=60000
+        name, _, value = setting.partition("=")
+        env["OUTBOX_RELAY_" + name.upper()] = value
     root = Path(args.relay_root).resolve() if args.relay_root else c.ROOT
     env["PYTHONPATH"] = str(root)
     return env
@@ -256,9 +285,12 @@ def scrape(port: int) -> dict[str, float]:
 class Writer(threading.Thread):
     """``rate`` events/s in transactions of ``per_txn`` rows, on an absolute schedule."""
 
-    def __init__(self, dsn: str, table: str, rate: int, per_txn: int, payload_bytes: int) -> None:
+    def __init__(
+        self, dsn: str, table: str, rate: int, per_txn: int, payload_bytes: int, aggregates: int = 100
+    ) -> None:
         super().__init__(name="writer", daemon=True)
         self.dsn, self.table, self.rate, self.per_txn = dsn, table, rate, per_txn
+        self.aggregates = aggregates
         self.pad = max(0, payload_bytes - 40)
         self.written = 0
         self.history: list[tuple[int, float]] = []  # (rows written so far, when): the delivery lag
@@ -269,7 +301,7 @@ class Writer(threading.Thread):
     def run(self) -> None:
         stmt = sql.SQL(
             "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
-            "SELECT 'order', 'agg-' || (g %% 100), 'OrderCreated', "
+            "SELECT 'order', 'agg-' || (g %% %(aggregates)s), 'OrderCreated', "
             "jsonb_build_object('seq', g, 'note', repeat('x', %(pad)s)) "
             "FROM generate_series(%(first)s::bigint, %(last)s::bigint) AS g"
         ).format(c.ident(self.table))
@@ -287,7 +319,13 @@ class Writer(threading.Thread):
                     else:
                         self.behind_max_seconds = max(self.behind_max_seconds, now - due)
                     conn.execute(
-                        stmt, {"pad": self.pad, "first": self.written + 1, "last": self.written + self.per_txn}
+                        stmt,
+                        {
+                            "pad": self.pad,
+                            "aggregates": self.aggregates,
+                            "first": self.written + 1,
+                            "last": self.written + self.per_txn,
+                        },
                     )
                     self.written += self.per_txn
                     self.history.append((self.written, time.monotonic()))
@@ -349,42 +387,76 @@ class Holder:
 
 
 # --- sampling ----------------------------------------------------------------------------
-# The claim statements of claim_cursor.py, told apart by their bounds: a sweep step (the
-# full claim while fast claims are in use) bounds the processing index from above; a
-# fast claim starts its due scan at least(its key, the oldest open writer's start); a
-# full claim from the front has neither. An older relay's fast claim passed its start
-# twice in its lease bound (FAST_CLAIM_BEFORE); a relay before the split has one
-# statement only: all its claims count as "full" here.
-SWEEP_CLAIM = re.compile(r"lease_until >= \$\d+::timestamptz AND lease_until < \$\d+::timestamptz")
-FAST_CLAIM = re.compile(r"least\(\$\d+::timestamptz")
+KINDS = (
+    "claim",
+    "claim_full",
+    "claim_sweep",
+    "claim_fast",
+    "finalize",
+    "ordered_full",
+    "ordered_discover",
+    "ordered_bounded",
+)
+# A fast claim (claim_cursor.py) bounds its processing-index scan by a parameter
+# ("lease_until >= $n::timestamptz"); a full claim has no such bound. Relays from before
+# the bounds became index conditions wrote "($a::timestamptz IS NULL OR lease_until >=
+# $b::timestamptz)", with the same parameter twice in a fast claim. A relay before the
+# fast/full split has one statement only: all its claims count as "full" here.
+FAST_CLAIM = re.compile(r"(?<!OR )lease_until >= \$\d+::timestamptz")
 FAST_CLAIM_BEFORE = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
-KINDS = ("claim", "claim_full", "claim_sweep", "claim_fast", "finalize")
 
 
-def claim_kind(text: str) -> str:
-    if SWEEP_CLAIM.search(text):
-        return "claim_sweep"
-    if FAST_CLAIM.search(text):
-        return "claim_fast"
+# A sweep step (the full claim while fast claims are in use, claim_cursor.py Sweep)
+# bounds its processing-index scan from above too: counted apart, as "claim_sweep".
+SWEEP_CLAIM = re.compile(r"lease_until >= \$\d+::timestamptz AND lease_until < \$\d+::timestamptz")
+
+
+def is_fast_claim(text: str) -> bool:
     before = FAST_CLAIM_BEFORE.search(text)
-    return "claim_fast" if before and before.group(1) == before.group(2) else "claim_full"
+    if before is not None:
+        return before.group(1) == before.group(2)
+    return FAST_CLAIM.search(text) is not None
+
+
+# The ordered claims' statements (delivery.sql), told apart by text that survives
+# pg_stat_statements' normalization: the heads from the front of the aggregate index
+# (full), and a fast claim's discovery and bounded heads.
+ORDERED_FULL_PREFIX = "WITH RECURSIVE paused"
+ORDERED_DISCOVER_MARK = "due AS MATERIALIZED"
+ORDERED_BOUNDED_MARK = "WITH ORDINALITY AS v(aggregate_id, bound, ord)"
 
 
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
-    """(calls, total ms) of the claim (all, full from the front, sweep steps, fast) and
-    finalize statements since the last reset; and "<kind>_max" (1, the longest call in
-    ms since the last reset)."""
-    out: dict[str, tuple[int, float]] = dict.fromkeys(KINDS, (0, 0.0))
-    out.update({f"{k}_max": (0, 0.0) for k in KINDS})
+    """(calls, total ms) of the claim (all, full, sweep steps, fast), the ordered claim's
+    (full, and a fast one's discovery and heads) and finalize statements since the last
+    reset; under "<name>_rows", (rows claimed, the same total ms): a plain claim statement
+    returns its claimed and reaped rows and one report row; under "<name>_max", (1, the
+    longest call in ms since the last reset)."""
+    names_all = KINDS
+    out = dict.fromkeys(names_all, (0, 0.0)) | {f"{name}_rows": (0, 0.0) for name in names_all}
+    out |= {f"{name}_max": (0, 0.0) for name in names_all}
     rows = conn.execute(
-        "SELECT query, calls, total_exec_time, max_exec_time FROM pg_stat_statements "
-        "WHERE query LIKE %s OR query LIKE %s",
-        (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%"),
+        "SELECT query, calls, total_exec_time, rows, max_exec_time FROM pg_stat_statements "
+        "WHERE query LIKE %s OR query LIKE %s OR query LIKE %s OR query LIKE %s",
+        (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%", ORDERED_FULL_PREFIX + "%", "%" + ORDERED_BOUNDED_MARK + "%"),
     ).fetchall()
-    for text, calls, total, longest in rows:
-        names = ["finalize"] if text.startswith(FINALIZE_PREFIX) else ["claim", claim_kind(text)]
+    for text, calls, total, returned, longest in rows:
+        claimed = int(returned)  # the ordered statements return their claimed rows only
+        if text.startswith(FINALIZE_PREFIX):
+            names = ["finalize"]
+        elif text.startswith(ORDERED_FULL_PREFIX):
+            names = ["ordered_full"]
+        elif ORDERED_DISCOVER_MARK in text:
+            names = ["ordered_discover"]
+        elif ORDERED_BOUNDED_MARK in text:
+            names = ["ordered_bounded"]
+        else:
+            kind = "claim_sweep" if SWEEP_CLAIM.search(text) else "claim_fast" if is_fast_claim(text) else "claim_full"
+            names = ["claim", kind]
+            claimed = int(returned) - int(calls)
         for name in names:
             out[name] = (out[name][0] + int(calls), out[name][1] + float(total))
+            out[f"{name}_rows"] = (out[f"{name}_rows"][0] + claimed, out[f"{name}_rows"][1] + float(total))
             out[f"{name}_max"] = (1, max(out[f"{name}_max"][1], float(longest or 0.0)))
     return out
 
@@ -433,7 +505,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         f"reloptions {reloptions[0] if reloptions else None}"
     )
     relay = Relay(["--workers", str(args.workers)], env)
-    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
+    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes, args.aggregates)
     holder = Holder(dsn, holder_kind)
     samples: list[dict[str, Any]] = []
     named_after: float | None = None
@@ -486,7 +558,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 raise RuntimeError(f"writer failed: {writer.error}")
             metrics = scrape(port)
             totals = statement_totals(mon)
-            window = {k: (totals[k][0] - last_totals[k][0], totals[k][1] - last_totals[k][1]) for k in KINDS}
+            window = {k: (totals[k][0] - last_totals[k][0], totals[k][1] - last_totals[k][1]) for k in totals}
             last_totals = totals
             delivered = int(metrics.get("outbox_relay_published_total{outcome=done}", 0))
             phase = "baseline" if not held else ("held" if not released else "released")
@@ -519,6 +591,7 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 "finalize_ms": (
                     round(window["finalize"][1] / window["finalize"][0], 2) if window["finalize"][0] else None
                 ),
+                **(ordered_figures(window) if args.ordered else {}),
                 "xmin_gauge_s": metrics.get("outbox_relay_xmin_horizon_age_seconds"),
                 # `outbox-relay status --json` in its own process (every --status-every-seconds
                 # while held): seconds, and whether it counted from the relays' published start
@@ -543,6 +616,29 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
     result = summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
     result["cli_start_s"] = cli_start_s
     return result
+
+
+def ordered_figures(window: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """The ordered claims of one sample window: how many full and fast ones, and their
+    mean time (a fast one: its discovery + its bounded heads)."""
+    full_calls, full_ms = window["ordered_full"]
+    fast_calls, discover_ms = window["ordered_discover"]
+    bounded_ms = window["ordered_bounded"][1]
+    return {
+        "ordered_full_claims": full_calls,
+        "ordered_full_ms": round(full_ms / full_calls, 2) if full_calls else None,
+        "ordered_fast_claims": fast_calls,
+        "ordered_fast_ms": round((discover_ms + bounded_ms) / fast_calls, 2) if fast_calls else None,
+    }
+
+
+def delivered_per_second(samples: list[dict[str, Any]], before: dict[str, Any] | None) -> float | None:
+    """Events delivered per second over consecutive samples (from the sample before them)."""
+    if not samples:
+        return None
+    first = before if before is not None else samples[0]
+    seconds = samples[-1]["t"] - first["t"]
+    return round((samples[-1]["delivered"] - first["delivered"]) / seconds, 1) if seconds > 0 else None
 
 
 # --- batch-job scenario ---------------------------------------------------------------------
@@ -574,23 +670,50 @@ def batch_job(
     return min(ids), max(ids), committed
 
 
+# What the relay's backends are doing (printed while a batch job's rows wait).
+RELAY_BACKENDS = (
+    "SELECT pid, state, wait_event_type, wait_event,"
+    " round(extract(epoch FROM clock_timestamp() - query_start)::numeric, 1),"
+    " left(regexp_replace(query, '\\s+', ' ', 'g'), 80) FROM pg_stat_activity"
+    " WHERE application_name LIKE 'outbox-relay%%' AND state <> 'idle' ORDER BY query_start"
+)
+
+
 def wait_batch_delivered(
-    conn: psycopg.Connection[Any], table: str, label: str, id_range: tuple[int, int], timeout: float
-) -> tuple[float | None, int]:
-    """Seconds from now until none of the batch's rows is pending or processing (None:
-    not within ``timeout``), and how many were left at the end."""
+    conn: psycopg.Connection[Any], table: str, label: str, id_range: tuple[int, int], rows: int, timeout: float
+) -> tuple[float | None, float | None, int]:
+    """Seconds from now until the first of the batch's rows was claimed (fewer than
+    ``rows`` pending) and until none is pending or processing (None: not within
+    ``timeout``), and how many were left at the end."""
     query = sql.SQL(
-        "SELECT count(*) FROM {} WHERE id BETWEEN %s AND %s AND aggregate_id = %s "
-        "AND status IN ('pending', 'processing')"
+        "SELECT count(*) FILTER (WHERE status = 'pending'), count(*) FROM {} "
+        "WHERE id BETWEEN %s AND %s AND aggregate_id = %s AND status IN ('pending', 'processing')"
     ).format(c.ident(table))
     started = time.monotonic()
+    first: float | None = None
     left = -1
+    last_dump = started
     while time.monotonic() - started < timeout:
-        left = int(conn.execute(query, (*id_range, label)).fetchone()[0])  # type: ignore[index]
+        pending, left = (int(v) for v in conn.execute(query, (*id_range, label)).fetchone())  # type: ignore[union-attr]
+        if first is None and pending < rows:
+            first = time.monotonic() - started
+        if first is None and time.monotonic() - last_dump >= 5.0:  # none claimed yet: what the relay waits for
+            last_dump = time.monotonic()
+            for line in conn.execute(RELAY_BACKENDS).fetchall():
+                c.say("    still none claimed: " + " | ".join(str(v) for v in line))
         if left == 0:
-            return time.monotonic() - started, 0
-        time.sleep(0.1)
-    return None, left
+            return first, time.monotonic() - started, 0
+        time.sleep(0.05)
+    return first, None, left
+
+
+def mean_claim_ms(
+    before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], kind: str = "claim"
+) -> float | None:
+    """The mean time of the claims (``kind``: claim, claim_fast, claim_full) between two
+    totals; with ``kind`` + "_rows", per row claimed."""
+    calls = after[kind][0] - before[kind][0]
+    return round((after[kind][1] - before[kind][1]) / calls, 3) if calls else None
 
 
 def run_batch_jobs(
@@ -603,33 +726,47 @@ def run_batch_jobs(
     relay_cli(env, "migrate")
     c.say(f"[{args.label or 'relay'} {on_done} {holder_kind}] batch jobs, table {table}")
     relay = Relay(["--workers", str(args.workers)], env)
-    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes)
+    writer = Writer(dsn, table, args.rate, args.per_txn, args.payload_bytes, args.aggregates)
     holder = Holder(dsn, holder_kind)
     jobs: list[dict[str, Any]] = []
     try:
         relay.wait_started()
         mon = psycopg.connect(dsn, autocommit=True, application_name="bench-monitor")
         writer.start()
-        time.sleep(args.baseline_seconds)
+        time.sleep(min(5.0, args.baseline_seconds / 2))  # the relay's first claims and plans
+        baseline_from = statement_totals(mon)
+        time.sleep(max(0.0, args.baseline_seconds - min(5.0, args.baseline_seconds / 2)))
+        baseline_to = statement_totals(mon)
+        baseline_claim_ms = mean_claim_ms(baseline_from, baseline_to)
+        baseline_claim_ms_per_row = mean_claim_ms(baseline_from, baseline_to, "claim_rows")
         holder.open()
-        c.say(f"  holder open; batch jobs after {args.batch_job_warmup_seconds} s")
+        c.say(f"  baseline claim {baseline_claim_ms} ms; holder open; jobs after {args.batch_job_warmup_seconds} s")
         time.sleep(args.batch_job_warmup_seconds)
         for i, open_seconds in enumerate(args.batch_job_open):
             label = f"batch-job-{i}"
             before = statement_totals(mon)
             low, high, _ = batch_job(dsn, table, args.batch_job_rows, open_seconds, label, args.payload_bytes)
-            seconds, left = wait_batch_delivered(mon, table, label, (low, high), args.batch_job_timeout_seconds)
+            first, seconds, left = wait_batch_delivered(
+                mon, table, label, (low, high), args.batch_job_rows, args.batch_job_timeout_seconds
+            )
             after = statement_totals(mon)
             if writer.error is not None:
                 raise RuntimeError(f"writer failed: {writer.error}")
             job = {
                 "open_s": open_seconds,
                 "rows": args.batch_job_rows,
+                "commit_to_first_claimed_s": round(first, 2) if first is not None else None,
                 "commit_to_delivered_s": round(seconds, 2) if seconds is not None else None,
                 "left_at_timeout": left if seconds is None else 0,
                 "full_claims": after["claim_full"][0] - before["claim_full"][0],
                 "sweep_steps": after["claim_sweep"][0] - before["claim_sweep"][0],
                 "fast_claims": after["claim_fast"][0] - before["claim_fast"][0],
+                "claim_ms_mean": mean_claim_ms(before, after),
+                "fast_claim_ms_mean": mean_claim_ms(before, after, "claim_fast"),
+                "full_claim_ms_mean": mean_claim_ms(before, after, "claim_full"),
+                "baseline_claim_ms": baseline_claim_ms,
+                "fast_claim_ms_per_row": mean_claim_ms(before, after, "claim_fast_rows"),
+                "baseline_claim_ms_per_row": baseline_claim_ms_per_row,
             }
             jobs.append(job)
             c.say("  " + " ".join(f"{k}={v}" for k, v in job.items()))
@@ -722,6 +859,9 @@ def summarize(
         (s for prev, s in zip([final, *released], released, strict=False) if s["dead_tuples"] < prev["dead_tuples"]),
         None,
     )
+    held_before = base[-1] if base else None
+    rate_base = delivered_per_second(base, {"t": 0, "delivered": 0})  # the writer starts at t = 0
+    rate_held = delivered_per_second(held, held_before)
     lagging = [s for s in released if s["lag_s"] >= 1.0]
     caught_up = [s for s in released if not lagging or s["t"] > lagging[-1]["t"]]
     return {
@@ -735,6 +875,11 @@ def summarize(
         "claim_ms_baseline": claim_base,
         "claim_ms_last_minute_held": claim_last,
         "claim_ratio": round(claim_last / claim_base, 2) if claim_base and claim_last else None,
+        "ordered": bool(args.ordered),
+        "aggregates": args.aggregates,
+        "delivered_per_s_baseline": rate_base,
+        "delivered_per_s_held": rate_held,
+        "delivered_ratio": round(rate_held / rate_base, 2) if rate_base and rate_held else None,
         "oldest_pending_max_s": round(max(oldest), 1) if oldest else None,
         "oldest_pending_gauge_samples": f"{len(oldest)}/{len(held)}",
         "lag_max_s": round(max(lags), 1) if lags else None,
@@ -795,8 +940,9 @@ def main() -> int:
     if args.batch_job_rows:
         lines = [
             title,
-            f"{'on_done':<8}{'holder':<10}{'rate':>6}{'rows':>7}{'open s':>8}{'commit -> delivered s':>23}"
-            f"{'full claims':>12}{'fast claims':>12}",
+            f"{'on_done':<8}{'holder':<10}{'rate':>6}{'rows':>7}{'open s':>8}{'-> first claimed s':>19}"
+            f"{'-> all delivered s':>19}{'full claims':>12}{'fast claims':>12}{'claim ms':>9}{'fast ms':>8}"
+            f"{'full ms':>9}{'base ms':>8}{'fast ms/row':>12}{'base ms/row':>12}",
         ]
         for r in results:
             for job in r["batch_jobs"]:
@@ -808,7 +954,10 @@ def main() -> int:
                 )
                 lines.append(
                     f"{r['on_done']:<8}{r['holder']:<10}{r['rate']:>6}{job['rows']:>7}{job['open_s']:>8g}"
-                    f"{shown!s:>23}{job['full_claims']:>12}{job['fast_claims']:>12}"
+                    f"{job['commit_to_first_claimed_s']!s:>19}{shown!s:>19}{job['full_claims']:>12}"
+                    f"{job['fast_claims']:>12}{job['claim_ms_mean']!s:>9}{job['fast_claim_ms_mean']!s:>8}"
+                    f"{job['full_claim_ms_mean']!s:>9}{job['baseline_claim_ms']!s:>8}"
+                    f"{job['fast_claim_ms_per_row']!s:>12}{job['baseline_claim_ms_per_row']!s:>12}"
                 )
         c.emit(report, lines, args.json)
         return 0
@@ -827,6 +976,12 @@ def main() -> int:
             f"{r['heap_mb_end_of_hold']!s:>9}{r['index_mb_end_of_hold']!s:>9}"
             f"{r['dead_tuples_end_of_hold']!s:>10}{r['status_named_holder_after_s']!s:>8}"
         )
+        if r.get("ordered"):
+            lines.append(
+                f"{'':<8}ordered ({r['aggregates']} aggregates): delivered/s baseline {r['delivered_per_s_baseline']}, "
+                f"held {r['delivered_per_s_held']} (ratio {r['delivered_ratio']}), "
+                f"lag max {r['lag_max_s']} s, last minute held {r['lag_last_minute_max_s']} s"
+            )
         lines.append(
             f"{'':<8}full claims while held: {r['full_claims_held']} from the front (longest since start "
             f"{r['full_claim_max_ms']} ms), {r['sweep_steps_held']} sweep steps (longest {r['sweep_step_max_ms']} ms); "

@@ -31,7 +31,10 @@ taken (one heap visit each): its cost grows with time, and the relay falls behin
   at once when the claim whose look saw the writer end found nothing). A look is applied
   only when it was taken after the last one applied (the database's clock at the
   look), so a slow claim's older look cannot make the cursor forget a writer still
-  open. A full claim due first takes the catch-up's place (it reads from the front).
+  open. While full claims are cheap (every claim is one) a full claim takes the
+  catch-up's place (it reads from the front); while they are slow, a full claim due at
+  the same time leaves the catch-up to the next fast claim, which reaches the ended
+  writer's rows at once instead of after the full claim's walk from the front.
   A catch-up claim that fails quickly is sent again; one that runs out of its
   statement timeout is not, and that writer's rows are left to the full claims;
 - the processing index, once per ``lease_scan_interval_seconds`` (at once again while
@@ -110,9 +113,12 @@ from dataclasses import dataclass
 LAG_SECONDS = 0.1
 # An open writer transaction older than this no longer holds fast claims back (one
 # left open for minutes would make every fast claim walk the dead entries since its
-# start): it is remembered instead, and its rows are taken by one catch-up claim from
-# its start once a look no longer sees it.
-WRITERS_WITHIN_SECONDS = 5.0
+# start, and the index entries of the rows it has written so far): it is remembered
+# instead, and its rows are taken by one catch-up claim from its start once a look no
+# longer sees it. One second: an application's transaction rarely lasts longer, and a
+# batch job writing 10 000 rows a second pins the fast claims behind its uncommitted
+# entries for at most that long (a catch-up claim costs one walk from its start, once).
+WRITERS_WITHIN_SECONDS = 1.0
 # How often a fast claim looks for them (reading pg_locks and pg_stat_activity costs
 # a fraction of a millisecond); what one saw stays in the window for LAG_SECONDS, so
 # looks come at least twice per window.
@@ -344,9 +350,12 @@ class DueCursor:
         fast_above_seconds_per_row: float = FAST_ABOVE_SECONDS_PER_ROW,
         writers_within_seconds: float = WRITERS_WITHIN_SECONDS,
         sweep_step_seconds: float = SWEEP_STEP_SECONDS,
+        sweep: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        # While fast claims are in use, the full claim is a sweep in bounded steps.
+        # While fast claims are in use, the full claim is a sweep in bounded steps
+        # (``sweep`` False: one whole statement every full-claim interval, as before).
+        self._sweeps = sweep
         self.sweep = Sweep(step_seconds=sweep_step_seconds)
         self._sweep_next_at = float("-inf")  # when the next step is due (the clock's seconds)
         self.sweep_steps = 0
@@ -393,13 +402,21 @@ class DueCursor:
             self._expire(now)
             start = self._start()
             cheap = not self._slow  # nothing to save: every claim is full
-            if start is not None and not cheap and not self._full_running and now >= self._sweep_next_at:
+            sweep_due = self._sweeps and not self._full_running and now >= self._sweep_next_at
+            if start is not None and not cheap and sweep_due:
                 return self._sweep_step(now, start)
-            if start is None or cheap:
-                # A full claim reads from the front: it takes over a pending catch-up
-                # (what it finds below the fast start enters the window, and the fast
-                # claims after it drain upwards through the ended writer's rows).
-                catch_up_from, self._catch_up_from = self._catch_up_from, None
+            interval = self._full_interval()
+            full_due = not self._sweeps and not self._full_running and now - self._last_full_at >= interval
+            if start is None or cheap or full_due:
+                # A full claim reads from the front: while full claims are cheap (every
+                # claim is one) it takes over a pending catch-up (what it finds below the
+                # fast start enters the window). While they are slow it does not: it may
+                # run for seconds, or out of its statement timeout, before it reaches
+                # the ended writer's rows, so the catch-up stays for the next fast claim,
+                # which starts at that writer's start at once.
+                catch_up_from = None
+                if cheap or start is None:
+                    catch_up_from, self._catch_up_from = self._catch_up_from, None
                 if not self._full_running:
                     self._full_running = True  # this one's duration feeds the average
                     self._last_full_at = now
@@ -485,8 +502,18 @@ class DueCursor:
         spaces the passes, not their steps: a cheap step is followed at once)."""
         return min(self._rescan_max, cost_seconds / self._cost_share)
 
-    def end(self, plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed_seconds: float, claimed_rows: int = 0) -> None:
-        """Record what a claim's statements saw and, for a full claim, its cost."""
+    def end(
+        self,
+        plan: ClaimPlan,
+        outcomes: list[ClaimOutcome],
+        elapsed_seconds: float,
+        claimed_rows: int = 0,
+        *,
+        found_below: bool | None = None,
+    ) -> None:
+        """Record what a claim's statements saw and, for a full claim, its cost.
+        ``found_below``: whether a full claim found a row the fast claims would not have
+        found (None: one keyed below where they start, as the plain claim reports it)."""
         now = self._clock()
         with self._lock:
             if plan.sweep:
@@ -501,8 +528,9 @@ class DueCursor:
                 self._full_running = False
                 server = [o.server_seconds for o in outcomes if o.server_seconds is not None]
                 self._record_full_cost(elapsed_seconds, claimed_rows, sum(server) if server else None)
-                claimed = [o.lowest for o in outcomes if o.lowest is not None]
-                found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
+                if found_below is None:
+                    claimed = [o.lowest for o in outcomes if o.lowest is not None]
+                    found_below = plan.fast_start is not None and bool(claimed) and min(claimed) < plan.fast_start
                 if found_below or not self._slow:
                     self._quiet_full_claims = 0
                 else:

@@ -9,7 +9,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,39 @@ def parse_long_writers(text: str) -> frozenset[LongWriter]:
         pid, started_us = pair.split(":")
         writers.add((int(pid), _from_epoch_us(started_us)))
     return frozenset(writers)
+
+
+# A fast ordered claim's discovery reads at most this many due rows (ordered_bounds.py):
+# more than arrive between two claims at thousands of events/s.
+ORDERED_DISCOVER_ROWS = 2000
+# ... and looks at up to this many visited aggregates (at least; per row of room:
+# ORDERED_VISIT_PER_ROW), round-robin: most hold a head in flight.
+ORDERED_VISIT_MIN = 256
+ORDERED_VISIT_PER_ROW = 4
+
+
+@dataclass(slots=True)
+class _OrderedPart:
+    """The ordered part of one claim, for the ordered claims' cursor: its statements'
+    time, rows claimed, what they saw."""
+
+    outcomes: list[ClaimOutcome] = field(default_factory=list)
+    claimed: int = 0
+    found_below: bool | None = None
+    elapsed: float = 0.0
+    started: float | None = None
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+
+    def stop(self) -> None:
+        if self.started is not None:
+            self.elapsed += time.monotonic() - self.started
+            self.started = None
+
+    def seconds(self) -> float:
+        running = time.monotonic() - self.started if self.started is not None else 0.0
+        return self.elapsed + running
 
 
 def _bigint_array(values: Sequence[int]) -> str:
@@ -174,7 +207,9 @@ class DeliveryOps(StoreCore):
         # them is the next claim. Sent at once rather than after the worker's idle wait.
         # So is the worker's own claim after a sweep step that found nothing (a step
         # reads only its range, below the rows waiting above the fast start).
-        if not result.rows and (sweep or self.due_cursor.catch_up_pending()):
+        if not result.rows and (
+            sweep or self.due_cursor.catch_up_pending() or (ordering.enabled and self.ordered_cursor.catch_up_pending())
+        ):
             result, _ = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
         publish, bounds = self.due_cursor.bounds_to_publish()
         if publish and not self._gauge_bounds_unsupported:
@@ -241,10 +276,6 @@ class DeliveryOps(StoreCore):
         run_length: int,
         ordered_after: str | None,
     ) -> ClaimResult:
-        all_ordered = ordering.all_types
-        types = ordering.explicit_types
-        batch = int(params["batch"])
-        max_batch_bytes = int(params["max_batch_bytes"])
         start_at, start_id = plan.start if plan.start is not None else (INDEX_FRONT, 0)
         params = dict(
             params,
@@ -275,16 +306,53 @@ class DeliveryOps(StoreCore):
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
             return ClaimResult(rows=rows, reaped=reaped)
         # Ordered: several statements in one short transaction (heads, runs, the rest).
+        # The ordered part has a cursor of its own (ordered_bounds.py): full (from the
+        # front of the aggregate index, the statements as they always were) or fast.
+        oplan = self.ordered_cursor.begin()
+        ordered = _OrderedPart()
+        try:
+            result = self._claim_with_ordered(
+                ordering, params, rows, lowest, oplan, ordered, run_length=run_length, ordered_after=ordered_after
+            )
+        except BaseException:
+            self.ordered_cursor.failed(oplan, ordered.seconds())
+            raise
+        self.ordered_cursor.end(
+            oplan, ordered.outcomes, ordered.seconds(), claimed_rows=ordered.claimed, found_below=ordered.found_below
+        )
+        return result
+
+    def _claim_with_ordered(
+        self,
+        ordering: OrderingRule,
+        params: dict[str, Any],
+        rows: list[Claimed],
+        lowest: list[ClaimOutcome],
+        oplan: ClaimPlan,
+        ordered: _OrderedPart,
+        *,
+        run_length: int,
+        ordered_after: str | None,
+    ) -> ClaimResult:
+        all_ordered = ordering.all_types
+        types = ordering.explicit_types
+        batch = int(params["batch"])
+        max_batch_bytes = int(params["max_batch_bytes"])
         next_after: str | None = None
         with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
             with conn.transaction():
                 cur = conn.cursor()
                 unordered = dict(params, excluded_types=types)
                 # The first statement sets the claim's planner settings for the whole
-                # transaction (_plain_claim does it in the else branch).
+                # transaction (_plain_claim does it in the else branch; a fast ordered
+                # claim of an all-ordered relay reaps in its discovery statement).
+                reaped: list[tuple[int, int, str | None]] = []
                 if all_ordered:
-                    execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
-                    reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
+                    if oplan.full:
+                        ordered.start()
+                        execute_with_settings(cur, self.sql.query("reap"), params, CLAIM_SETTINGS)
+                        reaped = [(r[0], r[1], r[2]) for r in cur.fetchall()]
+                        ordered.stop()
                 else:
                     # Unordered rows get up to half of every batch first, so a large
                     # ordered backlog can never starve them (and vice versa).
@@ -300,29 +368,18 @@ class DeliveryOps(StoreCore):
                 def bytes_left() -> int:
                     return max_batch_bytes - sum(r.size_bytes for r in rows)
 
-                def claim_heads(after: str | None, limit: int) -> list[Claimed]:
-                    head_params = dict(
-                        params, after=after, batch=limit, max_batch_bytes=bytes_left(), first_always=not rows
-                    )
-                    found = cur.execute(self.sql.query("claim_ordered_heads"), head_params).fetchall()
-                    if found:  # the last aggregate in the column's collation order (see delivery.sql)
-                        last_aggregate[0] = found[0][-1]
-                    return [Claimed(*r[:-1]) for r in found]
-
-                # Round-robin over aggregates: start after where the last claim ended,
-                # wrap around to the beginning if that end of the range had too few.
                 heads: list[Claimed] = []
-                last_aggregate: list[str | None] = [None]
-                if head_room > 0 and (bytes_left() > 0 or not rows):
-                    heads = claim_heads(ordered_after, head_room)
-                    rows.extend(heads)
-                    if len(heads) < head_room and ordered_after is not None and bytes_left() > 0:
-                        seen = {h.id for h in heads}
-                        more = [h for h in claim_heads(None, head_room - len(heads)) if h.id not in seen]
-                        heads.extend(more)
-                        rows.extend(more)
-                if heads:
-                    next_after = last_aggregate[0]
+                ordered.start()
+                if oplan.full:
+                    heads, next_after = self._ordered_heads_full(
+                        cur, params, rows, ordered, head_room, bytes_left, ordered_after
+                    )
+                else:
+                    next_after = ordered_after  # the full claims' round-robin resumes there
+                    reaped += self._ordered_discover(cur, params, oplan, ordered, all_ordered=all_ordered)
+                    if head_room > 0 and (bytes_left() > 0 or not rows):
+                        heads = self._ordered_heads_bounded(cur, params, rows, head_room, bytes_left())
+                        rows.extend(heads)
                 if heads and run_length > 1 and batch > len(rows) and bytes_left() > 0:
                     run_params = dict(
                         params,
@@ -332,7 +389,11 @@ class DeliveryOps(StoreCore):
                         head_ids=[h.id for h in heads],
                         max_batch_bytes=bytes_left(),
                     )
-                    rows.extend(Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params))
+                    runs = [Claimed(*r) for r in cur.execute(self.sql.query("claim_ordered_runs"), run_params)]
+                    rows.extend(runs)
+                    ordered.claimed += len(runs)
+                ordered.claimed += len(heads)
+                ordered.stop()
                 room = batch - len(rows)
                 if not all_ordered and room > 0 and bytes_left() > 0:
                     reaped += self._plain_claim(
@@ -340,6 +401,120 @@ class DeliveryOps(StoreCore):
                     )
         rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
         return ClaimResult(rows=rows, reaped=reaped, ordered_after=next_after)
+
+    def _ordered_heads_full(
+        self,
+        cur: Any,
+        params: dict[str, Any],
+        rows: list[Claimed],
+        ordered: _OrderedPart,
+        head_room: int,
+        bytes_left: Callable[[], int],
+        ordered_after: str | None,
+    ) -> tuple[list[Claimed], str | None]:
+        """The ordered claim from the front of the aggregate index (delivery.sql
+        "claim_ordered_heads"), round-robin from ``ordered_after``. Its heads are proven
+        bounds for the fast claims (ordered_bounds.py)."""
+        last_aggregate: list[str | None] = [None]
+        database_now: list[dt.datetime | None] = [None]
+
+        def claim_heads(after: str | None, limit: int) -> list[Claimed]:
+            head_params = dict(params, after=after, batch=limit, max_batch_bytes=bytes_left(), first_always=not rows)
+            found = cur.execute(self.sql.query("claim_ordered_heads"), head_params).fetchall()
+            if found:  # the last aggregate in the column's collation order (see delivery.sql)
+                last_aggregate[0], database_now[0] = found[0][-2], found[0][-1]
+            return [Claimed(*r[:-2]) for r in found]
+
+        # Round-robin over aggregates: start after where the last claim ended,
+        # wrap around to the beginning if that end of the range had too few.
+        heads: list[Claimed] = []
+        if head_room > 0 and (bytes_left() > 0 or not rows):
+            heads = claim_heads(ordered_after, head_room)
+            rows.extend(heads)
+            if len(heads) < head_room and ordered_after is not None and bytes_left() > 0:
+                seen = {h.id for h in heads}
+                more = [h for h in claim_heads(None, head_room - len(heads)) if h.id not in seen]
+                heads.extend(more)
+                rows.extend(more)
+        new = self.ordered_bounds.heads_claimed([(h.aggregate_id, h.id) for h in heads])
+        ordered.found_below = new > 0
+        if database_now[0] is not None:
+            # Where the discovery of the fast claims starts: every aggregate with a due
+            # row below it was either claimed here (now visited) or is left to the next
+            # full claim.
+            ordered.outcomes.append(ClaimOutcome(lowest=(database_now[0], 0), database_now=database_now[0]))
+        return heads, (last_aggregate[0] if heads else None)
+
+    def _ordered_discover(
+        self, cur: Any, params: dict[str, Any], plan: ClaimPlan, ordered: _OrderedPart, *, all_ordered: bool
+    ) -> list[tuple[int, int, str | None]]:
+        """A fast ordered claim's discovery (delivery.sql "claim_ordered_discover"): the
+        aggregates with a due row since where the ordered cursor starts enter the
+        visited set; with ``all_ordered`` it also reaps (no plain claim does)."""
+        start_at, start_id = plan.start if plan.start is not None else (INDEX_FRONT, 0)
+        discover_params = dict(
+            params,
+            from_at=start_at,
+            from_id=start_id,
+            leases_from=plan.leases_from if plan.leases_from is not None else INDEX_FRONT,
+            lease_scan=plan.lease_scan,
+            reap=all_ordered,
+            writers_check=plan.writers_check,
+            writers_within_seconds=float(plan.writers_within_seconds),
+            scan_rows=ORDERED_DISCOVER_ROWS,
+        )
+        execute_with_settings(cur, self._ordered_discover_statement, discover_params, CLAIM_SETTINGS)
+        reaped: list[tuple[int, int, str | None]] = []
+        aggregates: list[str] = []
+        keys: list[tuple[dt.datetime, int]] = []
+        outcome = ClaimOutcome()
+        for kind, aggregate_id, row_id, version, owner, at, long_writers, looked_at_us, since, now in cur.fetchall():
+            if kind == "due":
+                aggregates.append(aggregate_id)
+            elif kind == "reaped":
+                reaped.append((row_id, version, owner))
+            else:  # the report
+                keys.append((at, int(row_id)))
+                if since is not None:  # rows an open writer will commit start at or after this key
+                    keys.append((since, 0))
+                look = None
+                if looked_at_us is not None:
+                    look = WritersLook(_from_epoch_us(looked_at_us), parse_long_writers(long_writers or ""))
+                outcome = ClaimOutcome(
+                    lowest=min(keys),
+                    database_now=now,
+                    leases_exhausted=all_ordered and plan.lease_scan,
+                    server_seconds=int(version) / 1_000_000,
+                    writers_look=look,
+                )
+        ordered.outcomes.append(outcome)
+        self.ordered_bounds.discovered(aggregates)
+        return reaped
+
+    def _ordered_heads_bounded(
+        self, cur: Any, params: dict[str, Any], rows: list[Claimed], head_room: int, bytes_left: int
+    ) -> list[Claimed]:
+        """A fast ordered claim's heads (delivery.sql "claim_ordered_heads_bounded"):
+        each visited aggregate read from its proven bound; what each look found moves
+        the bounds (ordered_bounds.py)."""
+        ticket, visit = self.ordered_bounds.to_visit(max(ORDERED_VISIT_MIN, ORDERED_VISIT_PER_ROW * head_room))
+        if not visit:
+            return []
+        head_params = dict(
+            params,
+            batch=head_room,
+            max_batch_bytes=bytes_left,
+            first_always=not rows,
+            aggregate_ids=[aggregate_id for aggregate_id, _ in visit],
+            bounds=[bound for _, bound in visit],
+        )
+        heads: list[Claimed] = []
+        for record in cur.execute(self.sql.query("claim_ordered_heads_bounded"), head_params).fetchall():
+            if record[0] == "claimed":
+                heads.append(Claimed(*record[1:15]))
+            else:
+                self.ordered_bounds.looked(ticket, record[5], record[1], bool(record[15]))
+        return heads
 
     def _plain_claim(
         self,

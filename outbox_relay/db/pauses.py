@@ -10,6 +10,7 @@ stays exact if the operation is interrupted.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,22 +107,8 @@ class PauseOps(StoreCore):
         self, *, selector: str, value: str, after: tuple[dt.datetime, int] | None, chunk: int, audit_id: int | None
     ) -> ChunkStep:
         """Park the next ``chunk`` pending rows the pause matches (sql/pauses.sql park_chunk)."""
-        params: dict[str, Any] = {
-            "selector": selector,
-            "value": value,
-            "after_at": after[0] if after else None,
-            "after_id": after[1] if after else None,
-            "chunk": chunk,
-        }
-        with self._mapped("park paused rows", commit_unknown=True), self._pool.connection() as conn:
-            with conn.transaction():
-                # The claim's planner settings: the pending index read in order and cut
-                # by LIMIT, never a bitmap scan of every pending row, whatever the statistics.
-                cur = conn.cursor()
-                execute_with_settings(cur, self.sql.query("park_chunk"), params, CLAIM_SETTINGS)
-                rows = cur.fetchall()
-                if rows and audit_id is not None:
-                    conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": len(rows)})
+        params = _chunk_params(selector, value, after, chunk)
+        rows = self._chunk("park paused rows", "park_chunk", params, audit_id, changed=len)
         if not rows:
             return ChunkStep(0, after, finished=True)
         last_id, last_at = max(rows, key=lambda r: (r[1], r[0]))
@@ -133,13 +120,7 @@ class PauseOps(StoreCore):
         """Park the next ``chunk`` rows the pause matches whose lease expired (sql/pauses.sql
         park_expired_chunk); parked rows leave the range, so each chunk starts at the front."""
         params = {"selector": selector, "value": value, "max_attempts": max_attempts, "chunk": chunk}
-        with self._mapped("park expired leases", commit_unknown=True), self._pool.connection() as conn:
-            with conn.transaction():
-                cur = conn.cursor()
-                execute_with_settings(cur, self.sql.query("park_expired_chunk"), params, CLAIM_SETTINGS)
-                rows = cur.fetchall()
-                if rows and audit_id is not None:
-                    conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": len(rows)})
+        rows = self._chunk("park expired leases", "park_expired_chunk", params, audit_id, changed=len)
         return ChunkStep(len(rows), None, finished=len(rows) < chunk)
 
     def unpark_chunk(
@@ -147,22 +128,45 @@ class PauseOps(StoreCore):
     ) -> ChunkStep:
         """Give the next ``chunk`` parked rows the ended pause matched their original
         available_at back (sql/pauses.sql unpark_chunk)."""
-        params: dict[str, Any] = {
-            "selector": selector,
-            "value": value,
-            "after_at": after[0] if after else None,
-            "after_id": after[1] if after else None,
-            "chunk": chunk,
-        }
-        with self._mapped("unpark paused rows", commit_unknown=True), self._pool.connection() as conn:
-            with conn.transaction():
-                cur = conn.cursor()  # the claim's planner settings, as in park_chunk
-                execute_with_settings(cur, self.sql.query("unpark_chunk"), params, CLAIM_SETTINGS)
-                rows = cur.fetchall()
-                moved = int(rows[0][3]) if rows else 0
-                if moved and audit_id is not None:
-                    conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": moved})
+        params = _chunk_params(selector, value, after, chunk)
+        rows = self._chunk(
+            "unpark paused rows", "unpark_chunk", params, audit_id, changed=lambda rows: int(rows[0][3]) if rows else 0
+        )
         if not rows:
             return ChunkStep(0, after, finished=True)
+        moved = int(rows[0][3])
         last = max(rows, key=lambda r: (r[1], r[0]))
         return ChunkStep(moved, (last[1], int(last[0])), finished=len(rows) < chunk)
+
+    def _chunk(
+        self,
+        what: str,
+        query: str,
+        params: dict[str, Any],
+        audit_id: int | None,
+        *,
+        changed: Callable[[list[tuple[Any, ...]]], int],
+    ) -> list[tuple[Any, ...]]:
+        """One chunk statement and its audit count in one transaction. The claim's planner
+        settings: the pending index read in order and cut by LIMIT, never a bitmap scan
+        of every pending row, whatever the statistics."""
+        with self._mapped(what, commit_unknown=True), self._pool.connection() as conn:
+            with conn.transaction():
+                cur = conn.cursor()
+                execute_with_settings(cur, self.sql.query(query), params, CLAIM_SETTINGS)
+                rows: list[tuple[Any, ...]] = cur.fetchall()
+                n = changed(rows)
+                if n and audit_id is not None:
+                    conn.execute(self.sql.query("audit_add_changed"), {"audit_id": audit_id, "n": n})
+        return rows
+
+
+def _chunk_params(selector: str, value: str, after: tuple[dt.datetime, int] | None, chunk: int) -> dict[str, Any]:
+    """A chunk's parameters: the rows after the key ``after`` (None: from the front)."""
+    return {
+        "selector": selector,
+        "value": value,
+        "after_at": after[0] if after else None,
+        "after_id": after[1] if after else None,
+        "chunk": chunk,
+    }

@@ -31,6 +31,7 @@ from ..errors import (
     SchemaMissing,
 )
 from .claim_cursor import DueCursor, sweep_step_seconds
+from .ordered_bounds import AggregateBounds
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
 from .statement_counts import StatementCounts
@@ -216,6 +217,24 @@ class StoreCore:
             due_bound=sql.SQL(EXECUTABLE["claim_sweep_due_bound"]),
             leases_bound=sql.SQL(EXECUTABLE["claim_sweep_leases_bound"]),
             claim_report=sql.SQL(EXECUTABLE["claim_report"]),
+        )
+        # The ordered claims (relay.ordered_event_types) have a cursor of their own:
+        # where their discovery scan of the due index starts (fast claims), and when a
+        # full ordered claim comes round; and the per-aggregate bounds their fast claims
+        # read the aggregate index from (ordered_bounds.py). Fast once the least of three
+        # full ordered claims took fast_above_seconds (0.1 s) or more: they are timed in
+        # the client (several statements), so the per-row rule, which would react to a
+        # busy client machine (an empty claim of 5 ms in three round trips), is off.
+        # Its full claims stay whole statements (no sweep): the ordered claim reads the
+        # aggregate index, not the ranges a sweep step is made of.
+        self.ordered_cursor = DueCursor(fast_above_seconds_per_row=float("inf"), sweep=False)
+        self.ordered_bounds = AggregateBounds()
+        self._ordered_discover_statement = self.sql.query(
+            "claim_ordered_discover",
+            due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
+            leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
+            lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
+            writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
         )
 
     # --- lifecycle -------------------------------------------------------------------

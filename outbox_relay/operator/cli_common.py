@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -34,7 +34,7 @@ UntilOpt = Annotated[
 ]
 
 
-def fail(message: str, code: int) -> None:
+def fail(message: str, code: int) -> NoReturn:
     """One line on stderr, then exit ``code`` (1 a runtime failure, 2 usage)."""
     typer.echo(f"outbox-relay: error: {message}", err=True)
     raise typer.Exit(code)
@@ -57,7 +57,6 @@ def settings_from(config: str | None, **overrides: Any) -> Settings:
         settings = load_settings(config, **{k: v for k, v in overrides.items() if v})
     except ConfigError as exc:
         fail(str(exc), 2)
-        raise  # unreachable
     from ..observability.logs import configure_logging
 
     configure_logging(settings.log.level, settings.log.format, secrets=settings.secret_values)
@@ -117,4 +116,3 @@ def filter_from_options(store: Any, **values: Any) -> DeadFilter:
         if name in FILTER_NAMES:  # "since: ..." -> "--since: ..."
             message = "--" + name.replace("_", "-") + message[len(name) :]
         fail(message, 2)
-        raise  # unreachable

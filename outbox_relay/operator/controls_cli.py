@@ -191,7 +191,6 @@ def pause_command(
         )
     except OperatorRuleError as exc:
         fail(str(exc), 2)
-        raise  # unreachable
     settings = for_source(settings_from(config), source)
     with open_store(settings) as store, errors():
         try:
@@ -205,7 +204,6 @@ def pause_command(
             )
         except OperatorRuleError as exc:
             fail(str(exc), 1)
-            raise  # unreachable
     if json_out:
         typer.echo(json.dumps(result.as_json()))
         return
@@ -236,7 +234,6 @@ def resume_command(
         cleaned = check_resume_reason(reason, CLI_PAUSE_WORDING)
     except OperatorRuleError as exc:
         fail(str(exc), 2)
-        raise  # unreachable
     settings = for_source(settings_from(config), source)
     with open_store(settings) as store, errors():
         try:
@@ -250,7 +247,6 @@ def resume_command(
             )
         except OperatorRuleError as exc:
             fail(str(exc), 1)
-            raise  # unreachable
     if json_out:
         typer.echo(json.dumps(result.as_json()))
         return

@@ -27,6 +27,7 @@ import os
 import signal
 import threading
 import time
+from abc import ABC, abstractmethod
 from typing import Any
 
 import structlog
@@ -44,8 +45,9 @@ from .submitter import Submitter
 log = structlog.get_logger("outbox_relay.relay")
 
 
-class RelayShell:
-    """The process around the workers; subclasses serve one source or many."""
+class RelayShell(ABC):
+    """The process around the workers; subclasses serve one source or many. ``_serve``
+    is theirs to write; the other hooks below do nothing unless a subclass needs them."""
 
     def __init__(
         self,
@@ -80,21 +82,22 @@ class RelayShell:
         self._signals = 0
 
     # --- what a subclass brings ---------------------------------------------------------
+    @abstractmethod
     def _serve(self) -> None:
         """Start serving (called by start() once the publisher and the metrics server
         run); sets ``_started``. Returning early (stop() was called) is allowed."""
-        raise NotImplementedError
 
-    def _after_start(self) -> None:
+    # Optional hooks: a subclass overrides those it needs; they do nothing here.
+    def _after_start(self) -> None:  # noqa: B027 (optional hook)
         """Called by start() once ``_serve`` returned, outside the start lock."""
 
-    def _wake_workers(self) -> None:
+    def _wake_workers(self) -> None:  # noqa: B027 (optional hook)
         """stop(): wake workers and services waiting for work, so they see the stop."""
 
-    def _stop_services(self) -> None:
+    def _stop_services(self) -> None:  # noqa: B027 (optional hook)
         """Stop the subclass's own threads and services (after the workers ended)."""
 
-    def _close_sources(self) -> None:
+    def _close_sources(self) -> None:  # noqa: B027 (optional hook)
         """Close every source's connection pool (last)."""
 
     def _starting_text(self) -> str:

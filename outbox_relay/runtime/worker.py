@@ -323,7 +323,14 @@ class Worker:
         biggest = max(r.size_bytes for r in rows)
         if sum(r.size_bytes for r in rows) + biggest > self.cfg.max_batch_bytes:
             return True
-        return self.store.due_cursor.fast_claims_in_use()
+        return self._fast_claims_in_use()
+
+    def _fast_claims_in_use(self) -> bool:
+        """Vacuum is held back: the plain claims, or the ordered ones, have turned to
+        fast claims (their full claims are slow)."""
+        return self.store.due_cursor.fast_claims_in_use() or (
+            self.cfg.ordering.enabled and self.store.ordered_cursor.fast_claims_in_use()
+        )
 
     def _idle_wait(self) -> None:
         if self.cfg.listen_notify:
@@ -346,7 +353,7 @@ class Worker:
         thousands after a few minutes of a steady writer); writers notify meanwhile."""
         if not self.cfg.listen_notify or not self.wakeup.relays_marked_idle:
             return
-        if self.store.due_cursor.fast_claims_in_use():
+        if self._fast_claims_in_use():
             return
         try:
             self.wakeup.mark_relays_busy(self.store)

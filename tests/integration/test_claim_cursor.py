@@ -994,3 +994,50 @@ def test_status_in_its_own_process_counts_from_where_the_relays_claims_start_und
     # (one per dead entry's row, from the front) and of the index blocks.
     assert (bounded_heap - heap_pages) * 20 < front_heap - heap_pages, (heap_pages, bounded_heap, front_heap)
     assert bounded_index * 4 < front_index, (bounded_index, front_index)
+
+
+def test_the_claim_finds_its_rows_by_primary_key_when_the_statistics_see_an_empty_table(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """Statistics taken while the outbox was empty (delete mode drains it; an ANALYZE then
+    sees no row), then one writer transaction commits many rows: the claim's generic
+    plan must still look its picked rows up by primary key. With the join to the picked
+    rows alone, the planner (expecting one outbox row) read the whole primary key as the
+    outer side of a nested loop, in the claim's UPDATE and in the reap's, on every claim:
+    with 100 000 such rows each claim ran into its statement timeout for a minute."""
+    from outbox_relay.db.delivery import INDEX_FRONT, PLAIN_CLAIM_SETTINGS
+
+    rows_committed = 20_000
+    insert = (
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT 'order', 'a' || (g %% 50), 'OrderCreated', '{{}}'::jsonb FROM generate_series(1, %s) AS g"
+    )
+    # A drained table: its pages are there (one row left at the end keeps VACUUM from
+    # truncating them), its statistics count one live row in all of them.
+    run_sql(pg_dsn, table, insert, (rows_committed,))
+    run_sql(pg_dsn, table, "DELETE FROM {t} WHERE id < (SELECT max(id) FROM {t})")
+    run_sql(pg_dsn, table, "UPDATE {t} SET status = 'done' WHERE status = 'pending'")
+    run_sql(pg_dsn, table, "VACUUM (ANALYZE) {t}")
+    run_sql(pg_dsn, table, insert, (rows_committed,))  # into the same pages: still "one row" to the planner
+    for full_claim in (True, False):  # the statement from the front, and a fast claim's
+        params: dict[str, Any] = {
+            "owner": "t", "batch": 10, "lease_seconds": 30.0, "max_attempts": 5, "max_batch_bytes": 2**62,
+            "candidates": 10, "max_message_bytes": None, "excluded_types": [], "ordered_types": [],
+            "all_ordered": False, "generic_plan": True, "from_at": INDEX_FRONT, "from_id": 0,
+            "leases_from": INDEX_FRONT, "lease_scan": True, "writers_check": True, "writers_within_seconds": 1.0,
+            "full_claim": full_claim,
+        }  # fmt: skip
+        with psycopg.connect(pg_dsn) as conn:  # one transaction, rolled back: nothing claimed
+            for _ in range(6):  # past the prepared statement's first executions, to its generic plan
+                claimed: list[Any] = []
+                store._plain_claim(conn.cursor(), dict(params), claimed, [], settings=PLAIN_CLAIM_SETTINGS)
+                assert len(claimed) == 10
+                conn.rollback()
+            store._plain_claim(conn.cursor(), dict(params), claimed, [], settings=PLAIN_CLAIM_SETTINGS)
+            fetched = conn.execute(
+                "SELECT idx_tup_fetch FROM pg_stat_xact_user_tables WHERE relid = %s::regclass", (table,)
+            ).fetchone()
+            conn.rollback()
+        assert fetched is not None
+        # 10 rows claimed: a few dozen index fetches, never the 20 000 committed rows
+        assert int(fetched[0]) < 500, (full_claim, fetched)

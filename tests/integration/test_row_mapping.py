@@ -5,8 +5,10 @@ order, the dataclass's fields: reordering a RETURNING list fails here instead of
 silently swapping two fields. The store takes ``Claimed(*record[1:12])`` plus
 ``tombstone``, ``partition``, ``payload_bytes`` from ``record[14:17]`` from the plain claim (column 0 says
 whether the row was reaped, column 12 is the reaped row's owner, 13 a due row's key),
-``Claimed(*row[:-1])`` from the ordered heads (the last column is the round-robin
-cursor) and ``Claimed(*row)`` from the ordered runs."""
+``Claimed(*row[:-2])`` from the ordered heads (the last columns are the round-robin
+cursor and the clock), ``Claimed(*row[1:15])`` from the fast ordered heads (column 0
+tells claimed rows from looks, the last one is a look's finding) and ``Claimed(*row)``
+from the ordered runs."""
 
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ PARAMS = {
     "room": 10,
     "aggregate_ids": ["agg-1"],
     "head_ids": [0],
+    "bounds": [0],
 }
 
 
@@ -59,7 +62,8 @@ def _columns(store, pg_dsn, name: str) -> list[str]:
     ("statement", "taken"),
     [
         ("claim", slice(1, 12)),  # reaped flag first, reaped owner last
-        ("claim_ordered_heads", slice(None, -1)),  # the round-robin cursor last
+        ("claim_ordered_heads", slice(None, -2)),  # the round-robin cursor and the clock last
+        ("claim_ordered_heads_bounded", slice(1, 15)),  # the kind first, a look's finding last
         ("claim_ordered_runs", slice(None)),
     ],
 )

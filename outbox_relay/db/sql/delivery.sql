@@ -25,6 +25,13 @@ SELECT pg_advisory_lock(hashtextextended(%(key)s, 0))
 -- Poison rows: claimed max_attempts times and never finalized (a worker died every
 -- time). They never reach a finalize, so the claim is where they go dead. The CTE
 -- keeps the last owner for the log line (RETURNING shows the row after the update).
+-- Every UPDATE here that joins the rows a CTE picked also says
+-- "o.id = ANY(ARRAY(SELECT id FROM <cte>))": an index condition on the primary key
+-- whichever side of the join the planner puts the outbox on. With statistics that see
+-- an almost empty outbox (delete mode drains it; an ANALYZE then counts a row or two
+-- in all its pages) the join alone became a nested loop whose outer side read the whole
+-- primary key: after one writer transaction committed 100 000 rows, every claim ran
+-- into its statement timeout until autovacuum analyzed the table again.
 WITH victims AS (
     SELECT id, lease_owner FROM {table}
     WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
@@ -36,8 +43,6 @@ SET status = 'dead',
     lease_owner = NULL,
     lease_until = NULL
 FROM victims
--- = ANY(ARRAY(...)) too: the rows are looked up by primary key whatever the statistics
--- say (see "claimed" in "claim").
 WHERE o.id = victims.id AND o.id = ANY(ARRAY(SELECT id FROM victims))
 RETURNING o.id, o.lease_version, victims.lease_owner
 
@@ -91,8 +96,6 @@ WITH victims AS (
         lease_owner = NULL,
         lease_until = NULL
     FROM victims
-    -- = ANY(ARRAY(...)) too: the rows are looked up by primary key whatever the
-    -- statistics say (see "claimed").
     WHERE o.id = victims.id AND o.id = ANY(ARRAY(SELECT id FROM victims))
     RETURNING o.id, o.lease_version, victims.lease_owner
 ), writers AS MATERIALIZED (
@@ -174,10 +177,8 @@ WITH victims AS (
     FROM picked
     -- created_at too: on a partitioned outbox (partitioned by it) each picked row is
     -- then looked up in its own partition only, not in every partition's primary key.
-    -- = ANY(ARRAY(...)) too, and "picked" materialized: with statistics from an ANALYZE
-    -- while vacuum is held back (a few live rows among many dead versions) the planner
-    -- otherwise read the whole primary key index (every dead version) on the outer side
-    -- of a nested loop and sorted the batch again for each row: 3-8 s per claim.
+    -- "picked" materialized: in a nested loop whose outer side is the outbox it would
+    -- otherwise be sized (and sorted) again for every row.
     WHERE o.id = picked.id AND o.created_at = picked.row_created_at AND o.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
@@ -371,7 +372,7 @@ SET status = 'processing',
     lease_version = o.lease_version + 1,
     attempts = o.attempts + 1
 FROM picked
-WHERE o.id = picked.id
+WHERE o.id = picked.id AND o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
           o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
@@ -379,8 +380,10 @@ RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o
 )
 -- last_aggregate: where the next claim's round-robin starts. Computed here because
 -- "after" must follow the column's collation (the skip scan's order), which for
--- en_US or ICU collations is not Python's code-point order.
-SELECT claimed.*, max(claimed.aggregate_id) OVER () AS last_aggregate FROM claimed
+-- en_US or ICU collations is not Python's code-point order. database_now: the
+-- statement's clock, where the fast ordered claims' discovery starts once they are in
+-- use (ordered_bounds.py).
+SELECT claimed.*, max(claimed.aggregate_id) OVER () AS last_aggregate, now() AS database_now FROM claimed
 
 -- name: claim_ordered_runs
 -- Behind each head just claimed (and still held by this transaction), take the
@@ -440,11 +443,147 @@ SET status = 'processing',
     lease_version = o.lease_version + 1,
     attempts = o.attempts + 1
 FROM picked
-WHERE o.id = picked.id
+WHERE o.id = picked.id AND o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
           o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
           CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload_bytes END AS payload_bytes
+
+-- name: claim_ordered_discover
+-- The fast ordered claim's first statement (ordered_bounds.py): which aggregates got a
+-- due pending row of an ordered type since the last claims looked. It reads the due
+-- index from {due_bound} ("claim_due_bound": the ordered claims' own cursor, with the
+-- look for open writers {writers_look}, as in "claim"), at most %(scan_rows)s rows, and
+-- returns their distinct aggregates. Rows waiting behind an aggregate's head are not
+-- read again: their aggregate is in the visited set already. With %(reap)s (an
+-- all-ordered relay: no plain claim reaps) and {lease_scan}, poison rows are reaped
+-- from {leases_bound} as in "claim". Then one report row (kind 'report'): the last key
+-- read when the scan was cut by its LIMIT, else the statement's clock (every due row up
+-- to it was read), how long the statement ran in the server, the look's findings and
+-- the clock.
+WITH victims AS (
+    SELECT id, lease_owner FROM {table}
+    WHERE status = 'processing' AND lease_until < now() AND attempts >= %(max_attempts)s
+      AND {leases_bound}
+      AND {lease_scan} AND %(reap)s::boolean
+    FOR UPDATE SKIP LOCKED
+), reaped AS (
+    UPDATE {table} AS o
+    SET status = 'dead',
+        last_error = 'lease expired after ' || o.attempts || ' attempts without an outcome (worker crash or hang?)',
+        lease_owner = NULL,
+        lease_until = NULL
+    FROM victims
+    WHERE o.id = victims.id AND o.id = ANY(ARRAY(SELECT id FROM victims))
+    RETURNING o.id, o.lease_version, victims.lease_owner
+), writers AS MATERIALIZED (
+    {writers_look}
+), due AS MATERIALIZED (
+    SELECT aggregate_id, available_at, id
+    FROM {table}
+    WHERE status = 'pending' AND available_at <= now()
+      AND {due_bound}
+      AND (%(all_ordered)s OR event_type = ANY(%(ordered_types)s))
+    ORDER BY available_at, id
+    LIMIT %(scan_rows)s
+), reach AS (
+    SELECT CASE WHEN (SELECT count(*) FROM due) >= %(scan_rows)s THEN l.available_at ELSE now() END AS at,
+           CASE WHEN (SELECT count(*) FROM due) >= %(scan_rows)s THEN l.id ELSE 0 END AS id
+    FROM (SELECT 1) AS one
+    LEFT JOIN (SELECT available_at, id FROM due ORDER BY available_at DESC, id DESC LIMIT 1) AS l ON true
+)
+SELECT 'due' AS kind, d.aggregate_id, NULL::bigint AS id, NULL::bigint AS lease_version, NULL::text AS owner,
+       NULL::timestamptz AS at, NULL::text AS long_writers, NULL::text AS looked_at_us, NULL::timestamptz AS since,
+       NULL::timestamptz AS database_now
+FROM (SELECT DISTINCT aggregate_id FROM due) AS d
+UNION ALL
+SELECT 'reaped', NULL, reaped.id, reaped.lease_version, reaped.lease_owner, NULL, NULL, NULL, NULL, NULL
+FROM reaped
+UNION ALL
+SELECT 'report', NULL, (SELECT id FROM reach),
+       (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::bigint, NULL,
+       (SELECT at FROM reach), (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers),
+       (SELECT since FROM writers), now()
+
+-- name: claim_ordered_heads_bounded
+-- The fast ordered claim's heads (ordered_bounds.py explains the rule): for each
+-- aggregate of %(aggregate_ids)s, its first pending or processing row of an ordered
+-- type at or above its proven bound %(bounds)s (every ordered row of it below the
+-- bound is finished), read from {idx_aggregate_active} at that key instead of from the
+-- aggregate's front, and whether an ordered dead row lies below that row (a probe of
+-- {idx_aggregate_dead}, which holds only rows that went dead, as in
+-- "claim_ordered_heads"). A row found so is its aggregate's head; it is claimed under
+-- the same conditions as in "claim_ordered_heads" (due, or an expired lease with
+-- attempts left; not paused; no dead row before it), at most %(batch)s of them, in
+-- the order of the arrays, within the byte budget. The claimed rows come first (kind
+-- = 'claimed', the Claimed columns), then one row per aggregate looked at (kind =
+-- 'looked': the aggregate, its first unfinished row, whether a dead row blocks it),
+-- from which the process moves the bounds.
+WITH paused AS MATERIALIZED (
+    -- operator pauses (pauses.sql)
+    {paused_selectors}
+), looked AS MATERIALIZED (
+    SELECT v.aggregate_id, v.ord, h.id, h.status, h.available_at, h.lease_until, h.attempts,
+           h.event_type, h.aggregate_type, h.topic,
+           h.id IS NOT NULL AND EXISTS (
+               SELECT 1 FROM {table} AS d
+               WHERE d.aggregate_id = v.aggregate_id AND d.status = 'dead' AND d.id < h.id
+                 AND (%(all_ordered)s OR d.event_type = ANY(%(ordered_types)s))) AS blocked
+    FROM unnest(%(aggregate_ids)s::text[], %(bounds)s::bigint[]) WITH ORDINALITY AS v(aggregate_id, bound, ord)
+    LEFT JOIN LATERAL (
+        SELECT f.id, f.status, f.available_at, f.lease_until, f.attempts, f.event_type, f.aggregate_type, f.topic
+        FROM {table} AS f
+        WHERE f.aggregate_id = v.aggregate_id AND f.id >= v.bound
+          AND f.status IN ('pending', 'processing')
+          AND (%(all_ordered)s OR f.event_type = ANY(%(ordered_types)s))
+        ORDER BY f.id
+        LIMIT 1
+    ) AS h ON true
+), heads AS (
+    SELECT l.id FROM looked AS l
+    WHERE l.id IS NOT NULL AND NOT l.blocked
+      AND ((l.status = 'pending' AND l.available_at <= now())
+        OR (l.status = 'processing' AND l.lease_until < now() AND l.attempts < %(max_attempts)s))
+      AND NOT (l.event_type = ANY((SELECT event_types FROM paused)::text[])
+               OR l.aggregate_type = ANY((SELECT aggregate_types FROM paused)::text[])
+               OR coalesce(l.topic = ANY((SELECT topics FROM paused)::text[]), false))
+    ORDER BY l.ord
+    LIMIT %(batch)s
+), candidates AS (
+    -- by primary key, the conditions checked again on the row locked (as in "claim_ordered_heads")
+    SELECT o.id, octet_length(o.payload::text) + coalesce(octet_length(o.headers::text), 0)
+                  + coalesce(octet_length(o.payload_bytes), 0) AS row_bytes
+    FROM {table} AS o
+    WHERE o.id = ANY(ARRAY(SELECT id FROM heads))
+      AND ((o.status = 'pending' AND o.available_at <= now())
+        OR (o.status = 'processing' AND o.lease_until < now() AND o.attempts < %(max_attempts)s))
+    FOR UPDATE OF o SKIP LOCKED
+), picked AS (
+    SELECT id, row_bytes FROM (
+        SELECT id, row_bytes, row_number() OVER w AS n, sum(row_bytes) OVER w AS bytes_through
+        FROM candidates WINDOW w AS (ORDER BY id)
+    ) AS sized
+    WHERE (%(first_always)s AND n = 1) OR bytes_through <= %(max_batch_bytes)s
+), claimed AS (
+    UPDATE {table} AS o
+    SET status = 'processing',
+        lease_owner = %(owner)s,
+        lease_until = now() + make_interval(secs => %(lease_seconds)s),
+        lease_version = o.lease_version + 1,
+        attempts = o.attempts + 1
+    FROM picked
+    WHERE o.id = picked.id AND o.id = ANY(ARRAY(SELECT id FROM picked))
+    RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
+              CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload::text END AS payload,
+              o.topic, o.headers::text AS headers, o.created_at, picked.row_bytes, o.tombstone, o.partition,
+              CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL ELSE o.payload_bytes END AS payload_bytes
+)
+SELECT 'claimed' AS kind, claimed.*, NULL::boolean AS blocked
+FROM claimed
+UNION ALL
+SELECT 'looked', looked.id, NULL, NULL, NULL, looked.aggregate_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, looked.blocked
+FROM looked
 
 -- name: finalize
 -- Every outcome of a batch in ONE fenced statement (one round trip): the decisions

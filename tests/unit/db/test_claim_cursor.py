@@ -446,6 +446,58 @@ def test_the_long_writers_the_claim_reports_are_read_to_the_microsecond() -> Non
     assert parse_long_writers("") == frozenset()
 
 
+def test_a_full_claim_takes_over_a_pending_catch_up_while_every_claim_is_full() -> None:
+    """While full claims are cheap every claim reads from the front: no catch-up after
+    one (nor a second claim for it)."""
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=0.1, clock=clock)  # fast_above_seconds 0.1: these claims are cheap
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(100, 1000))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    assert cursor.catch_up_pending()
+    full = cursor.begin()
+    assert full.full and full.catch_up_from == key(40, 0)[0]
+    assert not cursor.catch_up_pending()
+    cursor.failed(full, 0.01)  # lost quickly: the next claim (full again) covers it
+    assert cursor.catch_up_pending()
+    again = cursor.begin()
+    assert again.full and again.catch_up_from == key(40, 0)[0]
+    cursor.end(again, [ClaimOutcome(lowest=key(40, 5000))], 0.001)
+    assert not cursor.catch_up_pending() and cursor.catch_up_claims == 0
+
+
+def test_a_slow_full_claim_leaves_a_pending_catch_up_to_the_next_fast_claim() -> None:
+    """While full claims are slow, one due when a long writer ends would reach its rows
+    only after walking the dead entries from the front (or never, if it runs out of its
+    statement timeout): the catch-up stays, and the next fast claim starts at the
+    writer's start while the full claim runs. (A cursor without the sweep, as the
+    ordered claims' is: with it the full claim is a sweep step, see below.)"""
+    clock = Clock()
+    cursor = DueCursor(
+        lag_seconds=0.1,
+        rescan_min_seconds=1.0,
+        rescan_max_seconds=1.0,
+        fast_above_seconds=0.0,
+        sweep=False,
+        clock=clock,
+    )
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(100, 1000))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    assert cursor.catch_up_pending()
+    clock.now += 2  # a full claim is due
+    full = cursor.begin()
+    assert full.full and full.catch_up_from is None
+    assert cursor.catch_up_pending()
+    catch_up = cursor.begin()  # another worker, while the full claim runs
+    assert not catch_up.full and catch_up.start == key(40, 0) and catch_up.catch_up_from == key(40, 0)[0]
+    assert cursor.catch_up_claims == 1 and not cursor.catch_up_pending()
+    cursor.end(catch_up, [ClaimOutcome(lowest=key(40, 5000))], 0.001)
+    cursor.failed(full, 10.0)  # the full claim ran out of its statement timeout: nothing lost
+    assert not cursor.catch_up_pending()
+    assert cursor.begin().start == key(40, 5000)
+
+
 def test_a_sweep_step_leaves_a_pending_catch_up_to_the_next_fast_claim() -> None:
     """A sweep step reads one range below the fast start only: the catch-up from the
     ended writer's start is still the next fast claim."""
