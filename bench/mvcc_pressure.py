@@ -79,6 +79,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--baseline-seconds", type=float, default=60.0, help="writer + relay before the holder opens")
     p.add_argument("--recovery-seconds", type=float, default=60.0, help="after the holder is released")
     p.add_argument("--sample-seconds", type=float, default=10.0)
+    p.add_argument(
+        "--status-every-seconds",
+        type=float,
+        default=60.0,
+        help="while the holder is open, time `outbox-relay status --json` (a new process) this often; 0: never",
+    )
     p.add_argument("--on-done", default="keep,delete", help="comma-separated modes to run")
     p.add_argument("--holders", default="snapshot", help="comma-separated: snapshot, prepared, none")
     p.add_argument("--workers", type=int, default=4)
@@ -381,6 +387,16 @@ class Holder:
 
 
 # --- sampling ----------------------------------------------------------------------------
+KINDS = (
+    "claim",
+    "claim_full",
+    "claim_sweep",
+    "claim_fast",
+    "finalize",
+    "ordered_full",
+    "ordered_discover",
+    "ordered_bounded",
+)
 # A fast claim (claim_cursor.py) bounds its processing-index scan by a parameter
 # ("lease_until >= $n::timestamptz"); a full claim has no such bound. Relays from before
 # the bounds became index conditions wrote "($a::timestamptz IS NULL OR lease_until >=
@@ -388,6 +404,11 @@ class Holder:
 # fast/full split has one statement only: all its claims count as "full" here.
 FAST_CLAIM = re.compile(r"(?<!OR )lease_until >= \$\d+::timestamptz")
 FAST_CLAIM_BEFORE = re.compile(r"\((\$\d+)::timestamptz IS NULL OR lease_until >= (\$\d+)::timestamptz\)")
+
+
+# A sweep step (the full claim while fast claims are in use, claim_cursor.py Sweep)
+# bounds its processing-index scan from above too: counted apart, as "claim_sweep".
+SWEEP_CLAIM = re.compile(r"lease_until >= \$\d+::timestamptz AND lease_until < \$\d+::timestamptz")
 
 
 def is_fast_claim(text: str) -> bool:
@@ -406,26 +427,20 @@ ORDERED_BOUNDED_MARK = "WITH ORDINALITY AS v(aggregate_id, bound, ord)"
 
 
 def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, float]]:
-    """(calls, total ms) of the claim (all, full, fast), the ordered claim's (full, and a
-    fast one's discovery and heads) and finalize statements since the last reset; under
-    "<name>_rows", (rows claimed, the same total ms): a plain claim statement returns its
-    claimed and reaped rows and one report row."""
-    names_all = (
-        "claim",
-        "claim_full",
-        "claim_fast",
-        "finalize",
-        "ordered_full",
-        "ordered_discover",
-        "ordered_bounded",
-    )
+    """(calls, total ms) of the claim (all, full, sweep steps, fast), the ordered claim's
+    (full, and a fast one's discovery and heads) and finalize statements since the last
+    reset; under "<name>_rows", (rows claimed, the same total ms): a plain claim statement
+    returns its claimed and reaped rows and one report row; under "<name>_max", (1, the
+    longest call in ms since the last reset)."""
+    names_all = KINDS
     out = dict.fromkeys(names_all, (0, 0.0)) | {f"{name}_rows": (0, 0.0) for name in names_all}
+    out |= {f"{name}_max": (0, 0.0) for name in names_all}
     rows = conn.execute(
-        "SELECT query, calls, total_exec_time, rows FROM pg_stat_statements "
+        "SELECT query, calls, total_exec_time, rows, max_exec_time FROM pg_stat_statements "
         "WHERE query LIKE %s OR query LIKE %s OR query LIKE %s OR query LIKE %s",
         (CLAIM_PREFIX + "%", FINALIZE_PREFIX + "%", ORDERED_FULL_PREFIX + "%", "%" + ORDERED_BOUNDED_MARK + "%"),
     ).fetchall()
-    for text, calls, total, returned in rows:
+    for text, calls, total, returned, longest in rows:
         claimed = int(returned)  # the ordered statements return their claimed rows only
         if text.startswith(FINALIZE_PREFIX):
             names = ["finalize"]
@@ -436,11 +451,13 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[str, tuple[int, floa
         elif ORDERED_BOUNDED_MARK in text:
             names = ["ordered_bounded"]
         else:
-            names = ["claim", "claim_fast" if is_fast_claim(text) else "claim_full"]
+            kind = "claim_sweep" if SWEEP_CLAIM.search(text) else "claim_fast" if is_fast_claim(text) else "claim_full"
+            names = ["claim", kind]
             claimed = int(returned) - int(calls)
         for name in names:
             out[name] = (out[name][0] + int(calls), out[name][1] + float(total))
             out[f"{name}_rows"] = (out[f"{name}_rows"][0] + claimed, out[f"{name}_rows"][1] + float(total))
+            out[f"{name}_max"] = (1, max(out[f"{name}_max"][1], float(longest or 0.0)))
     return out
 
 
@@ -493,9 +510,13 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
     samples: list[dict[str, Any]] = []
     named_after: float | None = None
     gauge_after: float | None = None
+    cli_start_s: float | None = None
     try:
         relay.wait_started()
         port = relay.metrics_port()
+        asked = time.monotonic()
+        relay_cli(env, "--version")  # what a new CLI process costs before any query (part of status_s)
+        cli_start_s = round(time.monotonic() - asked, 2)
         mon = psycopg.connect(dsn, autocommit=True, application_name="bench-monitor")
         mon.execute("SELECT pg_stat_statements_reset()")
         writer.start()
@@ -506,8 +527,18 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         held = released = False
         last_totals = statement_totals(mon)
         next_sample = t0 + args.sample_seconds
+        next_status = hold_at + args.status_every_seconds
+        status_s: float | None = None  # the last `status --json` (a new process) in the sample's window
+        counted_from: Any = None
         while time.monotonic() < end_at:
             now = time.monotonic()
+            if held and not released and args.status_every_seconds > 0 and now >= next_status:
+                asked = time.monotonic()
+                doc = json.loads(relay_cli(env, "status", "--json"))
+                status_s = round(time.monotonic() - asked, 2)
+                counted_from = doc.get("counted_from", "n/a")
+                next_status = time.monotonic() + args.status_every_seconds
+                continue
             if not held and now >= hold_at:
                 holder.open()
                 held = True
@@ -546,6 +577,14 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 "full_claim_ms": (
                     round(window["claim_full"][1] / window["claim_full"][0], 2) if window["claim_full"][0] else None
                 ),
+                # The full claim as a sweep of bounded steps (fast claims in use): steps
+                # in the window, their mean, and the longest step so far.
+                "sweep_steps": window["claim_sweep"][0],
+                "sweep_step_ms": (
+                    round(window["claim_sweep"][1] / window["claim_sweep"][0], 2) if window["claim_sweep"][0] else None
+                ),
+                "sweep_step_max_ms": round(totals["claim_sweep_max"][1], 1),
+                "full_claim_max_ms": round(totals["claim_full_max"][1], 1),
                 "fast_claim_ms": (
                     round(window["claim_fast"][1] / window["claim_fast"][0], 2) if window["claim_fast"][0] else None
                 ),
@@ -554,8 +593,13 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
                 ),
                 **(ordered_figures(window) if args.ordered else {}),
                 "xmin_gauge_s": metrics.get("outbox_relay_xmin_horizon_age_seconds"),
+                # `outbox-relay status --json` in its own process (every --status-every-seconds
+                # while held): seconds, and whether it counted from the relays' published start
+                "status_s": status_s,
+                "status_bounded": None if status_s is None else counted_from not in (None, "n/a"),
                 **table_figures(mon, table),
             }
+            status_s = None
             samples.append(sample)
             c.say("  " + " ".join(f"{k}={v}" for k, v in sample.items()))
         writer.stop_event.set()
@@ -569,7 +613,9 @@ def run_one(args: argparse.Namespace, dsn: str, bootstrap: str, on_done: str, ho
         code = relay.stop()
         warnings = relay.warnings(limit=20)
         relay.cleanup()
-    return summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
+    result = summarize(args, on_done, holder_kind, samples, named_after, gauge_after, writer, code, warnings)
+    result["cli_start_s"] = cli_start_s
+    return result
 
 
 def ordered_figures(window: dict[str, tuple[int, float]]) -> dict[str, Any]:
@@ -713,6 +759,7 @@ def run_batch_jobs(
                 "commit_to_delivered_s": round(seconds, 2) if seconds is not None else None,
                 "left_at_timeout": left if seconds is None else 0,
                 "full_claims": after["claim_full"][0] - before["claim_full"][0],
+                "sweep_steps": after["claim_sweep"][0] - before["claim_sweep"][0],
                 "fast_claims": after["claim_fast"][0] - before["claim_fast"][0],
                 "claim_ms_mean": mean_claim_ms(before, after),
                 "fast_claim_ms_mean": mean_claim_ms(before, after, "claim_fast"),
@@ -849,6 +896,14 @@ def summarize(
         "index_mb_end_of_run": released[-1]["index_mb"] if released else None,
         "dead_tuples_end_of_run": released[-1]["dead_tuples"] if released else None,
         "status_named_holder_after_s": named_after,
+        # `status --json` while held: the longest and the last (seconds, a new process each)
+        "status_s_max_held": max((s["status_s"] for s in held if s.get("status_s") is not None), default=None),
+        "status_s_last_held": next((s["status_s"] for s in reversed(held) if s.get("status_s") is not None), None),
+        # full claims while held: from the front (count, longest ms) and as sweep steps
+        "full_claims_held": sum(s["full_claims"] for s in held),
+        "full_claim_max_ms": final.get("full_claim_max_ms"),
+        "sweep_steps_held": sum(s.get("sweep_steps", 0) for s in held),
+        "sweep_step_max_ms": final.get("sweep_step_max_ms"),
         "gauge_at_least_1s_after_s": gauge_after,
         "relay_exit": code,
         "relay_warnings": warnings,
@@ -927,6 +982,12 @@ def main() -> int:
                 f"held {r['delivered_per_s_held']} (ratio {r['delivered_ratio']}), "
                 f"lag max {r['lag_max_s']} s, last minute held {r['lag_last_minute_max_s']} s"
             )
+        lines.append(
+            f"{'':<8}full claims while held: {r['full_claims_held']} from the front (longest since start "
+            f"{r['full_claim_max_ms']} ms), {r['sweep_steps_held']} sweep steps (longest {r['sweep_step_max_ms']} ms); "
+            f"status --json took up to {r['status_s_max_held']} s (last {r['status_s_last_held']} s; "
+            f"a new CLI process alone: {r.get('cli_start_s')} s)"
+        )
         lines.append(
             f"{'':<8}after the release: dead tuples removed after {r['dead_tuples_removed_after_release_s']} s, "
             f"lag < 1 s after {r['lag_under_1s_after_release_s']} s; end of run: heap {r['heap_mb_end_of_run']} MB, "

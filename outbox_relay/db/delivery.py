@@ -5,14 +5,21 @@ still being published."""
 from __future__ import annotations
 
 import datetime as dt
+import json
+import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from psycopg import errors as pg_errors
+from psycopg import pq
+
 from ..core.ordering import OrderingRule
+from ..errors import DatabaseUnavailable
 from ..model import Claimed, FinalizeItem
-from .claim_cursor import ClaimOutcome, ClaimPlan, LongWriter, WritersLook
+from .claim_cursor import BOUNDS_STALE_SECONDS, ClaimOutcome, ClaimPlan, GaugeBounds, LongWriter, WritersLook
 from .pooler import execute_with_settings
 from .store_core import StoreCore
 
@@ -159,6 +166,10 @@ GENERIC_FINALIZE_MAX_ROWS = 64
 SMALL_FINALIZE_SETTINGS = dict(FINALIZE_SETTINGS, plan_cache_mode="force_generic_plan")
 
 
+# This process among the relays of a table (publish_gauge_bounds: one entry each).
+PROCESS_KEY = f"{socket.gethostname()}:{os.getpid()}"
+
+
 class DeliveryOps(StoreCore):
     # --- claim -----------------------------------------------------------------------
     def claim(
@@ -198,19 +209,45 @@ class DeliveryOps(StoreCore):
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (never publish what may not be ours).
-        result = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        result, sweep = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
         # An empty claim whose look saw a long writer transaction end: its rows are
         # committed below where fast claims start, and the catch-up claim that takes
         # them is the next claim. Sent at once rather than after the worker's idle wait.
+        # So is the worker's own claim after a sweep step that found nothing (a step
+        # reads only its range, below the rows waiting above the fast start).
         if not result.rows and (
-            self.due_cursor.catch_up_pending() or (ordering.enabled and self.ordered_cursor.catch_up_pending())
+            sweep or self.due_cursor.catch_up_pending() or (ordering.enabled and self.ordered_cursor.catch_up_pending())
         ):
-            result = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+            result, _ = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        publish, bounds = self.due_cursor.bounds_to_publish()
+        if publish and not self._gauge_bounds_unsupported:
+            self._publish_gauge_bounds(bounds)
         return result
+
+    def _publish_gauge_bounds(self, bounds: GaugeBounds | None) -> None:
+        """Where this process's fast claims start, for `status` in another process
+        (delivery.sql publish_gauge_bounds); None withdraws it. Best effort: the claim's
+        rows are this worker's whatever happens here; a table migrated before the column
+        existed stops the publications of this store."""
+        doc = None
+        if bounds is not None:
+            due_at, due_id = bounds.due_from
+            leases = bounds.leases_from.isoformat() if bounds.leases_from is not None else None
+            doc = json.dumps({"due_at": due_at.isoformat(), "due_id": due_id, "leases_from": leases})
+        params = {"process": PROCESS_KEY, "bounds": doc, "stale_seconds": BOUNDS_STALE_SECONDS}
+        try:
+            with self._pool.connection() as conn:
+                conn.execute(self.sql.query("publish_gauge_bounds"), params)
+            self.statement_counts.add("gauge_bounds")
+        except pg_errors.UndefinedColumn:
+            self._gauge_bounds_unsupported = True
+        except Exception:  # the database unreachable, a timeout: the next publication tries again
+            self.gauge_bounds_publish_failures += 1
 
     def _claim_once(
         self, ordering: OrderingRule, params: dict[str, Any], *, run_length: int, ordered_after: str | None
-    ) -> ClaimResult:
+    ) -> tuple[ClaimResult, bool]:
+        """One claim; and whether it was a sweep step."""
         rows: list[Claimed] = []
         plan = self.due_cursor.begin()
         outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
@@ -219,12 +256,22 @@ class DeliveryOps(StoreCore):
             result = self._claim(
                 ordering, params, rows, plan, outcomes, run_length=run_length, ordered_after=ordered_after
             )
+        except DatabaseUnavailable as exc:
+            elapsed = time.monotonic() - started
+            if plan.sweep and isinstance(exc.__cause__, pg_errors.QueryCanceled):
+                # A sweep step ran out of its own statement timeout (its range far denser
+                # than the last): nothing was claimed; narrower next time, and this
+                # worker claims again at once from the fast start.
+                self.due_cursor.failed(plan, elapsed, timed_out=True)
+                return ClaimResult(rows=[], reaped=[]), True
+            self.due_cursor.failed(plan, elapsed)
+            raise
         except BaseException:
             self.due_cursor.failed(plan, time.monotonic() - started)
             raise
         self.due_cursor.end(plan, outcomes, time.monotonic() - started, claimed_rows=len(result.rows))
         self.statement_counts.add("claim" if result.rows or result.reaped else "claim_empty")
-        return result
+        return result, plan.sweep
 
     def _claim(
         self,
@@ -247,7 +294,16 @@ class DeliveryOps(StoreCore):
             writers_check=plan.writers_check,
             writers_within_seconds=float(plan.writers_within_seconds),
             full_claim=plan.full,
+            sweep_claim=plan.sweep,
+            sweep_timeout_ms=plan.statement_timeout_ms,
         )
+        if plan.sweep:  # its range's upper ends (exclusive): see claim_cursor.Sweep
+            assert plan.until is not None
+            params.update(
+                to_at=plan.until[0],
+                to_id=plan.until[1],
+                leases_to=plan.leases_until if plan.leases_until is not None else INDEX_FRONT,
+            )
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
@@ -482,7 +538,16 @@ class DeliveryOps(StoreCore):
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         full = params.pop("full_claim", True)
+        sweep = params.pop("sweep_claim", False)
+        sweep_timeout_ms = params.pop("sweep_timeout_ms", None)
         statement = self._full_claim_statement if full else self._claim_statement
+        if sweep:
+            statement = self._sweep_claim_statement
+            if sweep_timeout_ms is not None and cur.connection.info.transaction_status == pq.TransactionStatus.IDLE:
+                # Its own statement timeout, for this statement only (in an ordered
+                # claim's transaction it would outlast it: the step goes without).
+                settings = dict(settings, statement_timeout=str(sweep_timeout_ms))
+        claimed_before = len(rows)
         # A generic plan is worth keeping from the first call: an idle relay's claims,
         # seconds apart, may each land on a connection that has not run it 5 times.
         prepare = True if settings is PLAIN_CLAIM_SETTINGS and not self.transaction_pooler else None
@@ -516,6 +581,7 @@ class DeliveryOps(StoreCore):
                 leases_exhausted=bool(params.get("lease_scan", True)) and expired_seen < int(params["candidates"]),
                 server_seconds=server_seconds,
                 writers_look=writers_look,
+                claimed=len(rows) - claimed_before,
             )
         )
         return reaped

@@ -159,6 +159,12 @@ def _add_payload_bytes(run: MigrationRun) -> None:
     run.conn.execute(run.sql.query("add_payload_bytes"))
 
 
+def _add_gauge_bounds(run: MigrationRun) -> None:
+    """``gauge_bounds``: where the relays' fast claims start while vacuum is held back,
+    so that ``status`` in its own process starts its counts there too."""
+    run.conn.execute(run.sql.query("add_gauge_bounds"))
+
+
 STEPS: tuple[Step, ...] = (
     Step(1, "create_table", _create_table),
     Step(2, "add_dedup_key", _add_dedup_key),
@@ -170,6 +176,7 @@ STEPS: tuple[Step, ...] = (
     Step(8, "add_audit_replay", _add_audit_replay),
     Step(9, "create_pauses", _create_pauses),
     Step(10, "add_payload_bytes", _add_payload_bytes),
+    Step(11, "add_gauge_bounds", _add_gauge_bounds),
 )
 #: The last step of the layouts made before steps were recorded (see the module docstring).
 BASELINE = 5
@@ -396,6 +403,7 @@ def fresh_install_sql(
     # Step 9: the operator pauses table (its audit check is above); step 10: payload_bytes.
     out += [_render(statement) for statement in table_sql.statements("create_pauses")]
     out.append(_render(table_sql.query("add_payload_bytes")))
+    out.append(_render(table_sql.query("add_gauge_bounds")))  # step 11
     out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
     # Every-run steps on a new table: the autovacuum parameters and their record, the
     # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).

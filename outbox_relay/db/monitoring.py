@@ -4,6 +4,7 @@ a time budget, what holds back vacuum, vacuum figures, rows published per bucket
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from psycopg import sql
 
 from ..core.ordering import OrderingRule
 from ..errors import DatabaseUnavailable
-from .claim_cursor import GaugeBounds
+from .claim_cursor import BOUNDS_STALE_SECONDS, GaugeBounds
 from .store_core import Count, StoreCore
 from .vacuum_health import VacuumFigures, XminHorizon, holders_from_rows
 
@@ -68,12 +69,14 @@ class MonitoringOps(StoreCore):
         include_depth: bool = True,
         count_cap: int = 100_000,
         blocked_limit: int = 100,
+        published: GaugeBounds | None = None,
     ) -> Stats:
         """The monitoring reads (depth per status, oldest pending age, blocked aggregates), one read-only snapshot.
 
         While this store's claims start past dead index entries (vacuum held back), the
         pending and processing figures start there too, so their cost does not grow
-        with the age of the horizon (``Stats.bounded``)."""
+        with the age of the horizon (``Stats.bounded``). ``published``: the relays' starts
+        (published_gauge_bounds), for a process that does not claim itself."""
         with self._mapped("stats"), self._pool.connection() as conn, conn.transaction():
             if timeout_ms:
                 conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
@@ -83,7 +86,27 @@ class MonitoringOps(StoreCore):
                 include_depth=include_depth,
                 count_cap=count_cap,
                 blocked_limit=blocked_limit,
+                published=published,
             )
+
+    def published_gauge_bounds(self, *, fresh_seconds: float = BOUNDS_STALE_SECONDS) -> GaugeBounds | None:
+        """Where the relays' fast claims start, as they published it while vacuum is held
+        back (delivery.sql publish_gauge_bounds): the lowest of the entries published in
+        the last ``fresh_seconds``; None when there is none (no relay under pressure:
+        counts read from the front, exactly)."""
+        with self._mapped("published gauge bounds"), self._pool.connection() as conn:
+            rows = conn.execute(self.sql.query("published_gauge_bounds"), {"fresh_seconds": fresh_seconds}).fetchall()
+        bounds: GaugeBounds | None = None
+        for due_at, due_id, leases_from, _process in rows:
+            due_from = (dt.datetime.fromisoformat(due_at), int(due_id))
+            leases = dt.datetime.fromisoformat(leases_from) if leases_from is not None else None
+            if bounds is None:
+                bounds = GaugeBounds(due_from=due_from, leases_from=leases)
+                continue
+            # The lowest of them (a process that reads its processing index from the front: the front).
+            lowest_leases = None if leases is None or bounds.leases_from is None else min(leases, bounds.leases_from)
+            bounds = GaugeBounds(due_from=min(due_from, bounds.due_from), leases_from=lowest_leases)
+        return bounds
 
     def _stats_on(
         self,
@@ -93,9 +116,10 @@ class MonitoringOps(StoreCore):
         include_depth: bool,
         count_cap: int,
         blocked_limit: int,
+        published: GaugeBounds | None = None,
     ) -> Stats:
         ordering = OrderingRule.of(ordered_types)
-        bounds = self.due_cursor.gauge_bounds()
+        bounds = published or self.due_cursor.gauge_bounds()
         bound = bound_params(bounds)
         # These walk the front of the claim's partial indexes up to count_cap, like the
         # claim: without statistics a bitmap scan read the whole backlog instead
@@ -236,14 +260,19 @@ class MonitoringOps(StoreCore):
         )
 
     def exact_depth(
-        self, *, budget_ms: int, statuses: Sequence[str] = STATUSES, first_upto: int = 100_000
+        self,
+        *,
+        budget_ms: int,
+        statuses: Sequence[str] = STATUSES,
+        first_upto: int = 100_000,
+        published: GaugeBounds | None = None,
     ) -> dict[str, Count]:
         """Rows per status, counted exactly from each status's partial index while the
         shared budget lasts; a status whose count runs out is a lower bound. Counted
         in the order dead, pending, processing, done (done has no index and is usually
         the largest: it gets what is left of the budget). Pending and processing start
-        where this store's fast claims start while it uses them (see ``stats``)."""
-        bound = bound_params(self.due_cursor.gauge_bounds())
+        where this store's fast claims start while it uses them, or at ``published`` (see ``stats``)."""
+        bound = bound_params(published or self.due_cursor.gauge_bounds())
         order = [s for s in ("dead", "pending", "processing", "done") if s in statuses]
         deadline = time.monotonic() + budget_ms / 1000.0
         out: dict[str, Count] = {}

@@ -137,7 +137,7 @@ def execute_with_settings(
     settings = dict(settings)
     bounds_transaction = False
     if isinstance(conn, PoolerConnection) and conn._needs_bound():
-        settings["statement_timeout"] = str(conn.statement_timeout_ms)
+        settings.setdefault("statement_timeout", str(conn.statement_timeout_ms))  # a caller's own wins
         bounds_transaction = conn.info.transaction_status == pq.TransactionStatus.INTRANS
     _state.in_bounded_pipeline = True
     try:

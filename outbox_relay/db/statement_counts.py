@@ -14,10 +14,20 @@ from collections.abc import Callable
 #   extend_lease one lease extension of a batch still being published
 #   mark_idle    the relays' flag flipped to idle (inserts start to NOTIFY)
 #   mark_busy    the flag flipped back on a wake-up
+#   gauge_bounds where the claims start, published while vacuum is held back (every 5 s
+#                at most; none otherwise: claim_cursor.py, delivery.sql publish_gauge_bounds)
 # A claim's transaction-local settings ride in the same round trip (pipelined) and are
 # not counted apart; a claim with ordered event types is one short transaction of
 # several statements, counted once.
-STATEMENT_KINDS: tuple[str, ...] = ("claim", "claim_empty", "finalize", "extend_lease", "mark_idle", "mark_busy")
+STATEMENT_KINDS: tuple[str, ...] = (
+    "claim",
+    "claim_empty",
+    "finalize",
+    "extend_lease",
+    "mark_idle",
+    "mark_busy",
+    "gauge_bounds",
+)
 
 
 class StatementCounts:

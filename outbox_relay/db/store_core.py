@@ -30,7 +30,7 @@ from ..errors import (
     DatabaseUnavailable,
     SchemaMissing,
 )
-from .claim_cursor import DueCursor
+from .claim_cursor import DueCursor, sweep_step_seconds
 from .ordered_bounds import AggregateBounds
 from .pooler import PoolerConnection, configure_bound
 from .schema import EXECUTABLE, TableSql
@@ -196,7 +196,9 @@ class StoreCore:
 
         # Where plain claims start reading the due index (claim_cursor.py): shared by
         # every worker of this store, so claims stay flat while vacuum is held back.
-        self.due_cursor = DueCursor()
+        self.due_cursor = DueCursor(sweep_step_seconds=sweep_step_seconds(statement_timeout_ms))
+        self._gauge_bounds_unsupported = False  # the state table has no gauge_bounds column (not migrated)
+        self.gauge_bounds_publish_failures = 0
         self._claim_statement = self.sql.query(
             "claim",
             due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
@@ -209,6 +211,13 @@ class StoreCore:
         # bounds written as NULL: the plan of the claim without bounds, and an entry of
         # its own in pg_stat_statements, so full and fast claims are measured apart.
         self._full_claim_statement = self.sql.query("claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+        # A step of the full claim's sweep (claim_cursor.py Sweep): one key range of each index.
+        self._sweep_claim_statement = self.sql.query(
+            "claim",
+            due_bound=sql.SQL(EXECUTABLE["claim_sweep_due_bound"]),
+            leases_bound=sql.SQL(EXECUTABLE["claim_sweep_leases_bound"]),
+            claim_report=sql.SQL(EXECUTABLE["claim_report"]),
+        )
         # The ordered claims (relay.ordered_event_types) have a cursor of their own:
         # where their discovery scan of the due index starts (fast claims), and when a
         # full ordered claim comes round; and the per-aggregate bounds their fast claims
@@ -216,7 +225,9 @@ class StoreCore:
         # full ordered claims took fast_above_seconds (0.1 s) or more: they are timed in
         # the client (several statements), so the per-row rule, which would react to a
         # busy client machine (an empty claim of 5 ms in three round trips), is off.
-        self.ordered_cursor = DueCursor(fast_above_seconds_per_row=float("inf"))
+        # Its full claims stay whole statements (no sweep): the ordered claim reads the
+        # aggregate index, not the ranges a sweep step is made of.
+        self.ordered_cursor = DueCursor(fast_above_seconds_per_row=float("inf"), sweep=False)
         self.ordered_bounds = AggregateBounds()
         self._ordered_discover_statement = self.sql.query(
             "claim_ordered_discover",

@@ -10,6 +10,9 @@ Real PostgreSQL, concurrent writers whose transactions commit out of id order.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime as dt
+import json
 import random
 import re
 import threading
@@ -21,7 +24,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outbox_relay.db.claim_cursor import DueCursor
+from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 from outbox_relay.db.store import OutboxStore
 from tests.helpers.db import DELETE_MODE, run_sql, wait_for
 
@@ -296,6 +299,16 @@ def _arrays_rescanned_per_row(node: dict[str, Any]) -> bool:
     return any(_arrays_rescanned_per_row(c) for c in node.get("Plans", []))
 
 
+def _unbounded_index_scans(node: dict[str, Any]) -> list[str]:
+    """Index scans of the outbox without an index condition (the whole index)."""
+    found = []
+    if node.get("Relation Name") == "outbox" and "Index" in node["Node Type"] and "Index Cond" not in node:
+        found.append(node.get("Index Name", "?"))
+    for child in node.get("Plans", []):
+        found += _unbounded_index_scans(child)
+    return found
+
+
 def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_held_snapshot(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
@@ -308,8 +321,8 @@ def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_
     with _held_snapshot(pg_dsn):
         seen: dict[int, int] = {}
         _deliver_thousands(pg_dsn, table, store, seen, rounds=15)
+        run_sql(pg_dsn, table, "ANALYZE {t}")  # the queue drained: about no live row among the dead versions
         run_sql(pg_dsn, table, BULK_INSERT)
-        run_sql(pg_dsn, table, "ANALYZE {t}")
         claimed = store.claim(owner="t", batch=1000, lease_seconds=30, max_attempts=5)
         assert len(claimed.rows) == 1000
         items = [FinalizeItem(r.id, r.lease_version, "done") for r in claimed.rows]
@@ -340,6 +353,15 @@ def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_
         }  # fmt: skip
         claim_plan = plan_text(store.sql.query("claim"), claim_params, CLAIM_SETTINGS)
         assert not whole_table.search(claim_plan), claim_plan
+        # nor its whole primary key index (every dead version) on the outer side of a
+        # nested loop: each outbox scan has an index condition
+        with psycopg.connect(pg_dsn) as conn:
+            for name, value in CLAIM_SETTINGS.items():
+                conn.execute("SELECT set_config(%s, %s, true)", (name, value))
+            query = sql.SQL("EXPLAIN (FORMAT JSON) ") + store.sql.query("claim")
+            (doc,) = conn.execute(query, claim_params).fetchone()  # type: ignore[misc]
+            conn.rollback()
+        assert not _unbounded_index_scans(doc[0]["Plan"]), claim_plan
         assert store.mark_done([(r.id, r.lease_version) for r in claimed.rows]) == {r.id for r in claimed.rows}
 
 
@@ -693,6 +715,285 @@ def test_the_claim_that_sees_a_long_writer_end_sends_the_catch_up_at_once(
     result = store.claim(owner="t", batch=500, lease_seconds=30, max_attempts=5)
     assert sorted(r.id for r in result.rows) == sorted(ids)
     assert store.due_cursor.catch_up_claims == 1 and store.due_cursor.full_claims == 1
+
+
+SWEEP_DUE_RANGE = (
+    "SELECT id FROM {} WHERE status = 'pending' AND available_at <= now() "
+    "AND (available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint) AND available_at <= %(to_at)s "
+    "AND (available_at, id) < (%(to_at)s::timestamptz, %(to_id)s::bigint) ORDER BY available_at, id LIMIT 100"
+)
+SWEEP_LEASE_RANGE = (
+    "SELECT id FROM {} WHERE status = 'processing' AND lease_until < now() "
+    "AND lease_until >= %(leases_from)s::timestamptz AND lease_until < %(leases_to)s::timestamptz "
+    "ORDER BY lease_until LIMIT 100"
+)
+FRONT = dt.datetime(1, 1, 2, tzinfo=dt.UTC)
+
+
+def _step_buffers(dsn: str, table: str, plan: ClaimPlan) -> int:
+    """Buffers the index scans of one sweep step read (the claim statement's due and
+    expired-lease scans over the step's ranges), from EXPLAIN (ANALYZE, BUFFERS)."""
+    ident = sql.Identifier(*table.split("."))
+    assert plan.until is not None
+    from_at, from_id = plan.start if plan.start is not None else (FRONT, 0)
+    due = _explain_buffers(
+        dsn,
+        sql.SQL(SWEEP_DUE_RANGE).format(ident),
+        {"from_at": from_at, "from_id": from_id, "to_at": plan.until[0], "to_id": plan.until[1]},
+    )
+    leases = _explain_buffers(
+        dsn,
+        sql.SQL(SWEEP_LEASE_RANGE).format(ident),
+        {"leases_from": plan.leases_from or FRONT, "leases_to": plan.leases_until or FRONT},
+    )
+    return due + leases
+
+
+class _MeasuredSweep:
+    """The store's cursor, with each sweep step's cost taken from the buffers its
+    ranges read (a count: the steps' widths then do not depend on this machine's speed)."""
+
+    SECONDS_PER_BUFFER = 0.0005  # 2 000 buffers a second of a step's target
+
+    def __init__(self, dsn: str, table: str, cursor: DueCursor) -> None:
+        self.steps: list[tuple[ClaimPlan, int]] = []
+        begin, end = cursor.begin, cursor.end
+
+        def measured_end(plan: ClaimPlan, outcomes: list[ClaimOutcome], elapsed: float, claimed_rows: int = 0) -> None:
+            if plan.sweep:
+                buffers = _step_buffers(dsn, table, plan)
+                self.steps.append((plan, buffers))
+                cost = buffers * self.SECONDS_PER_BUFFER
+                outcomes = [dataclasses.replace(o, server_seconds=cost / len(outcomes)) for o in outcomes]
+            end(plan, outcomes, elapsed, claimed_rows)
+
+        cursor.end = measured_end  # type: ignore[method-assign]
+        self._begin = begin
+
+
+def _front_buffers(dsn: str, table: str) -> int:
+    """What the full claim's two scans read from the front of their indexes."""
+    ident = sql.Identifier(*table.split("."))
+    due = _explain_buffers(
+        dsn,
+        sql.SQL(
+            "SELECT id FROM {} WHERE status = 'pending' AND available_at <= now() ORDER BY available_at, id LIMIT 100"
+        ).format(ident),
+        {},
+    )
+    leases = _explain_buffers(
+        dsn,
+        sql.SQL(
+            "SELECT id FROM {} WHERE status = 'processing' AND lease_until < now() ORDER BY lease_until LIMIT 100"
+        ).format(ident),
+        {},
+    )
+    return due + leases
+
+
+def test_a_full_claim_step_reads_a_bounded_range_as_dead_entries_grow_and_late_rows_are_still_delivered(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """Under a held snapshot the full claim is a sweep of key ranges: one step's scans
+    read about its target's worth of buffers after 5 000 delivered rows as after
+    30 000, while a scan from the front reads six times as many; a pass still finds a row written with
+    an explicit available_at among the dead entries (below the fast start), and a row
+    whose claim lease expired below the processing index's fast start."""
+    with _held_snapshot(pg_dsn):
+        cursor = DueCursor(
+            lag_seconds=0.1,
+            rescan_min_seconds=3600,
+            rescan_max_seconds=3600,
+            rescan_quiet_max_seconds=3600,
+            fast_above_seconds=0.0,
+            sweep_step_seconds=0.05,
+        )
+        store.due_cursor = cursor
+        measured = _MeasuredSweep(pg_dsn, table, cursor)
+        seen: dict[int, int] = {}
+
+        def deliver(rounds: int) -> None:
+            for _ in range(rounds):  # 1 000 rows a round, a third of a second apart in key
+                run_sql(pg_dsn, table, BULK_INSERT)
+                while _claim_all(store, seen, batch=1000, lease_seconds=0.2):
+                    pass
+                time.sleep(0.3)
+            time.sleep(1.2)  # their leases (0.2 s) older than the cursor's lease margin
+            with psycopg.connect(pg_dsn, autocommit=True) as writer:
+                _insert(writer, table, "newest")
+            assert _claim_all(store, seen) == 1  # the processing index's fast start moves past them
+
+        def one_pass() -> list[int]:
+            """Steps, at once one after the other, until a pass that begins now has
+            completed (after the one under way, if any): their buffers."""
+            cursor._rescan_min = cursor._rescan_max = 0.0
+            cursor._sweep_next_at = float("-inf")
+            first = len(measured.steps)
+            target = cursor.sweep.passes + (2 if cursor.sweep.under_way() else 1)
+            deadline = time.monotonic() + 60
+            while cursor.sweep.passes < target and time.monotonic() < deadline:
+                _claim_all(store, seen, batch=100)
+            assert cursor.sweep.passes >= target, "the pass did not complete"
+            cursor._rescan_min = cursor._rescan_max = 3600.0
+            cursor._sweep_next_at = time.monotonic() + 3600
+            return [buffers for _, buffers in measured.steps[first:]]
+
+        deliver(5)
+        front_small = _front_buffers(pg_dsn, table)
+        steps_small = one_pass()
+        deliver(25)
+        front_large = _front_buffers(pg_dsn, table)
+        # Late rows among the dead entries: an explicit available_at in the past, and a
+        # lease that expired below where fast claims read the processing index.
+        [(past_id,)] = run_sql(
+            pg_dsn,
+            table,
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, available_at) "
+            "VALUES ('order', 'past', 'OrderCreated', '{{}}'::jsonb, now() - interval '3 seconds') RETURNING id",
+        )
+        [(expired_id,)] = run_sql(
+            pg_dsn,
+            table,
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, lease_owner, lease_until, "
+            "lease_version, attempts) VALUES ('order', 'expired', 'OrderCreated', '{{}}'::jsonb, 'processing', 'gone', "
+            "now() - interval '4 seconds', 1, 1) RETURNING id",
+        )
+        start = cursor.start_key()
+        bounds = cursor.gauge_bounds()
+        assert start is not None and start > _key_of(pg_dsn, table, past_id), "the test must exercise a row below"
+        assert bounds is not None and bounds.leases_from is not None
+        [(expired_until,)] = run_sql(pg_dsn, table, "SELECT lease_until FROM {t} WHERE id = %s", (expired_id,))
+        assert expired_until < bounds.leases_from, "the test must exercise a lease below"
+        steps_large = one_pass()
+        assert seen.get(past_id) == 1 and seen.get(expired_id) == 1, "a late row was skipped"
+        assert cursor.start_key() is not None and cursor.start_key() >= start  # type: ignore[operator]
+    # A step's target (0.05 s) is 100 buffers here. The steps through the dead entries
+    # read about that many (a range's width is at most twice the last one's, so a step
+    # just below an idle stretch of keys may read more), after 5 000 delivered rows as
+    # after 30 000; a scan from the front reads six times as many, more than any step.
+    target_buffers = 0.05 / _MeasuredSweep.SECONDS_PER_BUFFER
+    assert front_large > 4 * front_small, (front_small, front_large)
+    for steps, at_least in ((steps_small, 2), (steps_large, 6)):
+        dense = sorted(b for b in steps if b > 20)  # the steps through the dead entries
+        assert len(dense) >= at_least and dense[len(dense) // 2] <= 2 * target_buffers, steps
+    assert front_large > 3 * max(steps_large), (steps_large, front_large)
+
+
+def test_a_sweep_step_that_runs_out_of_its_own_timeout_is_tried_narrower_and_the_claim_goes_on(
+    pg_dsn: str, table: str, store: OutboxStore
+) -> None:
+    """A step's own statement timeout (4 targets; 1 ms here) cancels it far below the
+    claim's: the worker's claim does not fail, it claims from the fast start instead."""
+    with _held_snapshot(pg_dsn):
+        cursor = DueCursor(
+            lag_seconds=0.1,
+            rescan_min_seconds=0.2,
+            rescan_max_seconds=0.2,
+            fast_above_seconds=0.0,
+            sweep_step_seconds=0.00025,
+        )
+        store.due_cursor = cursor
+        seen: dict[int, int] = {}
+        _deliver_thousands(pg_dsn, table, store, seen, rounds=5)
+        with psycopg.connect(pg_dsn, autocommit=True) as writer:
+            waiting = {_insert(writer, table, "waiting") for _ in range(3)}
+        cursor._sweep_next_at = float("-inf")
+        failures_before = cursor.sweep_steps
+        deadline = time.monotonic() + 20
+        while not waiting <= seen.keys() and time.monotonic() < deadline:
+            _claim_all(store, seen)  # never raises: a cancelled step is the cursor's affair
+        assert waiting <= seen.keys()
+        assert cursor.sweep_steps > failures_before
+        assert cursor.sweep_timeouts > 0, "no step ran out of its own timeout"
+
+
+STATIO = (
+    "SELECT coalesce(heap_blks_read, 0) + coalesce(heap_blks_hit, 0), "
+    "coalesce(idx_blks_read, 0) + coalesce(idx_blks_hit, 0) "
+    "FROM pg_statio_user_tables WHERE relid = %s::regclass"
+)
+
+
+def _blocks_of(dsn: str, table: str, run: Any) -> tuple[int, int]:
+    """(heap, index) blocks of the outbox read while ``run()`` ran in other sessions,
+    from pg_statio_user_tables once the other sessions' statistics have arrived."""
+
+    def now() -> tuple[int, int]:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            row = conn.execute(STATIO, (table,)).fetchone()
+            assert row is not None
+            return int(row[0]), int(row[1])
+
+    before = now()
+    run()
+    seen = now()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # a backend reports its figures when it ends
+        time.sleep(0.3)
+        later = now()
+        if later == seen:
+            break
+        seen = later
+    return seen[0] - before[0], seen[1] - before[1]
+
+
+def test_status_in_its_own_process_counts_from_where_the_relays_claims_start_under_a_held_snapshot(
+    pg_dsn: str, table: str, store: OutboxStore, monkeypatch: Any
+) -> None:
+    """The relay publishes where its fast claims start while vacuum is held back;
+    `status` in a process of its own starts its pending and processing figures there
+    (and says so): the same figures as from the front, reading a small fraction of the
+    index blocks. Once nothing is published, the counts read from the front again."""
+    from outbox_relay.db import claim_cursor
+    from tests.helpers.cli import cli, cli_env
+
+    monkeypatch.setattr(claim_cursor, "BOUNDS_PUBLISH_INTERVAL_SECONDS", 0.0)  # every claim publishes
+    with _held_snapshot(pg_dsn):
+        store.due_cursor = DueCursor(
+            lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
+        )
+        seen: dict[int, int] = {}
+        for _ in range(20):
+            run_sql(pg_dsn, table, BULK_INSERT)
+            while _claim_all(store, seen, batch=1000, lease_seconds=0.2):
+                pass
+        time.sleep(1.5)  # their leases older than the cursor's lease margin
+        with psycopg.connect(pg_dsn, autocommit=True) as writer:
+            in_flight = [_insert(writer, table, "b") for _ in range(2)]
+            claimed = store.claim(owner="t", batch=10, lease_seconds=30, max_attempts=5)  # publishes
+            assert sorted(r.id for r in claimed.rows) == in_flight
+            waiting = [_insert(writer, table, "c") for _ in range(3)]
+        published = store.published_gauge_bounds()
+        assert published is not None and published.due_from == store.due_cursor.gauge_bounds().due_from  # type: ignore[union-attr]
+        env = cli_env(pg_dsn, table)
+        docs: list[dict[str, Any]] = []
+
+        def status() -> None:
+            proc = cli("status", "--json", env=env)
+            assert proc.returncode == 0, proc.stderr
+            docs.append(json.loads(proc.stdout))
+
+        bounded_heap, bounded_index = _blocks_of(pg_dsn, table, status)
+        human = cli("status", env=env)
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:  # none published any more
+            state = sql.SQL(store.sql.regclass_of("relay_state"))
+            conn.execute(sql.SQL("UPDATE {} SET gauge_bounds = '{{}}'::jsonb").format(state))
+        front_heap, front_index = _blocks_of(pg_dsn, table, status)
+    bounded, front = docs
+    assert bounded["counted_from"]["pending_from"]["id"] == published.due_from[1]
+    assert front["counted_from"] is None
+    for doc in (bounded, front):
+        assert doc["queue_depth"]["pending"] == len(waiting)
+        assert doc["queue_depth"]["processing"] == len(in_flight)
+        assert doc["expired_leases"] == 0 and doc["attempts"] == {"0": len(waiting), "1": len(in_flight)}
+    assert "where the relays' claims start" in human.stdout
+    [(heap_pages,)] = run_sql(pg_dsn, table, "SELECT pg_relation_size(%s::regclass) / 8192", (table,))
+    # Done rows have no index: both read the table once for their count. Beyond that
+    # pass, status from the published start reads a small fraction of the heap blocks
+    # (one per dead entry's row, from the front) and of the index blocks.
+    assert (bounded_heap - heap_pages) * 20 < front_heap - heap_pages, (heap_pages, bounded_heap, front_heap)
+    assert bounded_index * 4 < front_index, (bounded_index, front_index)
 
 
 def test_the_claim_finds_its_rows_by_primary_key_when_the_statistics_see_an_empty_table(

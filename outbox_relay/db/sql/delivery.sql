@@ -158,7 +158,7 @@ WITH victims AS (
         LIMIT %(candidates)s
         FOR UPDATE SKIP LOCKED))
     RETURNING o.id
-), picked AS (
+), picked AS MATERIALIZED (
     SELECT id, row_bytes, part, row_created_at FROM (
         SELECT id, row_bytes, part, row_created_at,
                row_number() OVER w AS n,
@@ -177,6 +177,8 @@ WITH victims AS (
     FROM picked
     -- created_at too: on a partitioned outbox (partitioned by it) each picked row is
     -- then looked up in its own partition only, not in every partition's primary key.
+    -- "picked" materialized: in a nested loop whose outer side is the outbox it would
+    -- otherwise be sized (and sorted) again for every row.
     WHERE o.id = picked.id AND o.created_at = picked.row_created_at AND o.id = ANY(ARRAY(SELECT id FROM picked))
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
@@ -208,6 +210,23 @@ FROM reaped
 -- name: claim_leases_bound
 -- A fast claim's start in the processing index (see "claim").
 lease_until >= %(leases_from)s::timestamptz
+
+-- name: claim_sweep_due_bound
+-- A step of the full claim's sweep (claim_cursor.py Sweep): one key range of the due
+-- index, from %(from_at)s / %(from_id)s up to %(to_at)s / %(to_id)s (exclusive), so
+-- that the step reads the dead entries of that range only. The scan starts at the
+-- lower row comparison; it stops at the plain bound on available_at (an upper row
+-- comparison alone does not end a btree scan: it would read on through every index
+-- entry up to now(), without their heap visits), and the upper row comparison drops
+-- the keys at to_at itself from to_id on.
+(available_at, id) >= (%(from_at)s::timestamptz, %(from_id)s::bigint)
+AND available_at <= %(to_at)s::timestamptz
+AND (available_at, id) < (%(to_at)s::timestamptz, %(to_id)s::bigint)
+
+-- name: claim_sweep_leases_bound
+-- The same step's range of the processing index (empty when %(leases_to)s is not above
+-- %(leases_from)s).
+lease_until >= %(leases_from)s::timestamptz AND lease_until < %(leases_to)s::timestamptz
 
 -- name: outbox_writers
 -- The other transactions that have written to the outbox and not yet ended (their
@@ -257,6 +276,24 @@ SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
        NULL, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
        NULL, (SELECT since FROM writers), NULL, NULL, now(), NULL, NULL, NULL
+
+-- name: publish_gauge_bounds
+-- While its fast claims are in use (claim_cursor.py), a relay process publishes where
+-- they start, every few seconds, for `outbox-relay status` in another process
+-- (monitoring.sql published_gauge_bounds): its own entry of the state table's
+-- gauge_bounds under %(process)s (%(bounds)s; NULL withdraws it), and it drops the
+-- entries of processes that have not published for %(stale_seconds)s (gone, or no
+-- longer under pressure and unable to withdraw). A write of a one-row table only
+-- while vacuum is held back; nothing at all otherwise.
+UPDATE {state_table}
+SET gauge_bounds = coalesce((SELECT jsonb_object_agg(e.key, e.value)
+                             FROM jsonb_each(gauge_bounds) AS e
+                             WHERE e.key <> %(process)s
+                               AND (e.value ->> 'at')::timestamptz > now() - make_interval(secs => %(stale_seconds)s)),
+                            '{{}}'::jsonb)
+                   || CASE WHEN %(bounds)s::jsonb IS NULL THEN '{{}}'::jsonb
+                           ELSE jsonb_build_object(%(process)s::text,
+                                                   %(bounds)s::jsonb || jsonb_build_object('at', now())) END
 
 -- name: claim_ordered_heads
 -- Ordered event types: only the head of an aggregate is claimable, i.e. its first

@@ -71,6 +71,16 @@ WITH backlog AS (
 SELECT attempts, count(*) AS n, extract(epoch FROM now() - min(created_at))::float8 AS oldest_age_seconds
 FROM backlog GROUP BY attempts ORDER BY attempts
 
+-- name: published_gauge_bounds
+-- The relays' published starts (delivery.sql publish_gauge_bounds) that are fresh
+-- (published in the last %(fresh_seconds)s): one row each. to_jsonb: no error on a
+-- state table migrated before the column existed (no rows then).
+SELECT e.value ->> 'due_at' AS due_at, (e.value ->> 'due_id')::bigint AS due_id,
+       e.value ->> 'leases_from' AS leases_from, e.key AS process
+FROM {state_table} AS s
+CROSS JOIN LATERAL jsonb_each(coalesce(to_jsonb(s) -> 'gauge_bounds', '{{}}'::jsonb)) AS e
+WHERE (e.value ->> 'at')::timestamptz > now() - make_interval(secs => %(fresh_seconds)s)
+
 -- name: stats_expired
 -- %(leases_from)s: as in stats_backlog.
 SELECT count(*) AS n FROM {table}

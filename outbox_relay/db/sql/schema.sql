@@ -257,6 +257,13 @@ ALTER TABLE {table}
 -- change only (no rewrite), under a brief exclusive lock.
 ALTER TABLE {table} ADD COLUMN IF NOT EXISTS payload_bytes bytea NULL
 
+-- name: add_gauge_bounds
+-- Where the relays' fast claims start while vacuum is held back (claim_cursor.py
+-- GaugeBounds), published for `outbox-relay status` in a process of its own: one entry
+-- per relay process, {"<process>": {"due_at", "due_id", "leases_from", "at"}}; '{}'
+-- while no relay is under pressure (delivery.sql publish_gauge_bounds).
+ALTER TABLE {state_table} ADD COLUMN IF NOT EXISTS gauge_bounds jsonb NOT NULL DEFAULT '{{}}'::jsonb
+
 -- name: autovacuum_state
 SELECT (SELECT reloptions FROM pg_class WHERE oid = %(table)s::regclass) AS reloptions,
        (SELECT autovacuum_applied FROM {state_table}) AS applied

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 
 from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor, WritersLook
 
@@ -42,15 +43,23 @@ def test_first_claim_is_full_then_fast_claims_start_at_the_lowest_key_of_the_win
     assert cursor.start_key() == key(2, 30)
 
 
-def test_a_late_key_found_by_a_full_claim_pulls_the_start_back_at_once() -> None:
+def test_a_late_row_found_by_a_sweep_step_is_taken_by_the_same_range_again_at_once() -> None:
+    """Under pressure the full claim is a sweep step; the rows it finds do not pull the
+    fast claims' start back (they would walk every dead entry above them): the same
+    range is read again at once, until it yields nothing."""
     clock = Clock()
     cursor = DueCursor(lag_seconds=2.0, rescan_min_seconds=1.0, fast_above_seconds=0.0, clock=clock)
     cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(10, 100))], 0.005)
     clock.now += 5
     plan = cursor.begin()
-    assert plan.full  # more than the rescan interval since the last full claim
-    cursor.end(plan, [ClaimOutcome(lowest=key(3, 50))], 0.005)  # a row committed late, below the start
-    assert cursor.start_key() == key(3, 50)
+    assert plan.full and plan.sweep and plan.until == key(10, 100) and plan.start == key(9, 0)
+    found = ClaimOutcome(lowest=key(9.5, 50), claimed=1, leases_exhausted=True)  # a row committed late
+    cursor.end(plan, [found], 0.005)
+    assert cursor.start_key() == key(10, 100)
+    again = cursor.begin()
+    assert again.sweep and (again.start, again.until) == (plan.start, plan.until)
+    cursor.end(again, [ClaimOutcome(leases_exhausted=True)], 0.005)
+    assert not cursor.begin().full  # nothing more there: the next step after its interval
 
 
 def test_full_claims_come_round_less_often_when_they_are_expensive() -> None:
@@ -158,41 +167,127 @@ def test_a_claim_without_a_lease_scan_never_moves_the_processing_index_start() -
     assert cursor.begin().leases_from == T0 - dt.timedelta(seconds=1)
 
 
-def test_full_claims_that_find_nothing_below_the_fast_start_come_round_less_and_less_often() -> None:
-    clock = Clock()
-    cursor = DueCursor(
-        lag_seconds=0.25,
-        rescan_min_seconds=1.0,
-        rescan_max_seconds=30.0,
-        rescan_quiet_max_seconds=300.0,
-        full_cost_share=0.1,
-        clock=clock,
-    )
+def step_cost(plan: ClaimPlan, dense_from: dt.datetime, seconds_per_key_second: float = 0.02) -> float:
+    """A model of a held horizon: the dead entries of every row delivered since
+    ``dense_from`` lie in both indexes; a step costs 1 ms plus its share of them."""
+    assert plan.sweep and plan.until is not None
+    low = plan.start[0] if plan.start is not None else dt.datetime.min.replace(tzinfo=dt.UTC)
+    overlap = (plan.until[0] - max(low, dense_from)).total_seconds()
+    return 0.001 + seconds_per_key_second * max(0.0, overlap)
 
-    def next_full_claim() -> tuple[float, ClaimPlan]:
-        """Fast claims a second apart until a full one comes: (seconds waited, its plan)."""
-        waited = 0.0
-        while not (plan := cursor.begin()).full:
+
+def run_pass(
+    cursor: DueCursor, clock: Clock, dense_from: dt.datetime, found: bool = False
+) -> tuple[float, list[ClaimPlan]]:
+    """Fast claims a second apart (each claiming the newest key) until the sweep steps
+    come, then one pass to the front, each step ended at the clock its cost says:
+    (seconds waited for the pass's first step, its steps)."""
+    waited = 0.0
+    while not (plan := cursor.begin()).sweep:
+        cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 2))], 0.001)
+        clock.now += 1
+        waited += 1
+    steps = [plan]
+    while True:
+        cost = step_cost(plan, dense_from)
+        clock.now += cost
+        rows = 1 if found and len(steps) == 1 else 0
+        cursor.end(plan, [ClaimOutcome(claimed=rows, server_seconds=cost, leases_exhausted=True)], cost)
+        if plan.start is None and not rows:
+            return waited, steps
+        while not (plan := cursor.begin()).sweep:
             cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 2))], 0.001)
-            clock.now += 1
-            waited += 1
-        return waited, plan
+            clock.now += 0.5
+        steps.append(plan)
 
-    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 1.0)
-    for i in range(2):  # expensive full claims (1 s: an interval of 10 s) that find a late row
-        _, plan = next_full_claim()
-        cursor.end(plan, [ClaimOutcome(lowest=key(-1000 * (i + 1), 1))], 1.0)
-    waits = []
-    for _ in range(8):  # full claims that find nothing below the fast start
-        waited, plan = next_full_claim()
-        waits.append(waited)
-        assert plan.fast_start is not None
-        cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 3))], 1.0)
+
+def slow_cursor(clock: Clock, **settings: float) -> DueCursor:
+    """Fast claims in use from the start (as under a held horizon), after one full claim."""
+    cursor = DueCursor(lag_seconds=0.25, fast_above_seconds=0.0, clock=clock, **settings)  # type: ignore[arg-type]
+    first = cursor.begin()
+    assert first.full and not first.sweep and first.start is None
+    cursor.end(
+        first,
+        [ClaimOutcome(lowest=key(clock.now, 1), database_now=key(clock.now - 1, 0)[0], leases_exhausted=True)],
+        0.001,
+    )
+    return cursor
+
+
+def test_a_sweep_pass_covers_everything_below_the_fast_starts_in_steps_of_bounded_cost() -> None:
+    clock = Clock()
+    clock.now = 10_000.0
+    cursor = slow_cursor(clock, rescan_min_seconds=0.0, rescan_max_seconds=30.0, sweep_step_seconds=0.5)
+    dense_from = key(clock.now - 3600, 0)[0]  # an hour of dead entries: 72 s for a full claim from the front
+    for _ in range(3):
+        leases_top = cursor.gauge_bounds().leases_from  # type: ignore[union-attr]
+        _, steps = run_pass(cursor, clock, dense_from)
+        fast_start = steps[0].fast_start  # where fast claims started when the pass began
+        assert fast_start is not None and leases_top is not None
+        # Contiguous ranges from the fast claims' starts down to the front of both indexes.
+        assert steps[0].until == fast_start and steps[0].leases_until == leases_top
+        for upper, lower in itertools.pairwise(steps):
+            assert upper.start is not None
+            assert lower.until == upper.start
+            assert lower.leases_until == min(upper.leases_from, leases_top)  # type: ignore[type-var]
+        assert steps[-1].start is None and steps[-1].leases_from is None
+        costs = [step_cost(step, dense_from) for step in steps]
+        assert max(costs[2:]) < 0.8, costs  # about the target once the width is learned
+        assert len(steps) < 250
+    assert cursor.sweep.passes == 3 and cursor.fast_claims_in_use()
+    # The next pass starts with the width learned at the top: no step far above the target.
+    assert max(step_cost(step, dense_from) for step in run_pass(cursor, clock, dense_from)[1]) < 0.8
+
+
+def test_sweep_passes_that_find_nothing_come_round_less_and_less_often() -> None:
+    clock = Clock()
+    cursor = slow_cursor(clock, rescan_min_seconds=1.0, rescan_max_seconds=10.0, rescan_quiet_max_seconds=300.0)
+    dense_from = key(clock.now - 100, 0)[0]
+    for _ in range(3):  # passes that find a late row: the next pass after 10 s (rescan_max)
+        run_pass(cursor, clock, dense_from, found=True)
+    waits = [run_pass(cursor, clock, dense_from)[0] for _ in range(8)]
     assert waits[:6] == [10, 20, 40, 80, 160, 300], waits  # doubled, up to the quiet maximum
     assert waits[6:] == [300, 300]
-    _, plan = next_full_claim()
-    cursor.end(plan, [ClaimOutcome(lowest=key(-10_000, 4))], 1.0)  # a late row: back to 10 s at once
-    assert next_full_claim()[0] == 10
+    run_pass(cursor, clock, dense_from, found=True)  # a late row: back to 10 s at once
+    assert run_pass(cursor, clock, dense_from)[0] == 10
+
+
+def test_a_cheap_sweep_pass_brings_back_full_claims_from_the_front() -> None:
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=0.25, fast_above_seconds=0.1, rescan_min_seconds=1.0, clock=clock)
+    for _ in range(3):  # three slow full claims: fast claims in use
+        plan = cursor.begin()
+        assert plan.full and not plan.sweep
+        cursor.end(plan, [ClaimOutcome(lowest=key(clock.now, 1))], 0.5)
+        clock.now += 100
+    assert cursor.fast_claims_in_use()
+    run_pass(cursor, clock, key(clock.now - 600, 0)[0])  # horizon still held: 12 s of dead entries
+    assert cursor.fast_claims_in_use()
+    # Early in a hold a pass may take less than fast_above_seconds in all (40 ms here),
+    # but a step that walked dead entries is slow for a claim: no switch back.
+    run_pass(cursor, clock, key(clock.now - 2, 0)[0])
+    assert cursor.fast_claims_in_use()
+    run_pass(cursor, clock, key(clock.now + 10**6, 0)[0])  # vacuum has removed them: ~1 ms a step
+    assert not cursor.fast_claims_in_use()
+    plan = cursor.begin()
+    assert plan.full and not plan.sweep and plan.start is None
+
+
+def test_a_sweep_step_that_ran_out_of_time_is_tried_again_narrower() -> None:
+    clock = Clock()
+    cursor = slow_cursor(clock, rescan_min_seconds=1.0, rescan_max_seconds=30.0)
+    clock.now += 2
+    plan = cursor.begin()
+    assert plan.sweep and plan.start is not None and plan.until is not None
+    cursor.failed(plan, 0.01)  # lost quickly: the same step at once
+    quick = cursor.begin()
+    assert quick.sweep and (quick.start, quick.until) == (plan.start, plan.until)
+    cursor.failed(quick, 10.0)  # its statement timeout: after its interval, narrower
+    assert not cursor.begin().sweep
+    clock.now += 30
+    narrower = cursor.begin()
+    assert narrower.sweep and narrower.until == plan.until
+    assert narrower.start is not None and narrower.start > plan.start
 
 
 def test_small_full_claims_that_take_tens_of_milliseconds_switch_to_fast_claims_large_ones_do_not() -> None:
@@ -375,10 +470,16 @@ def test_a_slow_full_claim_leaves_a_pending_catch_up_to_the_next_fast_claim() ->
     """While full claims are slow, one due when a long writer ends would reach its rows
     only after walking the dead entries from the front (or never, if it runs out of its
     statement timeout): the catch-up stays, and the next fast claim starts at the
-    writer's start while the full claim runs."""
+    writer's start while the full claim runs. (A cursor without the sweep, as the
+    ordered claims' is: with it the full claim is a sweep step, see below.)"""
     clock = Clock()
     cursor = DueCursor(
-        lag_seconds=0.1, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0, clock=clock
+        lag_seconds=0.1,
+        rescan_min_seconds=1.0,
+        rescan_max_seconds=1.0,
+        fast_above_seconds=0.0,
+        sweep=False,
+        clock=clock,
     )
     cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(100, 1000))], 0.001)
     cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
@@ -395,3 +496,57 @@ def test_a_slow_full_claim_leaves_a_pending_catch_up_to_the_next_fast_claim() ->
     cursor.failed(full, 10.0)  # the full claim ran out of its statement timeout: nothing lost
     assert not cursor.catch_up_pending()
     assert cursor.begin().start == key(40, 5000)
+
+
+def test_a_sweep_step_leaves_a_pending_catch_up_to_the_next_fast_claim() -> None:
+    """A sweep step reads one range below the fast start only: the catch-up from the
+    ended writer's start is still the next fast claim."""
+    clock = Clock()
+    cursor = DueCursor(
+        lag_seconds=0.1, rescan_min_seconds=1.0, rescan_max_seconds=1.0, fast_above_seconds=0.0, clock=clock
+    )
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(100, 1000))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(101, (7, 40)))], 0.001)
+    cursor.end(cursor.begin(), [ClaimOutcome(writers_look=look(102))], 0.001)
+    assert cursor.catch_up_pending()
+    clock.now += 2  # a sweep step is due
+    step = cursor.begin()
+    assert step.sweep and step.catch_up_from is None
+    assert cursor.catch_up_pending()
+    catch_up = cursor.begin()
+    assert not catch_up.full and catch_up.start == key(40, 0) and cursor.catch_up_claims == 1
+
+
+def test_the_gauge_bounds_are_published_only_while_fast_claims_are_in_use_and_withdrawn_once() -> None:
+    clock = Clock()
+    cursor = DueCursor(lag_seconds=0.25, fast_above_seconds=0.1, rescan_min_seconds=1.0, clock=clock)
+    cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(0, 1))], 0.001)
+    assert cursor.bounds_to_publish() == (False, None)  # full claims cheap: nothing written
+    for _ in range(3):  # three slow full claims: fast claims in use
+        cursor.end(cursor.begin(), [ClaimOutcome(lowest=key(clock.now, 1))], 0.5)
+        clock.now += 100
+    publish, bounds = cursor.bounds_to_publish()
+    assert publish and bounds is not None and bounds.due_from == cursor.start_key()
+    clock.now += 1
+    assert cursor.bounds_to_publish() == (False, None)  # not again within the interval
+    clock.now += 5
+    assert cursor.bounds_to_publish()[0]
+    dense_from = key(clock.now + 10**6, 0)[0]
+    run_pass(cursor, clock, dense_from)  # a cheap pass: vacuum has caught up
+    assert not cursor.fast_claims_in_use()
+    assert cursor.bounds_to_publish() == (True, None)  # withdrawn, once
+    assert cursor.bounds_to_publish() == (False, None)
+
+
+def test_a_step_cancelled_by_its_own_timeout_is_tried_narrower_however_quick() -> None:
+    clock = Clock()
+    cursor = slow_cursor(clock, rescan_min_seconds=1.0, rescan_max_seconds=30.0, sweep_step_seconds=0.01)
+    clock.now += 2
+    plan = cursor.begin()
+    assert plan.sweep and plan.statement_timeout_ms == 40 and plan.start is not None
+    cursor.failed(plan, 0.04, timed_out=True)
+    assert cursor.sweep_timeouts == 1
+    clock.now += 30
+    narrower = cursor.begin()
+    assert narrower.sweep and narrower.until == plan.until
+    assert narrower.start is not None and narrower.start > plan.start
