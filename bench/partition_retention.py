@@ -434,6 +434,28 @@ def _lock_waits(log_path: Path) -> list[dict[str, Any]]:
     return found
 
 
+def _server_trouble(log_path: Path) -> list[str]:
+    """The server log's lines about a backend that died or a failed start (at most 40)."""
+    if not log_path.exists():
+        return []
+    pattern = re.compile(r"terminated by signal|was terminated|Failed process was running|PANIC|not properly shut down")
+    return [line for line in log_path.read_text(errors="replace").splitlines() if pattern.search(line)][:40]
+
+
+def _guarded(target: Any, log: TimedLog, failed: threading.Event, *targs: Any) -> threading.Thread:
+    """A thread whose exception ends the mode (every thread stops) and is reported, not lost."""
+
+    def run() -> None:
+        try:
+            target(*targs)
+        except Exception as exc:
+            first = (str(exc).splitlines() or [""])[0]
+            log.errors.append(f"{log.now() / 60:.1f} min, {target.__name__}: {type(exc).__name__}: {first}")
+            failed.set()
+
+    return threading.Thread(target=run, daemon=True)
+
+
 def timed_worker(args: argparse.Namespace) -> None:
     """One mode of the timed run, on its own embedded PostgreSQL; its figures as JSON to --result."""
     from outbox_relay._embedded.embedded import EmbeddedPostgres
@@ -457,34 +479,49 @@ def timed_worker(args: argparse.Namespace) -> None:
                 notify_trigger=False,
             )
             log = TimedLog(t0=time.monotonic())
-            stop_writer, stop_rest = threading.Event(), threading.Event()
-            threads = [threading.Thread(target=_writer, args=(dsn, table, args, log, stop_writer), daemon=True)]
+            stop_writer, stop_rest, failed = threading.Event(), threading.Event(), threading.Event()
+            threads = [_guarded(_writer, log, failed, dsn, table, args, log, stop_writer)]
             threads += [
-                threading.Thread(target=_relay_worker, args=(store, args, log, stop_rest, n), daemon=True)
-                for n in range(args.workers)
+                _guarded(_relay_worker, log, failed, store, args, log, stop_rest, n) for n in range(args.workers)
             ]
-            threads.append(
-                threading.Thread(target=_retention, args=(store, dsn, mode, args, log, stop_rest), daemon=True)
-            )
-            sampler = threading.Thread(target=_sampler, args=(dsn, table, args, log, stop_rest, mode), daemon=True)
+            threads.append(_guarded(_retention, log, failed, store, dsn, mode, args, log, stop_rest))
+            sampler = _guarded(_sampler, log, failed, dsn, table, args, log, stop_rest, mode)
             for t in [*threads, sampler]:
                 t.start()
-            threads[0].join(args.minutes * 60 + 120)
+            deadline = time.monotonic() + args.minutes * 60 + 120
+            while threads[0].is_alive() and not failed.is_set() and time.monotonic() < deadline:
+                threads[0].join(1.0)
+            stop_writer.set()
             stop_rest.set()
-            for t in threads[1:]:
+            for t in threads:
                 t.join(120)
             sampler.join(120)
-        report = summarize(mode, args, log, _lock_waits(pg.pgdata / "log"), c.server_version(dsn))
+        server_log = pg.pgdata / "log"
+        report = summarize(mode, args, log, _lock_waits(server_log), _version_or_none(dsn))
+        report["server_trouble"] = _server_trouble(server_log)
+        if args.server_log_dir:
+            Path(args.server_log_dir).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(server_log, Path(args.server_log_dir) / f"{mode}.log")
     finally:
         pg.stop()
         shutil.rmtree(base, ignore_errors=True)
     Path(args.result).write_text(json.dumps(report, default=str))
 
 
+def _version_or_none(dsn: str) -> str | None:
+    try:
+        return c.server_version(dsn)
+    except psycopg.Error:
+        return None
+
+
 def summarize(
-    mode: str, args: argparse.Namespace, log: TimedLog, lock_waits: list[dict[str, Any]], version: str
+    mode: str, args: argparse.Namespace, log: TimedLog, lock_waits: list[dict[str, Any]], version: str | None
 ) -> dict[str, Any]:
-    duration = args.minutes * 60
+    # A mode that failed early is measured over the time it ran.
+    duration = min(
+        args.minutes * 60, max(1.0, log.samples[-1]["t"] if log.errors and log.samples else args.minutes * 60)
+    )
     written = sum(r for _s, _d, r in log.inserts)
     delivered = sum(r for _t, r in log.delivered)
     per_minute = []
@@ -510,6 +547,8 @@ def summarize(
     return {
         "mode": mode,
         "server_version": version,
+        "errors": log.errors,
+        "seconds_measured": duration,
         "minutes": args.minutes,
         "target_rate": args.rate,
         "written": written,
@@ -544,6 +583,7 @@ def timed_main(args: argparse.Namespace) -> None:
         "--retention", args.retention, "--retention-every", str(args.retention_every),
         "--sample-seconds", str(args.sample_seconds), "--workers", str(args.workers), "--batch", str(args.batch),
         "--payload-bytes", str(args.payload_bytes),
+        *(["--server-log-dir", args.server_log_dir] if args.server_log_dir else []),
     ]  # fmt: skip
     procs = {
         mode: subprocess.Popen(
@@ -603,6 +643,11 @@ def timed_lines(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
             f"{r['claim_p50_ms']:>7.1f}/{r['claim_p99_ms']:<8.1f}  "
             f"{r['insert_p99_ms']:>8.1f}/{r['insert_max_ms']:<8.1f}  {r['insert_max_during_retention_ms']:>10.1f}"
         )
+    for mode, r in modes.items():
+        for error in r.get("errors", []):
+            lines.append(f"{mode}: FAILED at {error} (figures cover the {r['seconds_measured'] / 60:.1f} min before)")
+        for line in r.get("server_trouble", []):
+            lines.append(f"{mode}: server log: {line[:300]}")
     for mode, r in modes.items():
         if r["written_per_s"] < 0.98 * r["target_rate"]:
             lines.append(
@@ -673,6 +718,7 @@ def main() -> None:
     timed.add_argument("--sample-seconds", type=float, default=60.0, help="seconds between samples (default: 60)")
     timed.add_argument("--workers", type=int, default=2, help="relay claim/finalize threads per mode (default: 2)")
     timed.add_argument("--batch", type=int, default=100, help="rows per claim (default: %(default)s)")
+    timed.add_argument("--server-log-dir", help="copy each mode's PostgreSQL log here (<mode>.log)")
     timed.add_argument("--timed-worker", choices=TIMED_MODES, help=argparse.SUPPRESS)
     timed.add_argument("--result", help=argparse.SUPPRESS)
     c.add_server_args(parser)
