@@ -518,10 +518,10 @@ def _version_or_none(dsn: str) -> str | None:
 def summarize(
     mode: str, args: argparse.Namespace, log: TimedLog, lock_waits: list[dict[str, Any]], version: str | None
 ) -> dict[str, Any]:
-    # A mode that failed early is measured over the time it ran.
-    duration = min(
-        args.minutes * 60, max(1.0, log.samples[-1]["t"] if log.errors and log.samples else args.minutes * 60)
-    )
+    # A mode that failed early is measured over the time its writer ran.
+    duration = float(args.minutes * 60)
+    if log.errors and log.inserts:
+        duration = max(1.0, min(duration, max(s + d for s, d, _r in log.inserts)))
     written = sum(r for _s, _d, r in log.inserts)
     delivered = sum(r for _t, r in log.delivered)
     per_minute = []
