@@ -595,22 +595,26 @@ class RelaySettings(_Section):
         return value
 
 
-_INTERVAL_RE = re.compile(r"^\s*(\d+)\s*(hours?|days?|h|d)\s*\Z", re.IGNORECASE)
+_INTERVAL_RE = re.compile(r"^\s*(\d+)\s*(minutes?|mins?|hours?|days?|m|h|d)\s*\Z", re.IGNORECASE)
+_INTERVAL_UNIT_SECONDS = {"m": 60, "h": 3600, "d": 86400}
+#: The shortest partition width: partitions are named after their start to the minute.
+MIN_PARTITION_INTERVAL_SECONDS = 60
 
 
 def parse_partition_interval(text: str) -> int:
-    """A partition width in whole hours or days (``'1 hour'``, ``'6 hours'``, ``'1 day'``,
-    ``'7 days'``, or ``'12h'``, ``'1d'``) -> seconds. Partitions are aligned to the Unix
-    epoch in UTC, so a width that does not divide a week would drift against weekdays:
-    any whole number of hours is still accepted, the alignment is documented."""
+    """A partition width in whole minutes, hours or days (``'5 minutes'``, ``'1 hour'``,
+    ``'6 hours'``, ``'1 day'``, ``'7 days'``, or ``'15m'``, ``'12h'``, ``'1d'``) -> seconds,
+    at least one minute. Partitions are aligned to the Unix epoch in UTC, so every bound
+    falls on a whole minute and names made of the start to the minute stay unique and
+    sort by time; a width that does not divide a week would drift against weekdays: any
+    whole number is still accepted, the alignment is documented."""
     match = _INTERVAL_RE.match(str(text))
     if not match or int(match.group(1)) == 0:
         raise ValueError(
-            f"invalid partition interval {text!r}: use a whole number of hours or days, "
-            'e.g. "1 hour", "6 hours", "1 day", "7 days"'
+            f"invalid partition interval {text!r}: use a whole number of minutes, hours or days, at least "
+            '1 minute, e.g. "5 minutes", "1 hour", "6 hours", "1 day", "7 days"'
         )
-    unit = match.group(2).lower()
-    return int(match.group(1)) * (86400 if unit.startswith("d") else 3600)
+    return int(match.group(1)) * _INTERVAL_UNIT_SECONDS[match.group(2).lower()[0]]
 
 
 class PartitioningSettings(_Section):
@@ -619,9 +623,9 @@ class PartitioningSettings(_Section):
 
     interval: str | None = Field(
         default=None,
-        description='Width of one partition: "1 hour", "1 day", or any whole number of hours or days '
-        '("6 hours", "7 days"). Set: `migrate` creates a new outbox partitioned by range of created_at. '
-        "Unset (default): a plain table.",
+        description='Width of one partition: "1 hour", "1 day", or any whole number of minutes, hours or days '
+        '("5 minutes", "6 hours", "7 days"; at least 1 minute). Set: `migrate` creates a new outbox partitioned '
+        "by range of created_at. Unset (default): a plain table.",
     )
     retention: str = Field(
         default="7d",
@@ -662,6 +666,22 @@ class PartitioningSettings(_Section):
     def _check_retention(cls, value: str) -> str:
         parse_duration(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_premade_span(self) -> PartitioningSettings:
+        # The partitions made ahead must outlast two of the relay's maintenance rounds
+        # (one may fail and be retried): else rows land in the default partition, and a
+        # partition for their range can no longer be attached. Matters with short widths.
+        if self.interval is None or not self.maintain_in_relay:
+            return self
+        ahead_seconds = self.premake * self.interval_seconds
+        if ahead_seconds < 2 * self.maintain_interval_seconds:
+            raise ValueError(
+                f"premake = {self.premake} partitions of {self.interval!r} cover {ahead_seconds} s ahead, less than "
+                f"two maintenance rounds (2 x maintain_interval_seconds = {2 * self.maintain_interval_seconds:g} s): "
+                "raise premake or lower maintain_interval_seconds"
+            )
+        return self
 
     @property
     def enabled(self) -> bool:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -38,7 +39,13 @@ from psycopg import sql
 
 from ..errors import SchemaMissing
 from .autovacuum import check_overrides, parse_reloptions, plan
-from .partitions import PartitionLayout, create_ahead_in_transaction, create_default_partition
+from .partitions import (
+    PartitionLayout,
+    create_ahead_in_transaction,
+    create_default_partition,
+    partition_suffix,
+    storage_clause,
+)
 from .schema import FILLFACTOR, TableSql
 
 
@@ -365,13 +372,16 @@ def fresh_install_sql(
     notify_trigger: bool,
     wanted_indexes: Sequence[str],
     autovacuum: Mapping[str, str],
+    partitioning: PartitionLayout | None = None,
 ) -> list[str]:
     """The statements ``migrate`` runs on a database without the table, in its order:
     the schema, the record, every numbered step as it creates a new table (indexes built
     in the same transaction: the table is empty), the steps recorded, then the
     every-run steps as they come out on a new table. Nothing is read from a database.
     The same named sections as ``apply``; tests/acceptance/test_migrate_cli.py checks
-    that a database set up from this text is one ``migrate`` has nothing to do on."""
+    that a database set up from this text is one ``migrate`` has nothing to do on.
+    ``partitioning``: the partitioned layout, with its default partition and the
+    partitions ahead computed when the text is applied (not when it is printed)."""
     if on_done not in ("keep", "delete"):
         raise ValueError(f"on_done must be 'keep' or 'delete', not {on_done!r}")
     out: list[str] = []
@@ -379,8 +389,9 @@ def fresh_install_sql(
         out.append(_render(table_sql.query("create_schema")))
     out.append(_render(table_sql.query("create_migrations_table")))
     # Step 1 on a new table: the table (with its fillfactor) and the layout's indexes.
-    out.append(_render(table_sql.query("create_table")))
-    out += [_render(table_sql.index_ddl(key, concurrently=False)) for key in wanted_indexes]
+    partitioned = partitioning is not None
+    out.append(_render(table_sql.query("create_partitioned_table" if partitioned else "create_table")))
+    out += [_render(table_sql.index_ddl(key, concurrently=False, partitioned=partitioned)) for key in wanted_indexes]
     # Step 2 adds dedup_key to older tables: a new table has it. Step 3: the state table
     # (created with its on_done column). Steps 4 to 6: the companion tables and columns.
     out += [_render(statement) for statement in table_sql.statements("create_state_table")]
@@ -405,9 +416,14 @@ def fresh_install_sql(
     out.append(_render(table_sql.query("add_payload_bytes")))
     out.append(_render(table_sql.query("add_gauge_bounds")))  # step 11
     out += [_render(table_sql.query("record_migration"), {"step": step.number, "name": step.name}) for step in STEPS]
-    # Every-run steps on a new table: the autovacuum parameters and their record, the
-    # mode, the wake-up trigger (the fillfactor is in the table's DDL, no key to backfill).
+    # Every-run steps on a new table: the partitions (a partitioned table), the
+    # autovacuum parameters and their record (a plain table: a partitioned one has no
+    # storage, each partition gets them), the mode, the wake-up trigger (the fillfactor
+    # is in the table's DDL, no key to backfill).
     changes, record, _kept = plan({}, {}, check_overrides(autovacuum))
+    if partitioning is not None:
+        out += _partitions_sql(table_sql, partitioning)
+        changes, record = [], {}
     for change in changes:
         parameter = sql.SQL(change.parameter)  # validated by check_overrides / QUEUE_AUTOVACUUM
         if change.value is not None:
@@ -422,3 +438,29 @@ def fresh_install_sql(
         out.append(_render(table_sql.query("create_notify_function")))
         out.append(_render(table_sql.query("create_notify_trigger")))
     return out
+
+
+def _partitions_sql(table_sql: TableSql, layout: PartitionLayout) -> list[str]:
+    """A new partitioned outbox's default partition, then the current partition and
+    ``premake`` after it, from the clock of the transaction that applies the text."""
+    default = _render(
+        table_sql.partition_query(
+            "create_default_partition", table_sql.partition_name("default"), storage=storage_clause(layout)
+        )
+    )
+    # A partition's name is the table's (shortened to fit with a suffix of this length)
+    # and its start: the suffix's length depends on the width only.
+    sample = partition_suffix(datetime(2000, 1, 1, tzinfo=UTC), layout.interval_seconds)
+    prefix = table_sql.partition_name(sample)[: -len(sample)] + "p"
+    name_format = "YYYYMMDDHH24" if len(sample) == len("p2000010100") else "YYYYMMDDHH24MI"
+    ahead = table_sql.query(
+        "create_partitions_ahead_at_apply",
+        width_seconds=sql.Literal(layout.interval_seconds),
+        premake=sql.Literal(layout.premake),
+        name_prefix=sql.Literal(prefix),
+        name_format=sql.Literal(name_format),
+        schema=sql.Literal(table_sql.schema_name or ""),
+        table_text=sql.Literal(table_sql.ident.as_string(None)),
+        storage=sql.Literal(storage_clause(layout).as_string(None)),
+    )
+    return [default, _render(ahead, {})]

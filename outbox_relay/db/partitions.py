@@ -5,7 +5,8 @@ maintenance that makes it so (``outbox-relay maintain``, and a running relay eve
 The rules it keeps:
 
 - Partitions are ranges of ``created_at``, aligned to the Unix epoch in UTC (a day
-  partition runs from 00:00 UTC), named after their start (``<table>_p2026120300``).
+  partition runs from 00:00 UTC), named after their start (``<table>_p2026120300``;
+  to the minute, ``<table>_p202612030005``, for widths of whole minutes).
   The current one and ``premake`` after it exist; a default partition catches any row
   no range covers, so a writer never fails because maintenance fell behind.
 - A partition is created as a separate empty table and then ATTACHed (SHARE UPDATE
@@ -96,8 +97,13 @@ def wanted_ranges(now: datetime, interval_seconds: int, premake: int) -> list[tu
     return [(start + i * step, start + (i + 1) * step) for i in range(premake + 1)]
 
 
-def partition_suffix(start: datetime) -> str:
-    return "p" + start.astimezone(UTC).strftime("%Y%m%d%H")
+def partition_suffix(start: datetime, interval_seconds: int = 3600) -> str:
+    """A partition's name after its start: to the hour (``p2026120307``) for widths of
+    whole hours or days, to the minute (``p202612030705``) for the others. Bounds are
+    epoch-aligned multiples of the width (a whole number of minutes), so within one
+    table every name is unique and the names sort as their ranges do."""
+    pattern = "%Y%m%d%H" if interval_seconds % 3600 == 0 else "%Y%m%d%H%M"
+    return "p" + start.astimezone(UTC).strftime(pattern)
 
 
 @dataclass(frozen=True)
@@ -235,7 +241,7 @@ class PartitionOps(RetentionOps):
                         f"{overlapping[0].name} of another width: left to the operator"
                     )
                 continue
-            name = self.sql.partition_name(partition_suffix(start))
+            name = self.sql.partition_name(partition_suffix(start, layout.interval_seconds))
 
             def create(name: str = name, start: datetime = start, end: datetime = end) -> None:
                 create_partition(conn, self.sql, layout, name, start, end)
@@ -376,7 +382,7 @@ def create_ahead_in_transaction(
     """migrate on a table it has just created: the current partition and those ahead."""
     names = []
     for start, end in wanted_ranges(database_now(conn, table_sql), layout.interval_seconds, layout.premake):
-        name = table_sql.partition_name(partition_suffix(start))
+        name = table_sql.partition_name(partition_suffix(start, layout.interval_seconds))
         create_partition(conn, table_sql, layout, name, start, end)
         names.append(name)
     return names

@@ -153,7 +153,8 @@ def migrate(
         typer.Option(
             "--print-sql",
             help="Connect to nothing: print the SQL migrate runs on a database without the table (the whole schema, "
-            "with the configured table, relay.on_done, ordering indexes, autovacuum and --no-notify-trigger), to "
+            "with the configured table, relay.on_done, ordering indexes, autovacuum, [partitioning] and "
+            "--no-notify-trigger), to "
             "review it or apply it with a migration tool (Flyway, Alembic, Liquibase) in one transaction.",
         ),
     ] = False,
@@ -201,8 +202,6 @@ def migrate(
         ):
             if given:
                 _fail(f"--print-sql prints the schema of one new table: {flag} does not apply", 2)
-        if _for_source(settings, source).partitioning.enabled:
-            _fail("--print-sql prints the plain layout only (not yet a partitioned one): run `outbox-relay migrate`", 2)
         _print_migration_sql(_for_source(settings, source), no_notify_trigger, roles)
         return
     if any(roles.values()):
@@ -241,30 +240,45 @@ def migrate(
 def _print_migration_sql(settings: Settings, no_notify_trigger: bool, roles: dict[str, str | None]) -> None:
     """migrate --print-sql: the statements of a fresh installation, then the grants asked for."""
     from ..db.migrations import fresh_install_sql
+    from ..db.partitions import PartitionLayout
     from ..db.schema import BASE_INDEXES, ORDERING_INDEXES, TableSql
 
     ordering = bool(settings.relay.ordered_event_types)
     table = settings.database.table
     try:
+        layout = PartitionLayout.from_settings(settings)
         statements = fresh_install_sql(
             TableSql(table),
             on_done=settings.relay.on_done,
             notify_trigger=not no_notify_trigger,
             wanted_indexes=[*BASE_INDEXES, *(ORDERING_INDEXES if ordering else ())],
             autovacuum={k: str(v) for k, v in settings.database.autovacuum.items()},
+            partitioning=layout,
         )
     except ValueError as exc:
         _fail(f"database.autovacuum: {exc}", 2)
         raise
+    p = settings.partitioning
     header = [
         f"-- outbox-relay {__version__}: what `outbox-relay migrate` runs on a database without {table}",
         f"-- (relay.on_done = {settings.relay.on_done}; ordering indexes: {'yes' if ordering else 'no'}; "
-        f"wake-up trigger: {'no' if no_notify_trigger else 'yes'}).",
+        f"wake-up trigger: {'no' if no_notify_trigger else 'yes'}; "
+        + (
+            f"partitioned by created_at, partitions of {p.interval}, premake = {p.premake}"
+            if layout is not None
+            else "a plain table"
+        )
+        + ").",
         "-- Apply it as the table's owner in ONE transaction (psql --single-transaction -f FILE, or as one",
         "-- migration of your tool): on a database that already has the table it fails at the migration record",
         "-- and changes nothing. A later version's changes are new numbered steps that `outbox-relay migrate`",
         "-- applies; --print-sql prints a fresh installation only.",
     ]
+    if layout is not None:
+        header += [
+            "-- The current partition and those ahead are computed from the clock when the text is applied;",
+            "-- later ones are made by the relay's maintenance or `outbox-relay maintain` (a CronJob).",
+        ]
     typer.echo("\n".join([*header, *statements]))
     if any(roles.values()):
         typer.echo("\n".join(_grant_lines(settings, roles, before="apply the statements above first")))

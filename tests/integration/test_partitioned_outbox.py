@@ -476,7 +476,7 @@ def test_convert_a_plain_outbox_in_use_without_moving_a_row(pg_dsn, table, store
     run_sql(pg_dsn, table, f'DROP ROLE "{role}"')
 
 
-def test_migrate_from_the_cli_creates_a_partitioned_outbox_and_print_sql_says_not_yet(pg_dsn, table, tmp_path):
+def test_migrate_from_the_cli_creates_a_partitioned_outbox_and_print_sql_prints_it(pg_dsn, table, tmp_path):
     config = tmp_path / "relay.toml"
     config.write_text(
         f'[database]\ndsn = "{pg_dsn}"\ntable = "{table}"\n[relay]\non_done = "{ON_DONE}"\n'
@@ -489,8 +489,10 @@ def test_migrate_from_the_cli_creates_a_partitioned_outbox_and_print_sql_says_no
     assert kind == "p"
     again = cli("migrate", "--config", str(config))
     assert again.returncode == 0 and "created" not in again.stdout
+    # The printed layout is the partitioned one (tests/acceptance/test_migrate_cli.py applies it).
     printed = cli("migrate", "--print-sql", "--config", str(config))
-    assert printed.returncode == 2 and "not yet" in printed.stderr
+    assert printed.returncode == 0, printed.stderr
+    assert "PARTITION BY RANGE (created_at)" in printed.stdout and "FOR i IN 0..2 LOOP" in printed.stdout
 
 
 def test_ordering_indexes_added_later_are_built_partition_by_partition(pg_dsn, table, pstore):
@@ -579,3 +581,26 @@ def test_the_relays_maintenance_on_a_plain_table_says_so_and_goes_on(store):
     service.step()  # no exception: a warning line, the error counted
     assert metrics.registry.get_sample_value("outbox_relay_table_partition_maintenance_total", {"result": "error"}) == 1
     assert metrics.registry.get_sample_value("outbox_relay_table_partition_maintenance_ok") == 0
+
+
+def test_minute_partitions_are_made_ahead_named_to_the_minute_and_dropped_past_the_retention(pg_dsn, table):
+    minutes = layout(interval_seconds=300, premake=4, retention_seconds=600)
+    with OutboxStore(pg_dsn, table, pool_size=2) as store:
+        store.migrate(on_done=ON_DONE, partitioning=minutes)
+        ranged = [p for p in store.partitions() if not p.is_default]
+        assert len(ranged) == 5  # the current 5 minutes and premake = 4 after them
+        for part in ranged:
+            assert part.from_at is not None and part.to_at is not None
+            assert part.to_at - part.from_at == timedelta(minutes=5) and part.from_at.minute % 5 == 0
+            assert part.name.endswith("_p" + part.from_at.strftime("%Y%m%d%H%M"))
+        assert [p.name for p in ranged] == sorted(p.name for p in ranged)
+        # A 5-minute partition 20 minutes back holding delivered rows: past the 10-minute retention.
+        start = range_start(datetime.now(UTC) - timedelta(minutes=20), 300)
+        old = store.sql.partition_name("p" + start.strftime("%Y%m%d%H%M"))
+        with psycopg.connect(pg_dsn, autocommit=True) as conn, conn.transaction():
+            create_partition(conn, store.sql, minutes, old, start, start + timedelta(minutes=5))
+        row_id = insert_at(pg_dsn, table, start + timedelta(minutes=1))
+        assert row_id > 0
+        result = store.maintain_partitions(minutes)
+        assert result.ok and result.dropped == [old]
+        assert old not in names(store) and len([p for p in store.partitions() if not p.is_default]) == 5

@@ -217,3 +217,33 @@ ALTER INDEX {index} ATTACH PARTITION {partition_index}
 -- The partitions' indexes already attached to one index of the partitioned table.
 SELECT c.relname FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
 WHERE i.inhparent = to_regclass(%(index)s)
+
+-- name: create_partitions_ahead_at_apply
+-- migrate --print-sql: the current partition and {premake} after it, computed when the
+-- script is applied (from its transaction's now(), as migrate computes them), not when
+-- it was printed: the same epoch-aligned ranges of {width_seconds} seconds, the same
+-- names ({name_prefix} and the start in UTC as {name_format}), the same storage
+-- parameters ({storage}), each made empty and then attached (as maintenance does).
+-- {schema}: the table's schema, or '' for one on the search_path.
+DO $partitions$
+DECLARE
+    width constant bigint := {width_seconds};
+    first_start constant timestamptz := to_timestamp(floor(extract(epoch FROM now()) / width) * width);
+    range_start timestamptz;
+    range_end timestamptz;
+    partition_name text;
+    qualified text;
+BEGIN
+    FOR i IN 0..{premake} LOOP
+        range_start := first_start + make_interval(secs => i * width);
+        range_end := range_start + make_interval(secs => width);
+        partition_name := {name_prefix} || to_char(range_start AT TIME ZONE 'UTC', {name_format});
+        qualified := CASE WHEN {schema} = '' THEN format('%%I', partition_name)
+                          ELSE format('%%I.%%I', {schema}, partition_name) END;
+        EXECUTE format('CREATE TABLE %%s (LIKE %%s INCLUDING DEFAULTS INCLUDING CONSTRAINTS) WITH (%%s)',
+                       qualified, {table_text}, {storage});
+        EXECUTE format('ALTER TABLE %%s ATTACH PARTITION %%s FOR VALUES FROM (%%L) TO (%%L)',
+                       {table_text}, qualified, range_start, range_end);
+    END LOOP;
+END
+$partitions$

@@ -32,6 +32,13 @@ EXTRA = {
     "privilege": sql.SQL("INSERT"),
     "grantee": sql.Identifier("some_role"),
     "partition_index": sql.Identifier("app", "outbox_p2026120300_pending_idx"),
+    # create_partitions_ahead_at_apply (migrate --print-sql)
+    "width_seconds": sql.Literal(300),
+    "premake": sql.Literal(4),
+    "name_prefix": sql.Literal("outbox_p"),
+    "name_format": sql.Literal("YYYYMMDDHH24MI"),
+    "schema": sql.Literal("app"),
+    "table_text": sql.Literal('"app"."outbox"'),
 }
 
 
