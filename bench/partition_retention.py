@@ -71,7 +71,7 @@ import psycopg
 from psycopg import sql
 
 from outbox_relay.config import parse_duration, parse_partition_interval
-from outbox_relay.db.delivery import CLAIM_SETTINGS
+from outbox_relay.db.delivery import BUSY_PLAIN_CLAIM_SETTINGS
 from outbox_relay.db.partitions import PartitionLayout, create_partition, partition_storage, range_start
 from outbox_relay.db.store import FinalizeItem, OutboxStore
 
@@ -213,7 +213,7 @@ def claim_reads(dsn: str, partitions: int, backlog: int) -> dict[str, float]:
         results = []
         for _ in range(3):  # the first run warms the relation cache; the figures are the last run's
             with conn.transaction(force_rollback=True):
-                for name, value in CLAIM_SETTINGS.items():
+                for name, value in BUSY_PLAIN_CLAIM_SETTINGS.items():  # what `run` sends while busy
                     conn.execute("SELECT set_config(%s, %s, true)", (name, value))
                 [(plan,)] = conn.execute(
                     sql.SQL("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) ") + statement, params
