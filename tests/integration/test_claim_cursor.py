@@ -875,7 +875,8 @@ def test_a_full_claim_step_reads_a_bounded_range_as_dead_entries_grow_and_late_r
     assert front_large > 4 * front_small, (front_small, front_large)
     for steps, at_least in ((steps_small, 2), (steps_large, 6)):
         dense = sorted(b for b in steps if b > 20)  # the steps through the dead entries
-        assert len(dense) >= at_least and dense[len(dense) // 2] <= 2 * target_buffers, steps
+        # the lower median: with two such steps, one may be the step just below an idle stretch
+        assert len(dense) >= at_least and dense[(len(dense) - 1) // 2] <= 2 * target_buffers, steps
     assert front_large > 3 * max(steps_large), (steps_large, front_large)
 
 
