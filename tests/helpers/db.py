@@ -14,13 +14,15 @@
   ``make_settings`` fixtures and ``cli_env`` use it, so the table's mode and the
   relay's setting agree. ``delivered``/``assert_delivered``: what a done finalize left,
   in either mode (keep: the row is ``done``; delete: the row is gone).
+- ``held_snapshot``: MVCC pressure, a REPEATABLE READ snapshot held for the block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -198,3 +200,17 @@ def assert_delivered(dsn: str, table: str, ids: Sequence[int]) -> None:
     assert [r[0] for r in found] == sorted(ids), "keep mode: delivered rows missing from the table"
     wrong = [r for r in found if r[1:] != ("done", True, None, None, None)]
     assert wrong == [], f"keep mode: rows not left done (id, status, done_at set, owner, lease, error): {wrong}"
+
+
+@contextlib.contextmanager
+def held_snapshot(dsn: str) -> Iterator[None]:
+    """A REPEATABLE READ transaction that has taken its snapshot: nothing deleted or
+    updated after it is removable, nor marked dead in an index, until it ends."""
+    holder = psycopg.connect(dsn)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT 1").fetchone()
+    try:
+        yield
+    finally:
+        holder.rollback()
+        holder.close()

@@ -9,7 +9,6 @@ Real PostgreSQL, concurrent writers whose transactions commit out of id order.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -18,7 +17,6 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -26,7 +24,7 @@ from psycopg import sql
 
 from outbox_relay.db.claim_cursor import ClaimOutcome, ClaimPlan, DueCursor
 from outbox_relay.db.store import OutboxStore
-from tests.helpers.db import DELETE_MODE, run_sql, wait_for
+from tests.helpers.db import DELETE_MODE, held_snapshot, run_sql, wait_for
 
 INSERT = (
     "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) "
@@ -47,20 +45,6 @@ def _insert(conn: psycopg.Connection[Any], table: str, aggregate: str) -> int:
     row = conn.execute(sql.SQL(INSERT).format(sql.Identifier(*table.split("."))), (aggregate,)).fetchone()
     assert row is not None
     return int(row[0])
-
-
-@contextlib.contextmanager
-def _held_snapshot(dsn: str) -> Iterator[None]:
-    """A REPEATABLE READ transaction that has taken its snapshot: nothing deleted or
-    updated after it is removable, nor marked dead in an index, until it ends."""
-    holder = psycopg.connect(dsn)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT 1").fetchone()
-    try:
-        yield
-    finally:
-        holder.rollback()
-        holder.close()
 
 
 BULK_INSERT = (
@@ -184,10 +168,10 @@ def test_no_row_is_skipped_with_concurrent_writers_committing_out_of_id_order(
         assert run_sql(pg_dsn, table, "SELECT count(*) FROM {t} WHERE status = 'done'") == [(0,)]
 
 
-def test_fast_claims_read_past_the_dead_entries_of_a_held_snapshot(pg_dsn: str, table: str, store: OutboxStore) -> None:
+def test_fast_claims_read_past_the_dead_entries_of_aheld_snapshot(pg_dsn: str, table: str, store: OutboxStore) -> None:
     """Under a held snapshot the full claim's due scan visits every delivered row's dead
     entry; the fast claim's scan starts past them (buffers read, not time)."""
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )
@@ -231,12 +215,12 @@ def _explain_buffers(dsn: str, query: Any, params: dict[str, Any]) -> int:
     return int(plan_node["Shared Hit Blocks"]) + int(plan_node["Shared Read Blocks"])
 
 
-def test_queue_gauges_start_where_fast_claims_start_under_a_held_snapshot(
+def test_queue_gauges_start_where_fast_claims_start_under_aheld_snapshot(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
     """While fast claims are in use, the queue gauges read from their starts: the same
     figures as a read from the front, at a small fraction of the buffers."""
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )
@@ -309,7 +293,7 @@ def _unbounded_index_scans(node: dict[str, Any]) -> list[str]:
     return found
 
 
-def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_held_snapshot(
+def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_aheld_snapshot(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
     """An ANALYZE taken while vacuum is held back sees a few live rows among many dead
@@ -318,7 +302,7 @@ def test_claim_and_finalize_never_read_the_whole_table_after_an_analyze_under_a_
     from outbox_relay.db.delivery import CLAIM_SETTINGS, FINALIZE_SETTINGS, finalize_params
     from outbox_relay.model import FinalizeItem
 
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         seen: dict[int, int] = {}
         _deliver_thousands(pg_dsn, table, store, seen, rounds=15)
         run_sql(pg_dsn, table, "ANALYZE {t}")  # the queue drained: about no live row among the dead versions
@@ -405,7 +389,7 @@ def test_a_fast_claim_waits_for_an_open_writer_transaction_without_a_full_claim(
     assert store.due_cursor.full_claims == fulls == 1  # by a fast claim
 
 
-def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot(
+def test_the_fast_claim_statement_reads_past_the_dead_entries_of_aheld_snapshot(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
     """The claim statement itself, as the relay sends it: under a held snapshot the fast
@@ -413,7 +397,7 @@ def test_the_fast_claim_statement_reads_past_the_dead_entries_of_a_held_snapshot
     of the full one, whose scans walk every delivered row's dead entries."""
     from outbox_relay.db.delivery import CLAIM_SETTINGS
 
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )
@@ -544,7 +528,7 @@ def test_a_long_writer_transactions_rows_are_claimed_soon_after_its_commit_witho
     the cursor remembered it open, and once it is gone one catch-up claim from its
     start, and the fast claims after it, take them all. Full claims come once an hour
     here: only the catch-up could have found them."""
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         store.due_cursor = _pressure_cursor(full_every_seconds=3600, writers_within_seconds=1.0)
         run_sql(pg_dsn, table, BULK_INSERT)
         assert _claim_all(store, {}, batch=1000) == 1000  # the one full claim; every later claim is fast
@@ -578,7 +562,7 @@ def test_a_long_writer_transactions_rows_are_claimed_soon_after_its_commit_witho
 def test_a_long_writer_that_rolls_back_costs_one_catch_up_claim_and_loses_nothing(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         store.due_cursor = _pressure_cursor(full_every_seconds=3600, writers_within_seconds=0.5)
         run_sql(pg_dsn, table, BULK_INSERT)
         assert _claim_all(store, {}, batch=1000) == 1000
@@ -799,7 +783,7 @@ def test_a_full_claim_step_reads_a_bounded_range_as_dead_entries_grow_and_late_r
     30 000, while a scan from the front reads six times as many; a pass still finds a row written with
     an explicit available_at among the dead entries (below the fast start), and a row
     whose claim lease expired below the processing index's fast start."""
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         cursor = DueCursor(
             lag_seconds=0.1,
             rescan_min_seconds=3600,
@@ -885,7 +869,7 @@ def test_a_sweep_step_that_runs_out_of_its_own_timeout_is_tried_narrower_and_the
 ) -> None:
     """A step's own statement timeout (4 targets; 1 ms here) cancels it far below the
     claim's: the worker's claim does not fail, it claims from the fast start instead."""
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         cursor = DueCursor(
             lag_seconds=0.1,
             rescan_min_seconds=0.2,
@@ -939,7 +923,7 @@ def _blocks_of(dsn: str, table: str, run: Any) -> tuple[int, int]:
     return seen[0] - before[0], seen[1] - before[1]
 
 
-def test_status_in_its_own_process_counts_from_where_the_relays_claims_start_under_a_held_snapshot(
+def test_status_in_its_own_process_counts_from_where_the_relays_claims_start_under_aheld_snapshot(
     pg_dsn: str, table: str, store: OutboxStore, monkeypatch: Any
 ) -> None:
     """The relay publishes where its fast claims start while vacuum is held back;
@@ -950,7 +934,7 @@ def test_status_in_its_own_process_counts_from_where_the_relays_claims_start_und
     from tests.helpers.cli import cli, cli_env
 
     monkeypatch.setattr(claim_cursor, "BOUNDS_PUBLISH_INTERVAL_SECONDS", 0.0)  # every claim publishes
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         store.due_cursor = DueCursor(
             lag_seconds=0.0, rescan_min_seconds=3600, rescan_max_seconds=3600, fast_above_seconds=0.0
         )

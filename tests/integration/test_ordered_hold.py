@@ -9,7 +9,6 @@ timing targets."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,7 @@ from psycopg import sql
 from outbox_relay.db.claim_cursor import DueCursor
 from outbox_relay.db.delivery import CLAIM_SETTINGS, INDEX_FRONT, ORDERED_DISCOVER_ROWS
 from outbox_relay.db.store import OutboxStore
-from tests.helpers.db import ON_DONE, run_sql
+from tests.helpers.db import ON_DONE, held_snapshot, run_sql
 
 ALL = ["*"]
 AGGREGATES = 10
@@ -42,20 +41,6 @@ def store(pg_dsn: str, table: str) -> Iterator[OutboxStore]:
         yield s
     finally:
         s.close()
-
-
-@contextlib.contextmanager
-def _held_snapshot(dsn: str) -> Iterator[None]:
-    """A REPEATABLE READ transaction that has taken its snapshot: nothing deleted or
-    updated after it is removable, nor marked dead in an index, until it ends."""
-    holder = psycopg.connect(dsn)
-    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-    holder.execute("SELECT 1").fetchone()
-    try:
-        yield
-    finally:
-        holder.rollback()
-        holder.close()
 
 
 def _fast_ordered_cursor() -> DueCursor:
@@ -143,7 +128,7 @@ def test_fast_ordered_claims_read_past_the_dead_entries_and_keep_the_order(
     store.ordered_cursor = _fast_ordered_cursor()
     delivered: list[tuple[str, int]] = []
     inserted: set[int] = set()
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         # Rows delivered behind the held snapshot: each leaves two dead entries in the
         # aggregate index (its pending and its processing version).
         for _ in range(3):
@@ -252,7 +237,7 @@ def _install_audit(dsn: str, table: str) -> None:
         )
 
 
-def test_concurrent_fast_and_full_ordered_claims_keep_every_aggregates_order_under_a_held_snapshot(
+def test_concurrent_fast_and_full_ordered_claims_keep_every_aggregates_order_under_aheld_snapshot(
     pg_dsn: str, table: str, store: OutboxStore
 ) -> None:
     """Writers that commit in id order per aggregate (enqueue(ordered=True)), three
@@ -327,7 +312,7 @@ def test_concurrent_fast_and_full_ordered_claims_keep_every_aggregates_order_und
         except BaseException as exc:
             errors.append(exc)
 
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
         threads += [threading.Thread(target=worker, args=(10 + i,)) for i in range(3)]
         for thread in threads:
@@ -358,7 +343,7 @@ def test_a_dead_row_blocks_its_aggregate_in_fast_claims_and_its_retry_goes_first
     """A bound never passes a dead row: when it is retried (pending again, its id below
     the rows waiting behind it), the fast claims take it before them."""
     store.ordered_cursor = _fast_ordered_cursor()
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         ids = [int(r[0]) for r in run_sql(pg_dsn, table, BULK_INSERT + " RETURNING id", (3 * AGGREGATES,))]
         x = [i for i in ids if (i - ids[0]) % AGGREGATES == 0]  # aggregate 'a1': three rows in id order
 
@@ -396,7 +381,7 @@ def test_fast_ordered_claims_of_some_types_leave_the_others_to_the_plain_claim(
     )
     delivered: list[tuple[str, int]] = []
     types: dict[int, str] = {}
-    with _held_snapshot(pg_dsn):
+    with held_snapshot(pg_dsn):
         for _ in range(3):
             types.update({int(i): t for i, t in run_sql(pg_dsn, table, insert)})
             for _ in range(100):  # bounded
