@@ -78,6 +78,9 @@ def test_while_vacuum_is_held_back_the_idle_flag_stays_set(make_settings, store,
             insert_rows(pg_dsn, table, 1)
             wait_for(lambda n=rounds_before_pressure: statuses(pg_dsn, table).get("done") == n, timeout=60)
             wait_for(lambda: _flag(pg_dsn, table) is True, message="idle again")
+        # The relay's own first mark_idle (the flag is already set by migrate) must have
+        # been sent before counting: it is no flip of the flag under pressure.
+        wait_for(lambda: relay.wakeup.relays_marked_idle, message="the relay's first mark_idle")
         version = _state_row_version(pg_dsn, table)
         counts_before = relay.store.statement_counts.snapshot()
         started = time.monotonic()
