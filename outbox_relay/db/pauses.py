@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+
 from ..errors import SchemaMissing
 from .delivery import CLAIM_SETTINGS
 from .pooler import execute_with_settings
@@ -92,15 +94,19 @@ class PauseOps(StoreCore):
             rows = conn.execute(self.sql.query("pauses_list"), {"all": include_resumed, "limit": limit}).fetchall()
         return [PauseRow(*row) for row in rows]
 
-    def paused_rows(self, *, count_cap: int = 1_000_000, timeout_ms: int | None = None) -> int:
-        """Pending rows parked by a pause, counted up to ``count_cap``."""
+    def paused_rows(self, *, count_cap: int = 1_000_000, timeout_ms: int | None = None) -> int | None:
+        """Pending rows parked by a pause, counted up to ``count_cap``; None when a
+        ``timeout_ms`` budget ran out first (`status` then says so rather than fail)."""
         with self._mapped("count paused rows"), self._pool.connection() as conn:
             if timeout_ms is None:
                 row = conn.execute(self.sql.query("paused_rows_count"), {"count_cap": count_cap}).fetchone()
             else:
-                with conn.transaction():
-                    conn.execute(self.sql.query("bound_statement"), [f"{max(1, timeout_ms)}ms"])
-                    row = conn.execute(self.sql.query("paused_rows_count"), {"count_cap": count_cap}).fetchone()
+                try:
+                    with conn.transaction():
+                        conn.execute(self.sql.query("bound_statement"), [f"{max(1, timeout_ms)}ms"])
+                        row = conn.execute(self.sql.query("paused_rows_count"), {"count_cap": count_cap}).fetchone()
+                except psycopg.errors.QueryCanceled:
+                    return None
         return int(row[0]) if row else 0
 
     def park_chunk(

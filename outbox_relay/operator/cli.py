@@ -415,7 +415,11 @@ def status(
             typer.echo(f"    {aggregate} blocked by dead row {dead_id}")
     active = pauses["active"]
     if active or pauses["paused_rows"]:
-        parked = f"{'≥ ' if pauses['paused_rows_capped'] else ''}{pauses['paused_rows']}"
+        parked = (
+            "not counted in time"
+            if pauses["paused_rows"] is None
+            else f"{'≥ ' if pauses['paused_rows_capped'] else ''}{pauses['paused_rows']}"
+        )
         typer.echo(f"  operator pauses      {len(active)} active, {parked} pending rows parked")
         for p in active:
             typer.echo(

@@ -294,6 +294,6 @@ def pause_overview(store: OutboxStore, *, count_cap: int, timeout_ms: int | None
     return {
         "active": [pause_json(p) for p in active],
         "paused_rows": parked,
-        "paused_rows_capped": parked >= count_cap,
+        "paused_rows_capped": parked is not None and parked >= count_cap,  # None: not counted within the budget
         "migrated": True,
     }
