@@ -294,6 +294,11 @@ class Worker:
                         self._log_db_error(exc)
                         self._sleep_db_backoff()
                     continue
+                # A notification that came while this claim ran announced a row it may
+                # have missed (committed after its snapshot); no sleeper was woken for
+                # it, since this worker was active: claim again instead of sleeping.
+                if not wakeup.end_cycle(key, notices):
+                    continue
                 self._idle_wait()
         finally:
             wakeup.leave(key)

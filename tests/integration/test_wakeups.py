@@ -139,3 +139,35 @@ def test_one_waker_among_replicas_and_the_next_takes_over(make_settings, store, 
             second.stop()
     finally:
         first.stop()
+
+
+def test_a_row_announced_during_an_empty_claim_is_claimed_without_waiting_for_the_poll(
+    make_settings, store, pg_dsn, table, broker, monkeypatch
+):
+    """A row that commits after an empty claim's snapshot, announced while that claim
+    runs: the notification wakes nobody (the one worker is active and will look
+    again), so the worker must claim once more rather than sleep until its poll
+    (10 minutes here)."""
+    from outbox_relay.runtime import wakeup as wakeup_module
+
+    monkeypatch.setattr(wakeup_module, "COALESCE_SECONDS", 600.0)  # an active worker always counts as looking again
+    settings = make_settings(relay={"poll_interval_seconds": 600, "idle_poll_interval_seconds": 600, "workers": 1})
+    relay = Relay(settings)
+    real_claim = relay.store.claim
+    inserted: list[int] = []
+
+    def claim_then_a_row_commits(**kwargs):
+        result = real_claim(**kwargs)
+        if not result.rows and not inserted and relay.wakeup.relays_marked_idle and relay.wakeup.listening:
+            before = relay.wakeup.notices
+            inserted.extend(insert_rows(pg_dsn, table, 1))
+            wait_for(lambda: relay.wakeup.notices > before, timeout=10, message="the listener heard the insert")
+        return result
+
+    monkeypatch.setattr(relay.store, "claim", claim_then_a_row_commits)
+    relay.start()
+    try:
+        wait_for(lambda: inserted != [], timeout=30, message="a row inserted during an empty claim")
+        wait_for(lambda: statuses(pg_dsn, table).get("done") == 1, timeout=20, message="the announced row delivered")
+    finally:
+        relay.stop()
