@@ -444,6 +444,9 @@ def measure_mode(bench: Bench, level: str, mode: str, args: argparse.Namespace) 
             base_writer.stop()
 
     env = c.relay_env(bench.bench_dsn, relay_table, bench.bootstrap, topic, OUTBOX_RELAY_RELAY__ON_DONE=mode)
+    for setting in args.relay_setting:  # e.g. RELAY__CLAIM_LINGER_MS=20
+        name, _, value = setting.partition("=")
+        env["OUTBOX_RELAY_" + name.upper()] = value
     relays = [c.RelayProcess(["--workers", str(args.workers)], env) for _ in range(args.replicas)]
     writer = Writer(bench.writer_dsn, relay_table, args)
     check: dict[str, Any] = {}
@@ -680,6 +683,13 @@ def main() -> int:
     )
     parser.add_argument("--drain-timeout", type=float, default=300.0)
     parser.add_argument("--top", type=int, default=8, help="statements shown per window in the text output")
+    parser.add_argument(
+        "--relay-setting",
+        action="append",
+        default=[],
+        metavar="SECTION__NAME=VALUE",
+        help="a setting of the relay under test, as its OUTBOX_RELAY_ variable without the prefix (repeatable)",
+    )
     args = parser.parse_args()
 
     try:

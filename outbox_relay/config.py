@@ -536,12 +536,13 @@ class RelaySettings(_Section):
         "listen for inserts (relay.listen_notify = false, or a transaction pooler without database.listen_dsn).",
     )
     claim_linger_ms: float = Field(
-        default=10.0,
+        default=20.0,
         ge=0,
         le=1000,
-        description="While inserts arrive at least twice per this many milliseconds (a few hundred events "
-        "per second and more), a worker woken by a notification waits this long before it claims, so one "
-        "claim takes several rows instead of one each. Slower, a row is claimed at once. 0: never wait.",
+        description="The shortest time between two claims of a worker whose last claim was not full, while "
+        "inserts arrive at least twice per this many milliseconds (a hundred events per second and more; "
+        "always when the relays are busy or nobody listens): one claim then takes several rows instead of one "
+        "each. It adds at most this much to a row's latency. Slower, a row is claimed at once. 0: never wait.",
     )
     idle_poll_interval_seconds: float = Field(
         default=5.0,

@@ -22,6 +22,12 @@ often it wakes, so the rules are:
   claim instead of by a second worker in a second claim. Only when the active
   workers have been busy for longer than ``COALESCE_SECONDS`` (a slow publish) does
   a notification wake another.
+- **One claimer while batches are small.** A worker whose claim was not full and
+  that would claim again at once (the relays are busy, or nobody listens) steps
+  aside when another worker is active, and the one left waits ``relay.claim_linger_ms``
+  from its last claim's start before the next: at a few hundred events per second
+  one worker claims a few rows each time instead of several workers one row each.
+  A full batch wakes another worker.
 - **The idle flag flips on real transitions only.** A worker marks the relays busy
   (inserts stop notifying) when the relay keeps finding rows: a full batch, or
   ``BUSY_AFTER_CYCLES`` non-empty claims without a pause in between. It marks them
@@ -119,6 +125,18 @@ class Wakeup:
                 return False
             self._active.pop(key, None)
             return True
+
+    def step_aside(self, key: int) -> bool:
+        """A worker whose claim was not full would claim again: is another worker
+        active (claiming, or woken to)? Then this one stops being active and should
+        sleep (True): while batches are small one claimer takes everything that is
+        due, and a full batch wakes another (``wake_one``). Decided under the lock, so
+        of two workers asking at once one goes on."""
+        with self._cond:
+            if any(other != key for other in self._active):
+                self._active.pop(key, None)
+                return True
+            return False
 
     def leave(self, key: int) -> None:
         """A worker stops being active without a cycle's check (a failure, a stop)."""

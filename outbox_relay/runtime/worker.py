@@ -49,6 +49,13 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("outbox_relay.worker")
 
+# A busy worker whose last claim took at most this many rows claims with the generic
+# plan, as an idle one does: at a few hundred events per second a lingering claimer
+# takes a few rows each time, and planning such a claim costs several times running
+# it. Bigger claims (a backlog, thousands of events per second) are planned each time:
+# there the generic plan's full claims were slow (db/delivery.py, PLAIN_CLAIM_SETTINGS).
+GENERIC_CLAIM_MAX_ROWS = 16
+
 
 @dataclass
 class WorkerConfig:
@@ -184,8 +191,10 @@ class Worker:
         self._in_flight: ClaimedBatch | None = None  # the pipelined batch, for cleanup if the loop dies
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self._last_candidates = config.batch_size  # the rows the last claim could size at most
-        # The relay keeps finding rows (runtime/wakeup.py): claims then use custom plans.
+        # The relay keeps finding rows (runtime/wakeup.py): claims then use custom plans,
+        # unless they keep taking only a few rows (GENERIC_CLAIM_MAX_ROWS).
         self._busy = False
+        self._last_claimed_rows = 0
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -233,6 +242,7 @@ class Worker:
                 if reserved is None:
                     break  # stopped while waiting for the budget
                 notices = wakeup.begin_cycle(key)  # notifications after this: rows this claim may miss
+                cycle_started = time.monotonic()
                 try:
                     batch = self.claim_batch(reserved)
                 except DatabaseError as exc:
@@ -261,6 +271,14 @@ class Worker:
                         if in_flight is not None:
                             self.finish_batch(in_flight)
                         in_flight = batch
+                        if not full and not self._may_have_left_rows(batch):
+                            if wakeup.step_aside(key):
+                                self.finish_batch(batch)
+                                in_flight = self._in_flight = None
+                                busy_cycles = 0
+                                self._idle_wait()
+                                continue
+                            self._linger_after(cycle_started, announced=False)
                         continue
                     self._in_flight = batch
                     if in_flight is not None:
@@ -270,11 +288,17 @@ class Worker:
                     self._in_flight = None
                     # The claim took what was due. Rows committed since were announced
                     # by a notification: none came, nothing to claim until one does.
-                    if (
-                        not self._sleeps_between_batches()
-                        or self._may_have_left_rows(batch)
-                        or not wakeup.end_cycle(key, notices)
-                    ):
+                    if self._may_have_left_rows(batch):
+                        continue
+                    if not self._sleeps_between_batches():
+                        if wakeup.step_aside(key):
+                            busy_cycles = 0
+                            self._idle_wait()
+                        else:
+                            self._linger_after(cycle_started, announced=False)
+                        continue
+                    if not wakeup.end_cycle(key, notices):
+                        self._linger_after(cycle_started, announced=True)
                         continue
                     busy_cycles = 0
                     self._idle_wait()
@@ -298,6 +322,7 @@ class Worker:
                 # have missed (committed after its snapshot); no sleeper was woken for
                 # it, since this worker was active: claim again instead of sleeping.
                 if not wakeup.end_cycle(key, notices):
+                    self._linger_after(cycle_started, announced=True)
                     continue
                 self._idle_wait()
         finally:
@@ -350,6 +375,20 @@ class Worker:
         else:
             self.wakeup.leave(self.index)
             self.wakeup.wait(self.cfg.poll_interval_seconds * random.uniform(0.5, 1.0))
+
+    def _linger_after(self, cycle_started: float, *, announced: bool) -> None:
+        """The worker claims again after a claim that was not full: no sooner than
+        ``claim_linger_ms`` after that claim began, so at a few hundred events per
+        second each claim takes the rows of several inserts (a claim and a finalize per
+        lone row is what makes such rates expensive). ``announced``: the next claim is
+        for rows notifications announced, and lingers only while they come fast
+        (``Wakeup.linger_seconds``); otherwise (the relays are busy, or nobody listens)
+        it always lingers: a claim that was not full took everything that was due."""
+        max_seconds = self.cfg.claim_linger_ms / 1000
+        linger = self.wakeup.linger_seconds(max_seconds) if announced else max_seconds
+        remaining = cycle_started + linger - time.monotonic()
+        if remaining > 0:
+            self.stop_event.wait(remaining)
 
     def _mark_busy(self) -> None:
         """The relay keeps finding rows: inserts may stop notifying. Not while vacuum is
@@ -466,9 +505,10 @@ class Worker:
             max_batch_bytes=cfg.max_batch_bytes,
             candidates=candidates,
             max_message_bytes=cfg.max_message_bytes,
-            generic_plan=not self._busy,
+            generic_plan=not self._busy or self._last_claimed_rows <= GENERIC_CLAIM_MAX_ROWS,
         )
         self._ordered_after = result.ordered_after
+        self._last_claimed_rows = len(result.rows)
         if result.rows:
             self._avg_row_bytes = sum(r.size_bytes for r in result.rows) / len(result.rows)
         for row_id, version, owner in result.reaped:

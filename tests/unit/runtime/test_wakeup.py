@@ -162,3 +162,35 @@ def test_idle_wait_says_whether_a_notification_woke_it():
     thread.join(timeout=5)
     assert results == [True]
     assert wakeup.idle_wait(0, poll_seconds=0.01, listening_poll_seconds=0.01) is False  # its poll
+
+
+def test_of_two_active_workers_with_small_claims_one_steps_aside():
+    """One claimer is enough while claims are not full: the first to ask steps aside
+    (stops being active, so it sleeps), the other goes on; alone, nobody steps aside."""
+    wakeup = Wakeup()
+    wakeup.begin_cycle(0)
+    wakeup.begin_cycle(1)
+    assert wakeup.step_aside(0) is True
+    assert wakeup.step_aside(1) is False  # worker 0 no longer counts as active
+    assert wakeup.step_aside(1) is False
+
+
+def test_steps_aside_are_decided_one_at_a_time():
+    """Many workers asking at once: exactly one goes on claiming."""
+    for _ in range(50):
+        wakeup = Wakeup()
+        for key in range(4):
+            wakeup.begin_cycle(key)
+        barrier = threading.Barrier(4)
+        answers: dict[int, bool] = {}
+
+        def ask(key: int) -> None:
+            barrier.wait(timeout=5)
+            answers[key] = wakeup.step_aside(key)
+
+        threads = [threading.Thread(target=ask, args=(key,)) for key in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=5)
+        assert sorted(answers.values()) == [False, True, True, True]
