@@ -175,22 +175,27 @@ def test_of_two_active_workers_with_small_claims_one_steps_aside():
     assert wakeup.step_aside(1) is False
 
 
+def _ask_at_once(wakeup: Wakeup, keys: range) -> dict[int, bool]:
+    barrier = threading.Barrier(len(keys))
+    answers: dict[int, bool] = {}
+
+    def ask(key: int) -> None:
+        barrier.wait(timeout=5)
+        answers[key] = wakeup.step_aside(key)
+
+    threads = [threading.Thread(target=ask, args=(key,)) for key in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=5)
+    return answers
+
+
 def test_steps_aside_are_decided_one_at_a_time():
     """Many workers asking at once: exactly one goes on claiming."""
     for _ in range(50):
         wakeup = Wakeup()
         for key in range(4):
             wakeup.begin_cycle(key)
-        barrier = threading.Barrier(4)
-        answers: dict[int, bool] = {}
-
-        def ask(key: int) -> None:
-            barrier.wait(timeout=5)
-            answers[key] = wakeup.step_aside(key)
-
-        threads = [threading.Thread(target=ask, args=(key,)) for key in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=5)
+        answers = _ask_at_once(wakeup, range(4))
         assert sorted(answers.values()) == [False, True, True, True]
