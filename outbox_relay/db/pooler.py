@@ -142,7 +142,12 @@ def execute_with_settings(
     _state.in_bounded_pipeline = True
     try:
         with conn.pipeline():  # leaving it sends the one Sync and waits for both results
-            psycopg.Cursor(conn).execute(_SETTINGS_STATEMENT, (list(settings), list(settings.values())), prepare=False)
+            # Prepared on a direct connection (parsed and planned once per connection,
+            # not before every claim and finalize); never through a transaction pooler.
+            prepare_settings = False if isinstance(conn, PoolerConnection) else None
+            psycopg.Cursor(conn).execute(
+                _SETTINGS_STATEMENT, (list(settings), list(settings.values())), prepare=prepare_settings
+            )
             # Inside the pipeline a BoundedCursor does not bound again (_needs_bound).
             cursor.execute(cast(QueryNoTemplate, query), params, prepare=prepare)
     finally:

@@ -128,12 +128,15 @@ class Wakeup:
 
     def step_aside(self, key: int) -> bool:
         """A worker whose claim was not full would claim again: is another worker
-        active (claiming, or woken to)? Then this one stops being active and should
+        active (claiming, or woken to, within ``COALESCE_SECONDS``)? Then this one stops being active and should
         sleep (True): while batches are small one claimer takes everything that is
         due, and a full batch wakes another (``wake_one``). Decided under the lock, so
         of two workers asking at once one goes on."""
         with self._cond:
-            if any(other != key for other in self._active):
+            # As in notified(): one busy for longer than COALESCE_SECONDS (a slow
+            # publish) does not count, or rows would wait for it or for the idle poll.
+            recent = time.monotonic() - COALESCE_SECONDS
+            if any(other != key and began > recent for other, began in self._active.items()):
                 self._active.pop(key, None)
                 return True
             return False

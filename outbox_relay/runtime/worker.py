@@ -192,9 +192,9 @@ class Worker:
         self._avg_row_bytes = 0.0  # of the last non-empty claim: sizes the next claim's candidates
         self._last_candidates = config.batch_size  # the rows the last claim could size at most
         # The relay keeps finding rows (runtime/wakeup.py): claims then use custom plans,
-        # unless they keep taking only a few rows (GENERIC_CLAIM_MAX_ROWS).
+        # unless they keep taking a few rows, all that was due (GENERIC_CLAIM_MAX_ROWS).
         self._busy = False
-        self._last_claimed_rows = 0
+        self._last_claim_small = True
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -255,7 +255,8 @@ class Worker:
                 self._db_failures = 0
                 if batch is not None:
                     busy_cycles += 1
-                    full = len(batch.rows) >= self.cfg.batch_size
+                    # Full: the batch size, or cut by the byte budget or the rows sized.
+                    full = len(batch.rows) >= self.cfg.batch_size or self._was_cut(batch.rows)
                     if full:
                         wakeup.wake_one()  # a backlog: get another worker going
                     busy = self._busy = full or busy_cycles >= BUSY_AFTER_CYCLES
@@ -348,12 +349,19 @@ class Worker:
         ordering = self.cfg.ordering
         if ordering.enabled and any(ordering.is_ordered(r.event_type) for r in rows):
             return True
+        if self._was_cut(rows):
+            return True
+        return self._fast_claims_in_use()
+
+    def _was_cut(self, rows: Sequence[Claimed]) -> bool:
+        """Did the claim stop before what was due: at the rows it sized
+        (``_candidates``) or at the byte budget? Such a claim counts as full."""
+        if not rows:
+            return False
         if len(rows) >= self._last_candidates:
             return True
         biggest = max(r.size_bytes for r in rows)
-        if sum(r.size_bytes for r in rows) + biggest > self.cfg.max_batch_bytes:
-            return True
-        return self._fast_claims_in_use()
+        return sum(r.size_bytes for r in rows) + biggest > self.cfg.max_batch_bytes
 
     def _fast_claims_in_use(self) -> bool:
         """Vacuum is held back: the plain claims, or the ordered ones, have turned to
@@ -505,10 +513,12 @@ class Worker:
             max_batch_bytes=cfg.max_batch_bytes,
             candidates=candidates,
             max_message_bytes=cfg.max_message_bytes,
-            generic_plan=not self._busy or self._last_claimed_rows <= GENERIC_CLAIM_MAX_ROWS,
+            generic_plan=not self._busy or self._last_claim_small,
         )
         self._ordered_after = result.ordered_after
-        self._last_claimed_rows = len(result.rows)
+        # Small: a few rows and everything that was due (not cut by the rows sized or
+        # the byte budget, which a backlog of large rows always is).
+        self._last_claim_small = len(result.rows) <= GENERIC_CLAIM_MAX_ROWS and not self._was_cut(result.rows)
         if result.rows:
             self._avg_row_bytes = sum(r.size_bytes for r in result.rows) / len(result.rows)
         for row_id, version, owner in result.reaped:

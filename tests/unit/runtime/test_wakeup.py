@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+from outbox_relay.runtime import wakeup as wakeup_module
 from outbox_relay.runtime.wakeup import COALESCE_SECONDS, Wakeup
 
 
@@ -164,15 +165,25 @@ def test_idle_wait_says_whether_a_notification_woke_it():
     assert wakeup.idle_wait(0, poll_seconds=0.01, listening_poll_seconds=0.01) is False  # its poll
 
 
-def test_of_two_active_workers_with_small_claims_one_steps_aside():
+def test_of_two_active_workers_with_small_claims_one_steps_aside(monkeypatch):
     """One claimer is enough while claims are not full: the first to ask steps aside
     (stops being active, so it sleeps), the other goes on; alone, nobody steps aside."""
+    monkeypatch.setattr(wakeup_module, "COALESCE_SECONDS", 600.0)  # however slow this machine is
     wakeup = Wakeup()
     wakeup.begin_cycle(0)
     wakeup.begin_cycle(1)
     assert wakeup.step_aside(0) is True
     assert wakeup.step_aside(1) is False  # worker 0 no longer counts as active
     assert wakeup.step_aside(1) is False
+
+
+def test_a_worker_busy_for_longer_than_the_coalescing_window_does_not_count():
+    """A worker stuck in a slow publish is not the claimer the others can rely on."""
+    wakeup = Wakeup()
+    wakeup.begin_cycle(1)
+    time.sleep(COALESCE_SECONDS * 2)
+    wakeup.begin_cycle(0)
+    assert wakeup.step_aside(0) is False
 
 
 def _ask_at_once(wakeup: Wakeup, keys: range) -> dict[int, bool]:
@@ -191,8 +202,9 @@ def _ask_at_once(wakeup: Wakeup, keys: range) -> dict[int, bool]:
     return answers
 
 
-def test_steps_aside_are_decided_one_at_a_time():
+def test_steps_aside_are_decided_one_at_a_time(monkeypatch):
     """Many workers asking at once: exactly one goes on claiming."""
+    monkeypatch.setattr(wakeup_module, "COALESCE_SECONDS", 600.0)
     for _ in range(50):
         wakeup = Wakeup()
         for key in range(4):
