@@ -142,8 +142,9 @@ def execute_with_settings(
     _state.in_bounded_pipeline = True
     try:
         with conn.pipeline():  # leaving it sends the one Sync and waits for both results
-            # Prepared on a direct connection (parsed and planned once per connection,
-            # not before every claim and finalize); never through a transaction pooler.
+            # Prepared on a direct connection once psycopg's threshold is reached (parsed
+            # once per connection; PostgreSQL still plans it on each call, its cost
+            # estimate favouring custom plans); never through a transaction pooler.
             prepare_settings = False if isinstance(conn, PoolerConnection) else None
             psycopg.Cursor(conn).execute(
                 _SETTINGS_STATEMENT, (list(settings), list(settings.values())), prepare=prepare_settings
