@@ -37,16 +37,20 @@ often it wakes, so the rules are:
 - **One idle poll per process.** Polling is the safety net (a notification lost, a
   row inserted while the flag turned, an expired lease of a crashed peer, a row due
   later): while the listen connection is up, one sleeping worker polls every
-  ``relay.idle_poll_interval_seconds`` (sooner when a row this process rescheduled
-  becomes due) and the others sleep until woken. Without LISTEN, every worker polls
+  ``relay.idle_poll_interval_seconds`` and whenever a row this process rescheduled
+  becomes due (every such time is kept, not only the earliest: rows deferred by a
+  rate limit come due one after another), and the others sleep until woken. Without LISTEN, every worker polls
   every ``relay.poll_interval_seconds`` as before.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 import threading
 import time
+from collections.abc import Iterable
 
 import structlog
 
@@ -59,6 +63,11 @@ log = structlog.get_logger("outbox_relay.wakeup")
 COALESCE_SECONDS = 0.05
 # Non-empty claims in a row, without a pause, after which the relays count as busy.
 BUSY_AFTER_CYCLES = 16
+# Due times of rescheduled rows are rounded up to this grid, so rows due a few
+# milliseconds apart (a rate limit defers them one token apart) are claimed together.
+DUE_GRANULARITY_SECONDS = 0.05
+# At most this many distinct due times are kept; later ones are left to the idle poll.
+MAX_DUE_TIMES = 4096
 
 
 class Wakeup:
@@ -78,7 +87,10 @@ class Wakeup:
         self._notice_gap_seconds = float("inf")  # moving average of the time between notifications
         self._active: dict[int, float] = {}  # worker key -> when its current cycle began (monotonic)
         self._sentry: int | None = None  # the sleeping worker that polls for the process
-        self._due_at: float | None = None  # earliest monotonic time a row this process rescheduled is due
+        # Monotonic times (on the DUE_GRANULARITY_SECONDS grid) when rows this process
+        # rescheduled become due: a heap, and the same times as a set against duplicates.
+        self._due_times: list[float] = []
+        self._due_set: set[float] = set()
         self.relays_marked_idle = False
         self._listening = False
         # Held while the idle flag is changed in the table *and* mirrored here, so the
@@ -146,14 +158,27 @@ class Wakeup:
         with self._cond:
             self._active.pop(key, None)
 
-    def rescheduled(self, delay_seconds: float) -> None:
-        """A row this process rescheduled becomes due in ``delay_seconds``: the idle
-        poll comes no later than that."""
-        due = time.monotonic() + max(0.0, delay_seconds)
+    def rescheduled(self, delays_seconds: Iterable[float]) -> None:
+        """Rows this process rescheduled become due after these delays: the idle poll
+        comes at each of those times (rounded up to ``DUE_GRANULARITY_SECONDS``), not
+        only at the earliest, so rows deferred one after another are each claimed when
+        due rather than at the next idle poll."""
+        now = time.monotonic()
         with self._cond:
-            if self._due_at is None or due < self._due_at:
-                self._due_at = due
-                self._cond.notify_all()  # the sentry's deadline may come sooner
+            earliest = self._due_times[0] if self._due_times else math.inf
+            for delay in delays_seconds:
+                due = math.ceil((now + max(0.0, delay)) / DUE_GRANULARITY_SECONDS) * DUE_GRANULARITY_SECONDS
+                if due in self._due_set or len(self._due_times) >= MAX_DUE_TIMES:
+                    continue
+                self._due_set.add(due)
+                heapq.heappush(self._due_times, due)
+            if self._due_times and self._due_times[0] < earliest:
+                self._cond.notify_all()  # the sentry's deadline comes sooner
+
+    def _forget_due_times(self, now: float) -> None:
+        """Drop the due times that have passed: the claim about to run takes their rows."""
+        while self._due_times and self._due_times[0] <= now:
+            self._due_set.discard(heapq.heappop(self._due_times))
 
     def linger_seconds(self, max_seconds: float) -> float:
         """How long a worker woken by a notification waits before it claims: while
@@ -196,8 +221,8 @@ class Wakeup:
                     if self._sentry is None:
                         self._sentry, sentry_since = key, now
                     deadline = (sentry_since or started) + listening_poll_seconds * sentry_jitter
-                    if self._due_at is not None:
-                        deadline = min(deadline, self._due_at + 0.01)
+                    if self._due_times:
+                        deadline = min(deadline, self._due_times[0] + 0.01)
                 else:
                     # Not the sentry: woken by a notification, a full batch or a stop;
                     # when the sentry leaves to claim, one of these takes its place.
@@ -210,8 +235,7 @@ class Wakeup:
             if self._sentry == key:
                 self._sentry = None  # it claims now: another sleeper becomes the sentry
                 self._cond.notify(1)
-            if self._due_at is not None and self._due_at <= time.monotonic():
-                self._due_at = None
+            self._forget_due_times(time.monotonic())
             self._active[key] = time.monotonic()
         return woken
 

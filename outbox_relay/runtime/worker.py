@@ -667,7 +667,7 @@ class Worker:
         result = self.finalizer.write(rows, decisions, owner=self.owner)
         delays = [d.delay_seconds for d in decisions if d.status == "pending"]
         if delays:
-            self.wakeup.rescheduled(min(delays))  # the idle poll comes when they are due
+            self.wakeup.rescheduled(delays)  # the idle poll comes when each is due
         result.elapsed_seconds = elapsed_seconds
         trace.finalized(result)
         self._record(result)

@@ -132,9 +132,34 @@ def test_a_rescheduled_row_brings_the_poll_forward():
     woken: list[int] = []
     thread = sleeper(wakeup, 0, woken, poll_seconds=60, listening_poll_seconds=60)
     time.sleep(0.05)
-    wakeup.rescheduled(0.05)  # a row this process released is due in 50 ms
+    wakeup.rescheduled([0.05])  # a row this process released is due in 50 ms
     thread.join(timeout=5)
     assert woken == [0]
+
+
+def test_every_rescheduled_due_time_brings_a_poll_not_only_the_earliest():
+    # Rows deferred one after another (a rate limit) come due one after another: the
+    # sentry wakes at each due time, not at the earliest and then the idle poll.
+    wakeup = Wakeup()
+    wakeup.listening = True
+    wakeup.rescheduled([0.05, 0.3, 0.3])
+    wakes: list[float] = []
+    started = time.monotonic()
+    for _ in range(2):
+        woken_by_notification = wakeup.idle_wait(0, poll_seconds=60, listening_poll_seconds=60)
+        assert not woken_by_notification
+        wakes.append(time.monotonic() - started)
+    assert 0.04 <= wakes[0] < 0.3 <= wakes[1] < 30, wakes
+    # Both due times are spent: the next wait lasts until the idle poll (or a new due time).
+    wakeup.rescheduled([0.05])
+    wakeup.idle_wait(0, poll_seconds=60, listening_poll_seconds=60)
+    assert time.monotonic() - started < 30
+
+
+def test_due_times_are_rounded_to_a_grid_so_rows_due_together_cost_one_poll():
+    wakeup = Wakeup()
+    wakeup.rescheduled([1.0 + k * 0.001 for k in range(10)])  # ten rows due within 10 ms
+    assert len(wakeup._due_times) <= 2
 
 
 def test_a_woken_worker_lingers_only_while_notifications_come_fast():
