@@ -31,6 +31,9 @@ class ClaimResult:
     # Where the next ordered claim should start (round-robin); None: from the first
     # aggregate (an empty string is a valid aggregate_id, so it cannot mean "start").
     ordered_after: str | None = None
+    # Rows the claim picked that another claim took first (only a lockless claim sees
+    # them): what was due was not all taken, so the claim counts as cut.
+    taken_by_others: int = 0
 
 
 @dataclass(slots=True)
@@ -151,6 +154,14 @@ PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, plan_cache_mode="force_generic_plan"
 # join reads the array once. The ordered claim's transaction keeps CLAIM_SETTINGS, which
 # its own statements are planned for.
 BUSY_PLAIN_CLAIM_SETTINGS = dict(CLAIM_SETTINGS, enable_nestloop="off")
+# The plain claim with its generic plan runs without the row lock (delivery.sql
+# "claim"): it is a claim of a few rows while one worker claims at a time, so another
+# claim rarely holds one of its rows, and locking each row before updating it wrote a
+# WAL record per row (~54 B per event) that the UPDATE's own record makes redundant.
+# Waiting for a row another transaction holds is bounded by lock_timeout; past it the
+# claim runs again with the lock (SKIP LOCKED passes such rows by).
+LOCKLESS_CLAIM_LOCK_TIMEOUT_MS = 100
+LOCKLESS_CLAIM_SETTINGS = dict(PLAIN_CLAIM_SETTINGS, lock_timeout=f"{LOCKLESS_CLAIM_LOCK_TIMEOUT_MS}ms")
 # Also the lease keeper's extend_lease (the same join). enable_nestloop = off: with
 # statistics that see almost no live row (an ANALYZE while vacuum is held back) the
 # planner expected one outbox row and joined the batch's arrays to it in a nested loop,
@@ -306,13 +317,14 @@ class DeliveryOps(StoreCore):
             )
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
+            picked: list[int] = []
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
                 settings = PLAIN_CLAIM_SETTINGS if params.get("generic_plan") else BUSY_PLAIN_CLAIM_SETTINGS
                 reaped = self._plain_claim(
-                    conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=settings
+                    conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=settings, picked=picked
                 )
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
-            return ClaimResult(rows=rows, reaped=reaped)
+            return ClaimResult(rows=rows, reaped=reaped, taken_by_others=max(0, sum(picked) - len(rows)))
         # Ordered: several statements in one short transaction (heads, runs, the rest).
         # The ordered part has a cursor of its own (ordered_bounds.py): full (from the
         # front of the aggregate index, the statements as they always were) or fast.
@@ -532,26 +544,41 @@ class DeliveryOps(StoreCore):
         outcomes: list[ClaimOutcome],
         *,
         settings: dict[str, str] = CLAIM_SETTINGS,
+        picked: list[int] | None = None,
     ) -> list[tuple[int, int, str | None]]:
         """Run the reap + claim statement; append claimed rows (and what the statement
-        saw to ``outcomes``, for the claim cursor), return reaped ones."""
+        saw to ``outcomes``, for the claim cursor), return reaped ones. ``picked``: gets
+        how many rows the statement picked (more than it claimed when another claim
+        took some first)."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         full = params.pop("full_claim", True)
         sweep = params.pop("sweep_claim", False)
         sweep_timeout_ms = params.pop("sweep_timeout_ms", None)
         statement = self._full_claim_statement if full else self._claim_statement
+        generic = settings is PLAIN_CLAIM_SETTINGS
         if sweep:
             statement = self._sweep_claim_statement
             if sweep_timeout_ms is not None and cur.connection.info.transaction_status == pq.TransactionStatus.IDLE:
                 # Its own statement timeout, for this statement only (in an ordered
                 # claim's transaction it would outlast it: the step goes without).
                 settings = dict(settings, statement_timeout=str(sweep_timeout_ms))
+        elif generic and cur.connection.info.transaction_status == pq.TransactionStatus.IDLE:
+            statement = self._lockless_full_claim_statement if full else self._lockless_claim_statement
+            settings = LOCKLESS_CLAIM_SETTINGS
         claimed_before = len(rows)
         # A generic plan is worth keeping from the first call: an idle relay's claims,
         # seconds apart, may each land on a connection that has not run it 5 times.
-        prepare = True if settings is PLAIN_CLAIM_SETTINGS and not self.transaction_pooler else None
-        execute_with_settings(cur, statement, params, settings, prepare=prepare)
+        prepare = True if generic and not self.transaction_pooler else None
+        try:
+            execute_with_settings(cur, statement, params, settings, prepare=prepare)
+        except pg_errors.LockNotAvailable:
+            if settings is not LOCKLESS_CLAIM_SETTINGS:
+                raise
+            # Another transaction held one of the rows past the lock_timeout: the claim
+            # with the lock passes such rows by (nothing was claimed: autocommit).
+            statement = self._full_claim_statement if full else self._claim_statement
+            execute_with_settings(cur, statement, params, PLAIN_CLAIM_SETTINGS, prepare=prepare)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
         server_seconds: float | None = None
@@ -560,6 +587,8 @@ class DeliveryOps(StoreCore):
         for record in cur.fetchall():
             if record[0] is None:  # the statement's clock, expired leases looked at, open writers
                 expired_seen, database_now = int(record[1]), record[13]
+                if picked is not None and record[3] is not None:
+                    picked.append(int(record[3]))
                 if record[2] is not None:
                     server_seconds = int(record[2]) / 1_000_000
                 if record[10] is not None:  # rows an open writer will commit start at or after this key

@@ -197,6 +197,8 @@ class TableSql:
                 "SELECT NULL::timestamptz AS since, NULL::text AS long_writers, NULL::bigint AS looked_at_us"
             ),
             "claim_report": sql.SQL(""),
+            # The claim's row lock (delivery.sql "claim"); the store's lockless claim leaves it out.
+            "row_lock": sql.SQL("FOR UPDATE SKIP LOCKED"),
             # enqueue(tombstone=..., partition=...): the record columns, only when asked for.
             "record_columns": sql.SQL(""),
             "record_values": sql.SQL(""),

@@ -211,6 +211,20 @@ class StoreCore:
         # bounds written as NULL: the plan of the claim without bounds, and an entry of
         # its own in pg_stat_statements, so full and fast claims are measured apart.
         self._full_claim_statement = self.sql.query("claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+        # The same two without the row lock (delivery.sql "claim"): the claim of a few
+        # rows while one worker claims at a time (delivery.py LOCKLESS_CLAIM_SETTINGS).
+        self._lockless_claim_statement = self.sql.query(
+            "claim",
+            due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
+            leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
+            lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
+            writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
+            claim_report=sql.SQL(EXECUTABLE["claim_report"]),
+            row_lock=sql.SQL(""),
+        )
+        self._lockless_full_claim_statement = self.sql.query(
+            "claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]), row_lock=sql.SQL("")
+        )
         # A step of the full claim's sweep (claim_cursor.py Sweep): one key range of each index.
         self._sweep_claim_statement = self.sql.query(
             "claim",

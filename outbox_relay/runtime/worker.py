@@ -195,6 +195,7 @@ class Worker:
         # unless they keep taking a few rows, all that was due (GENERIC_CLAIM_MAX_ROWS).
         self._busy = False
         self._last_claim_small = True
+        self._last_claim_lost_rows = False  # the last claim picked rows another claim took first
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -310,6 +311,11 @@ class Worker:
                     self.finish_batch(in_flight)
                     in_flight = None
                     continue
+                if self._last_claim_lost_rows:
+                    # Another claim took the rows this one picked; rows after them may
+                    # be due and were not looked at.
+                    self._linger_after(cycle_started, announced=False)
+                    continue
                 if self.cfg.listen_notify and not wakeup.relays_marked_idle:
                     # Going idle: ask inserts to notify, then look once more, so a row
                     # inserted just before the flag was set is not left to the poll.
@@ -355,7 +361,11 @@ class Worker:
 
     def _was_cut(self, rows: Sequence[Claimed]) -> bool:
         """Did the claim stop before what was due: at the rows it sized
-        (``_candidates``) or at the byte budget? Such a claim counts as full."""
+        (``_candidates``), at the byte budget, or because another claim took rows it
+        had picked (a lockless claim: the rows after them were not looked at)? Such a
+        claim counts as full."""
+        if self._last_claim_lost_rows:
+            return True
         if not rows:
             return False
         if len(rows) >= self._last_candidates:
@@ -516,6 +526,7 @@ class Worker:
             generic_plan=not self._busy or self._last_claim_small,
         )
         self._ordered_after = result.ordered_after
+        self._last_claim_lost_rows = result.taken_by_others > 0
         # Small: a few rows and everything that was due (not cut by the rows sized or
         # the byte budget, which a backlog of large rows always is).
         self._last_claim_small = len(result.rows) <= GENERIC_CLAIM_MAX_ROWS and not self._was_cut(result.rows)

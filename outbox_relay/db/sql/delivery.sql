@@ -50,8 +50,12 @@ RETURNING o.id, o.lease_version, victims.lease_owner
 -- The whole claim in one statement (one round trip, atomic in autocommit): reap
 -- poison rows (as in "reap") and take up to LIMIT rows: expired leases first (the
 -- oldest work), then due pending rows, each read from its own partial index in
--- order and cut by LIMIT, so the cost does not grow with the backlog. SKIP LOCKED
--- makes concurrent claims take disjoint rows; the UPDATE makes ownership durable:
+-- order and cut by LIMIT, so the cost does not grow with the backlog. {row_lock} is
+-- FOR UPDATE SKIP LOCKED: concurrent claims take disjoint rows. A claim of a few rows
+-- while one worker claims at a time (store_core.py, the lockless claim) leaves it
+-- out: the lock costs a WAL record per row, and the UPDATE writes its own; that claim
+-- waits for a row another transaction holds (bounded by its lock_timeout) and takes
+-- it only if it is still what it was picked as. The UPDATE makes ownership durable:
 -- owner, deadline and a new fencing token. Reaped rows come back with reaped = true.
 -- %(excluded_types)s: event types left to the ordered claim (empty: none).
 -- Operator pauses (pauses.sql): "paused" reads the active ones once; neither scan takes
@@ -103,7 +107,7 @@ WITH victims AS (
 ), paused AS MATERIALIZED (
     {paused_selectors}
 ), expired AS (
-    SELECT id, 0 AS part, lease_until AS sort_at, created_at AS row_created_at,
+    SELECT id, 0 AS part, lease_until AS sort_at, created_at AS row_created_at, lease_version AS row_lease_version,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0)
            + coalesce(octet_length(payload_bytes), 0) AS row_bytes
     FROM {table}
@@ -115,9 +119,9 @@ WITH victims AS (
                OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
     ORDER BY lease_until
     LIMIT %(candidates)s
-    FOR UPDATE SKIP LOCKED
+    {row_lock}
 ), due AS (
-    SELECT id, 1 AS part, available_at AS sort_at, created_at AS row_created_at,
+    SELECT id, 1 AS part, available_at AS sort_at, created_at AS row_created_at, lease_version AS row_lease_version,
            octet_length(payload::text) + coalesce(octet_length(headers::text), 0)
            + coalesce(octet_length(payload_bytes), 0) AS row_bytes
     FROM {table}
@@ -128,7 +132,7 @@ WITH victims AS (
                OR coalesce(topic = ANY((SELECT topics FROM paused)::text[]), false))
     ORDER BY available_at, id
     LIMIT %(candidates)s
-    FOR UPDATE SKIP LOCKED
+    {row_lock}
 ), due_reach AS (
     -- The last key "due" read: its last row when it found all it looked for, else the
     -- end of the due rows.
@@ -159,8 +163,8 @@ WITH victims AS (
         FOR UPDATE SKIP LOCKED))
     RETURNING o.id
 ), picked AS MATERIALIZED (
-    SELECT id, row_bytes, part, row_created_at FROM (
-        SELECT id, row_bytes, part, row_created_at,
+    SELECT id, row_bytes, part, row_created_at, row_lease_version FROM (
+        SELECT id, row_bytes, part, row_created_at, row_lease_version,
                row_number() OVER w AS n,
                sum(row_bytes) OVER w AS bytes_through
         FROM (SELECT * FROM expired UNION ALL SELECT * FROM due) AS both_kinds
@@ -179,7 +183,14 @@ WITH victims AS (
     -- then looked up in its own partition only, not in every partition's primary key.
     -- "picked" materialized: in a nested loop whose outer side is the outbox it would
     -- otherwise be sized (and sorted) again for every row.
+    -- Still what it was picked as (always true of a row "expired" or "due" locked; a
+    -- claim without {row_lock} takes only the rows no other transaction changed since
+    -- its snapshot: on one that did, PostgreSQL waits for it and evaluates these
+    -- conditions again on the row as it left it).
     WHERE o.id = picked.id AND o.created_at = picked.row_created_at AND o.id = ANY(ARRAY(SELECT id FROM picked))
+      AND o.lease_version = picked.row_lease_version
+      AND CASE WHEN picked.part = 0 THEN o.status = 'processing' AND o.lease_until < now()
+               ELSE o.status = 'pending' AND o.available_at <= now() END
     RETURNING o.id, o.lease_version, o.attempts, o.aggregate_type, o.aggregate_id, o.event_type,
               CASE WHEN picked.row_bytes > %(max_message_bytes)s::bigint THEN NULL
                    ELSE o.payload::text END AS payload,
@@ -270,11 +281,13 @@ FROM (SELECT a.pid, a.xact_start,
 -- (microseconds, in the lease_version column: evaluated after the other parts, so it
 -- covers the scans and the UPDATE, not the network), what its look for open writers
 -- saw (outbox_writers: the young ones' oldest start in the created_at column, the long
--- writers in the event_type column, the look's clock in the payload column) and its clock.
+-- writers in the event_type column, the look's clock in the payload column), its clock,
+-- and how many rows it picked (in the attempts column: more than it claimed when
+-- another claim took some first, which only a claim without {row_lock} can see).
 UNION ALL
 SELECT NULL, (SELECT count(*) FROM expired),
        (extract(epoch FROM clock_timestamp() - statement_timestamp()) * 1000000)::int,
-       NULL, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
+       (SELECT count(*) FROM picked)::int, NULL, NULL, (SELECT long_writers FROM writers), (SELECT looked_at_us::text FROM writers), NULL,
        NULL, (SELECT since FROM writers), NULL, NULL, now(), NULL, NULL, NULL
 
 -- name: publish_gauge_bounds
