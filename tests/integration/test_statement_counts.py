@@ -8,6 +8,8 @@ against a real PostgreSQL and a real broker, scraped over HTTP.
   without inserts. So at most ``window / (0.75 x idle_poll) + 1`` claims in a window,
   whatever the number of workers; polling by every worker (``workers / poll_interval``
   per second, here 40 times as many) or a busy loop would send far more.
+- A steady writer of one row per transaction costs about one claim and one finalize
+  per row, and the wake-up flag stays where it is.
 
 Counts only, no timing assertion: the window's length is measured, and the bound is a
 rate over it. (A cross-check against pg_stat_statements would need the extension
@@ -86,3 +88,49 @@ def test_statements_counted_and_idle_rate_bounded(make_settings, store, pg_dsn, 
     assert sent["mark_busy"] == 0 and sent["mark_idle"] == 0, sent  # no insert, no flip of the flag
     assert sent["claim_empty"] >= 1, sent  # the process does poll
     assert sent["claim_empty"] <= seconds / (0.75 * IDLE_POLL_SECONDS) + 1, (sent, seconds)
+
+
+STEADY_ROWS = 120
+STEADY_GAP_SECONDS = 0.025  # about 40 rows per second, one per transaction
+
+
+def test_rows_written_one_at_a_time_cost_about_one_claim_and_one_finalize_each(make_settings, store, pg_dsn, table):
+    """A steady writer, one row per transaction: each row wakes one worker, which
+    claims it and finalizes it, and goes back to sleep: about one claim and one
+    finalize per row (or fewer, when a claim takes several), a few empty claims, and
+    the wake-up flag left alone. Waking every worker per row, a claim that runs again
+    after every batch or a flag flipped per row would each send several times this.
+    Counts only: the bound is per row written, whatever the machine's speed."""
+    relay = Relay(make_settings(metrics=METRICS, relay={"workers": WORKERS, "idle_poll_interval_seconds": 5.0}))
+    relay.start()
+    try:
+        port = relay.metrics_port
+        assert isinstance(port, int)
+        insert_rows(pg_dsn, table, 1)  # the flag goes idle after the first row's batch
+        poll(
+            lambda: scrape(port),
+            lambda r: statements(r[1])["mark_idle"] >= 1 and statuses(pg_dsn, table).get("pending", 0) == 0,
+            timeout=60,
+        )
+        time.sleep(1.0)
+        _text, before = scrape(port)
+        started = time.monotonic()
+        for _ in range(STEADY_ROWS):
+            insert_rows(pg_dsn, table, 1)
+            time.sleep(STEADY_GAP_SECONDS)
+
+        def delivered_all(result: tuple[str, Samples]) -> bool:
+            left = statuses(pg_dsn, table)
+            return left.get("pending", 0) == 0 and left.get("processing", 0) == 0
+
+        _text, after = poll(lambda: scrape(port), delivered_all, timeout=60)
+        seconds = time.monotonic() - started
+    finally:
+        relay.stop()
+
+    sent = {kind: statements(after)[kind] - statements(before)[kind] for kind in STATEMENT_KINDS}
+    idle_polls = seconds / (0.75 * 5.0) + 1
+    assert sent["claim"] <= STEADY_ROWS, sent
+    assert sent["finalize"] <= STEADY_ROWS, sent
+    assert sent["claim"] + sent["claim_empty"] <= 1.25 * STEADY_ROWS + idle_polls, (sent, seconds)
+    assert sent["mark_busy"] + sent["mark_idle"] <= 4, sent
