@@ -197,11 +197,13 @@ class DeliveryOps(StoreCore):
         candidates: int | None = None,
         max_message_bytes: int | None = None,
         generic_plan: bool = False,
+        lock_rows: bool = True,
     ) -> ClaimResult:
         """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
         committed before this returns (so before any publish). ``generic_plan``: the
         plain claim may use its generic plan (a relay that is not busy: see
-        PLAIN_CLAIM_SETTINGS)."""
+        PLAIN_CLAIM_SETTINGS). ``lock_rows=False``: that generic claim may leave the row
+        lock out (LOCKLESS_CLAIM_SETTINGS), for a worker that claims alone."""
         ordering = OrderingRule.of(ordered_types)
         all_ordered = ordering.all_types
         types = ordering.explicit_types
@@ -216,6 +218,7 @@ class DeliveryOps(StoreCore):
             "candidates": max(1, min(batch, candidates if candidates is not None else batch)),
             "max_message_bytes": max_message_bytes,
             "generic_plan": generic_plan,
+            "lock_rows": lock_rows,
         }
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
@@ -320,6 +323,8 @@ class DeliveryOps(StoreCore):
             picked: list[int] = []
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
                 settings = PLAIN_CLAIM_SETTINGS if params.get("generic_plan") else BUSY_PLAIN_CLAIM_SETTINGS
+                if settings is PLAIN_CLAIM_SETTINGS and not params.get("lock_rows", True):
+                    settings = LOCKLESS_CLAIM_SETTINGS
                 reaped = self._plain_claim(
                     conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=settings, picked=picked
                 )
@@ -556,16 +561,18 @@ class DeliveryOps(StoreCore):
         sweep = params.pop("sweep_claim", False)
         sweep_timeout_ms = params.pop("sweep_timeout_ms", None)
         statement = self._full_claim_statement if full else self._claim_statement
-        generic = settings is PLAIN_CLAIM_SETTINGS
+        lockless = settings is LOCKLESS_CLAIM_SETTINGS
+        generic = lockless or settings is PLAIN_CLAIM_SETTINGS
         if sweep:
             statement = self._sweep_claim_statement
             if sweep_timeout_ms is not None and cur.connection.info.transaction_status == pq.TransactionStatus.IDLE:
                 # Its own statement timeout, for this statement only (in an ordered
                 # claim's transaction it would outlast it: the step goes without).
                 settings = dict(settings, statement_timeout=str(sweep_timeout_ms))
-        elif generic and cur.connection.info.transaction_status == pq.TransactionStatus.IDLE:
+        if lockless and (sweep or cur.connection.info.transaction_status != pq.TransactionStatus.IDLE):
+            lockless, settings = False, PLAIN_CLAIM_SETTINGS  # a sweep step, or inside a transaction: with the lock
+        if lockless:
             statement = self._lockless_full_claim_statement if full else self._lockless_claim_statement
-            settings = LOCKLESS_CLAIM_SETTINGS
         claimed_before = len(rows)
         # A generic plan is worth keeping from the first call: an idle relay's claims,
         # seconds apart, may each land on a connection that has not run it 5 times.
@@ -573,7 +580,7 @@ class DeliveryOps(StoreCore):
         try:
             execute_with_settings(cur, statement, params, settings, prepare=prepare)
         except pg_errors.LockNotAvailable:
-            if settings is not LOCKLESS_CLAIM_SETTINGS:
+            if not lockless:
                 raise
             # Another transaction held one of the rows past the lock_timeout: the claim
             # with the lock passes such rows by (nothing was claimed: autocommit).

@@ -153,6 +153,11 @@ class Wakeup:
                 return True
             return False
 
+    def others_active(self, key: int) -> bool:
+        """Is another worker of the process in a cycle (claiming or publishing)?"""
+        with self._cond:
+            return any(other != key for other in self._active)
+
     def leave(self, key: int) -> None:
         """A worker stops being active without a cycle's check (a failure, a stop)."""
         with self._cond:

@@ -196,6 +196,9 @@ class Worker:
         self._busy = False
         self._last_claim_small = True
         self._last_claim_lost_rows = False  # the last claim picked rows another claim took first
+        # Set by the loop before each claim: no other worker of the process is claiming
+        # (the many-source loop leaves it False: its workers share each busy source).
+        self.claims_alone = False
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -243,6 +246,7 @@ class Worker:
                 if reserved is None:
                     break  # stopped while waiting for the budget
                 notices = wakeup.begin_cycle(key)  # notifications after this: rows this claim may miss
+                self.claims_alone = not wakeup.others_active(key)
                 cycle_started = time.monotonic()
                 try:
                     batch = self.claim_batch(reserved)
@@ -349,23 +353,21 @@ class Worker:
         worker claims again rather than wait for a notification that will not come:
         - ordered rows: finalizing a head makes the next row of its aggregate claimable;
         - a claim cut by its byte budget or by the rows it sized (``_candidates``);
+        - a claim some of whose picked rows another claim took first (a claim without
+          the row lock: the rows after them were not looked at);
         - fast claims in use (vacuum held back): the claim cursor may owe a claim from
           below where this one started (a catch-up, a full claim)."""
         rows = batch.rows
         ordering = self.cfg.ordering
         if ordering.enabled and any(ordering.is_ordered(r.event_type) for r in rows):
             return True
-        if self._was_cut(rows):
+        if self._was_cut(rows) or self._last_claim_lost_rows:
             return True
         return self._fast_claims_in_use()
 
     def _was_cut(self, rows: Sequence[Claimed]) -> bool:
         """Did the claim stop before what was due: at the rows it sized
-        (``_candidates``), at the byte budget, or because another claim took rows it
-        had picked (a lockless claim: the rows after them were not looked at)? Such a
-        claim counts as full."""
-        if self._last_claim_lost_rows:
-            return True
+        (``_candidates``) or at the byte budget? Such a claim counts as full."""
         if not rows:
             return False
         if len(rows) >= self._last_candidates:
@@ -524,12 +526,19 @@ class Worker:
             candidates=candidates,
             max_message_bytes=cfg.max_message_bytes,
             generic_plan=not self._busy or self._last_claim_small,
+            # Without the row lock only while this worker claims alone and its last
+            # claim was small and took all it picked (delivery.py LOCKLESS_CLAIM_SETTINGS).
+            lock_rows=not (self.claims_alone and self._last_claim_small),
         )
         self._ordered_after = result.ordered_after
         self._last_claim_lost_rows = result.taken_by_others > 0
         # Small: a few rows and everything that was due (not cut by the rows sized or
         # the byte budget, which a backlog of large rows always is).
-        self._last_claim_small = len(result.rows) <= GENERIC_CLAIM_MAX_ROWS and not self._was_cut(result.rows)
+        self._last_claim_small = (
+            len(result.rows) <= GENERIC_CLAIM_MAX_ROWS
+            and not self._was_cut(result.rows)
+            and not self._last_claim_lost_rows
+        )
         if result.rows:
             self._avg_row_bytes = sum(r.size_bytes for r in result.rows) / len(result.rows)
         for row_id, version, owner in result.reaped:

@@ -28,8 +28,9 @@ from tests.helpers.wait import wait_for
 
 
 def small_claim(store: OutboxStore, owner: str = "claimer") -> ClaimResult:
-    """What a worker of a relay that is not busy sends: the generic-plan claim."""
-    return store.claim(owner=owner, batch=10, lease_seconds=30, max_attempts=5, generic_plan=True)
+    """What a worker that claims alone sends while its claims are small: the generic-plan
+    claim without the row lock."""
+    return store.claim(owner=owner, batch=10, lease_seconds=30, max_attempts=5, generic_plan=True, lock_rows=False)
 
 
 def claim_in_thread(store: OutboxStore) -> tuple[threading.Thread, list[ClaimResult | BaseException]]:
