@@ -544,6 +544,16 @@ class RelaySettings(_Section):
         "always when the relays are busy or nobody listens): one claim then takes several rows instead of one "
         "each. It adds at most this much to a row's latency. Slower, a row is claimed at once. 0: never wait.",
     )
+    finalize_hold_ms: float = Field(
+        default=50.0,
+        ge=0,
+        le=1000,
+        description="While the relay listens for inserts and a worker sleeps between small batches: how long "
+        "the finalize of a delivered batch may wait for the worker's next claim, so that both go in one "
+        "transaction and one round trip (one transaction per event at a few tens of events per second instead "
+        "of two). Delivery is not delayed, only the row's turn to done (done_at); at most a tenth of "
+        "relay.lease_seconds. Not with ordered event types. 0: finalize at once.",
+    )
     idle_poll_interval_seconds: float = Field(
         default=5.0,
         gt=0,

@@ -34,6 +34,9 @@ class ClaimResult:
     # Rows the claim picked that another claim took first (only a lockless claim sees
     # them): what was due was not all taken, so the claim counts as cut.
     taken_by_others: int = 0
+    # With finalize_first: the ids that finalize accepted (written in the claim's
+    # transaction); None when there was none.
+    finalized: set[int] | None = None
 
 
 @dataclass(slots=True)
@@ -198,12 +201,21 @@ class DeliveryOps(StoreCore):
         max_message_bytes: int | None = None,
         generic_plan: bool = False,
         lock_rows: bool = True,
+        finalize_first: Sequence[FinalizeItem] = (),
+        finalize_strict: bool = False,
     ) -> ClaimResult:
         """Reap poison rows, then claim up to ``batch`` rows, in one short transaction
         committed before this returns (so before any publish). ``generic_plan``: the
         plain claim may use its generic plan (a relay that is not busy: see
         PLAIN_CLAIM_SETTINGS). ``lock_rows=False``: that generic claim may leave the row
-        lock out (LOCKLESS_CLAIM_SETTINGS), for a worker that claims alone."""
+        lock out (LOCKLESS_CLAIM_SETTINGS), for a worker that claims alone.
+        ``finalize_first``: the decisions of the worker's previous batch (a few rows),
+        written by the finalize statement in the claim's transaction and round trip
+        (``ClaimResult.finalized``: what it accepted); only without ordered types. If
+        the claim raises, nothing of it committed unless the error is an unknown commit
+        outcome: the caller finalizes on its own (a fenced finalize may be repeated)."""
+        if finalize_first and ordered_types:
+            raise ValueError("finalize_first is for the plain claim only")
         ordering = OrderingRule.of(ordered_types)
         all_ordered = ordering.all_types
         types = ordering.explicit_types
@@ -223,7 +235,14 @@ class DeliveryOps(StoreCore):
         # The connection breaking during COMMIT leaves the claim's outcome unknown:
         # CommitOutcomeUnknown propagates and nothing is published; if it did commit,
         # the rows' lease expires and a later claim takes them (never publish what may not be ours).
-        result, sweep = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+        result, sweep = self._claim_once(
+            ordering,
+            params,
+            run_length=run_length,
+            ordered_after=ordered_after,
+            finalize_first=(finalize_first, finalize_strict),
+        )
+        finalized = result.finalized
         # An empty claim whose look saw a long writer transaction end: its rows are
         # committed below where fast claims start, and the catch-up claim that takes
         # them is the next claim. Sent at once rather than after the worker's idle wait.
@@ -233,6 +252,7 @@ class DeliveryOps(StoreCore):
             sweep or self.due_cursor.catch_up_pending() or (ordering.enabled and self.ordered_cursor.catch_up_pending())
         ):
             result, _ = self._claim_once(ordering, params, run_length=run_length, ordered_after=ordered_after)
+            result.finalized = finalized
         publish, bounds = self.due_cursor.bounds_to_publish()
         if publish and not self._gauge_bounds_unsupported:
             self._publish_gauge_bounds(bounds)
@@ -259,16 +279,30 @@ class DeliveryOps(StoreCore):
             self.gauge_bounds_publish_failures += 1
 
     def _claim_once(
-        self, ordering: OrderingRule, params: dict[str, Any], *, run_length: int, ordered_after: str | None
+        self,
+        ordering: OrderingRule,
+        params: dict[str, Any],
+        *,
+        run_length: int,
+        ordered_after: str | None,
+        finalize_first: tuple[Sequence[FinalizeItem], bool] = ((), False),
     ) -> tuple[ClaimResult, bool]:
-        """One claim; and whether it was a sweep step."""
+        """One claim; and whether it was a sweep step. ``finalize_first``: the items and
+        strictness of a finalize sent in the claim's transaction (``claim``)."""
         rows: list[Claimed] = []
         plan = self.due_cursor.begin()
         outcomes: list[ClaimOutcome] = []  # what each claim statement saw, for the cursor
         started = time.monotonic()
         try:
             result = self._claim(
-                ordering, params, rows, plan, outcomes, run_length=run_length, ordered_after=ordered_after
+                ordering,
+                params,
+                rows,
+                plan,
+                outcomes,
+                run_length=run_length,
+                ordered_after=ordered_after,
+                finalize_first=finalize_first,
             )
         except DatabaseUnavailable as exc:
             elapsed = time.monotonic() - started
@@ -297,6 +331,7 @@ class DeliveryOps(StoreCore):
         *,
         run_length: int,
         ordered_after: str | None,
+        finalize_first: tuple[Sequence[FinalizeItem], bool] = ((), False),
     ) -> ClaimResult:
         start_at, start_id = plan.start if plan.start is not None else (INDEX_FRONT, 0)
         params = dict(
@@ -321,15 +356,42 @@ class DeliveryOps(StoreCore):
         if not ordering.enabled:
             # One statement, autocommit: reap + claim in a single round trip.
             picked: list[int] = []
+            finalize_items, finalize_strict = finalize_first
+            finalized: set[int] | None = None
             with self._mapped("claim", commit_unknown=True), self._pool.connection() as conn:
                 settings = PLAIN_CLAIM_SETTINGS if params.get("generic_plan") else BUSY_PLAIN_CLAIM_SETTINGS
                 if settings is PLAIN_CLAIM_SETTINGS and not params.get("lock_rows", True):
                     settings = LOCKLESS_CLAIM_SETTINGS
+                # Not in a sweep step: its statement timeout (a range denser than the
+                # last) would take the finalize with it; the worker writes it on its own.
+                finalize_cursor = conn.cursor() if finalize_items and not plan.sweep else None
                 reaped = self._plain_claim(
-                    conn.cursor(), dict(params, excluded_types=[]), rows, lowest, settings=settings, picked=picked
+                    conn.cursor(),
+                    dict(params, excluded_types=[]),
+                    rows,
+                    lowest,
+                    settings=settings,
+                    picked=picked,
+                    before=(
+                        [
+                            (
+                                finalize_cursor,
+                                self.sql.query("finalize", strict=finalize_strict),
+                                finalize_params(finalize_items),
+                            )
+                        ]
+                        if finalize_cursor is not None
+                        else []
+                    ),
                 )
+                if finalize_cursor is not None:
+                    finalized = {r[0] for r in finalize_cursor.fetchall()}
+            if finalized is not None:
+                self.statement_counts.add("finalize_in_claim")
             rows.sort(key=lambda c: c.id)  # RETURNING order is unspecified
-            return ClaimResult(rows=rows, reaped=reaped, taken_by_others=max(0, sum(picked) - len(rows)))
+            return ClaimResult(
+                rows=rows, reaped=reaped, taken_by_others=max(0, sum(picked) - len(rows)), finalized=finalized
+            )
         # Ordered: several statements in one short transaction (heads, runs, the rest).
         # The ordered part has a cursor of its own (ordered_bounds.py): full (from the
         # front of the aggregate index, the statements as they always were) or fast.
@@ -550,11 +612,13 @@ class DeliveryOps(StoreCore):
         *,
         settings: dict[str, str] = CLAIM_SETTINGS,
         picked: list[int] | None = None,
+        before: Sequence[tuple[Any, Any, Any]] = (),
     ) -> list[tuple[int, int, str | None]]:
         """Run the reap + claim statement; append claimed rows (and what the statement
         saw to ``outcomes``, for the claim cursor), return reaped ones. ``picked``: gets
         how many rows the statement picked (more than it claimed when another claim
-        took some first)."""
+        took some first). ``before``: statements sent first in the same transaction
+        (execute_with_settings), e.g. the previous batch's finalize."""
         reaped: list[tuple[int, int, str | None]] = []
         params = dict(params, candidates=min(params["candidates"], params["batch"]))
         full = params.pop("full_claim", True)
@@ -563,29 +627,35 @@ class DeliveryOps(StoreCore):
         statement = self._full_claim_statement if full else self._claim_statement
         lockless = settings is LOCKLESS_CLAIM_SETTINGS
         generic = lockless or settings is PLAIN_CLAIM_SETTINGS
+        if lockless and (sweep or cur.connection.info.transaction_status != pq.TransactionStatus.IDLE):
+            lockless, settings = False, PLAIN_CLAIM_SETTINGS  # a sweep step, or inside a transaction: with the lock
+        if lockless:
+            statement = self._lockless_full_claim_statement if full else self._lockless_claim_statement
         if sweep:
             statement = self._sweep_claim_statement
             if sweep_timeout_ms is not None and cur.connection.info.transaction_status == pq.TransactionStatus.IDLE:
                 # Its own statement timeout, for this statement only (in an ordered
                 # claim's transaction it would outlast it: the step goes without).
                 settings = dict(settings, statement_timeout=str(sweep_timeout_ms))
-        if lockless and (sweep or cur.connection.info.transaction_status != pq.TransactionStatus.IDLE):
-            lockless, settings = False, PLAIN_CLAIM_SETTINGS  # a sweep step, or inside a transaction: with the lock
-        if lockless:
-            statement = self._lockless_full_claim_statement if full else self._lockless_claim_statement
         claimed_before = len(rows)
         # A generic plan is worth keeping from the first call: an idle relay's claims,
         # seconds apart, may each land on a connection that has not run it 5 times.
         prepare = True if generic and not self.transaction_pooler else None
+        if before:
+            # The finalize's planner settings under the claim's (they agree; a generic
+            # claim's plan_cache_mode gives the small finalize its generic plan too).
+            settings = dict(FINALIZE_SETTINGS, **settings)
         try:
-            execute_with_settings(cur, statement, params, settings, prepare=prepare)
+            execute_with_settings(cur, statement, params, settings, prepare=prepare, before=before)
         except pg_errors.LockNotAvailable:
             if not lockless:
                 raise
             # Another transaction held one of the rows past the lock_timeout: the claim
-            # with the lock passes such rows by (nothing was claimed: autocommit).
+            # with the lock passes such rows by (nothing was claimed, nothing finalized:
+            # autocommit, one implicit transaction).
             statement = self._full_claim_statement if full else self._claim_statement
-            execute_with_settings(cur, statement, params, PLAIN_CLAIM_SETTINGS, prepare=prepare)
+            settings = dict(FINALIZE_SETTINGS, **PLAIN_CLAIM_SETTINGS) if before else PLAIN_CLAIM_SETTINGS
+            execute_with_settings(cur, statement, params, settings, prepare=prepare, before=before)
         keys: list[tuple[dt.datetime, int]] = []
         database_now: dt.datetime | None = None
         server_seconds: float | None = None

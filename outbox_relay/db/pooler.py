@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Self, cast
 
@@ -124,9 +124,13 @@ def execute_with_settings(
     settings: dict[str, str],
     *,
     prepare: bool | None = None,
+    before: Sequence[tuple[psycopg.Cursor[Any], Query, Params | None]] = (),
 ) -> None:
     """Execute ``query`` under transaction-local ``settings``: a set_config statement
     (delivery.sql "statement_settings") pipelined in front of it, one Sync, one round trip.
+    ``before``: statements (each on its own cursor, whose results the caller fetches)
+    sent between the two, in the same transaction: in autocommit, all of them commit
+    together or none does.
     In autocommit both run in one implicit transaction, so the settings end with it;
     in an explicit transaction they last until it ends. Through a transaction pooler
     the statement's statement_timeout rides in the same set_config. The caller
@@ -150,6 +154,8 @@ def execute_with_settings(
                 _SETTINGS_STATEMENT, (list(settings), list(settings.values())), prepare=prepare_settings
             )
             # Inside the pipeline a BoundedCursor does not bound again (_needs_bound).
+            for other, other_query, other_params in before:
+                other.execute(cast(QueryNoTemplate, other_query), other_params, prepare=prepare_settings)
             cursor.execute(cast(QueryNoTemplate, query), params, prepare=prepare)
     finally:
         _state.in_bounded_pipeline = False

@@ -10,7 +10,9 @@ from collections.abc import Callable
 # The kinds counted, each one round trip to the database:
 #   claim        a claim that took or reaped rows
 #   claim_empty  a claim that found nothing (an idle relay's steady load)
-#   finalize     one fenced finalize of a batch
+#   finalize     one fenced finalize of a batch, in a transaction of its own
+#   finalize_in_claim  one fenced finalize of a batch sent in the transaction (and the
+#                round trip) of the worker's next claim (relay.finalize_hold_ms)
 #   extend_lease one lease extension of a batch still being published
 #   mark_idle    the relays' flag flipped to idle (inserts start to NOTIFY)
 #   mark_busy    the flag flipped back on a wake-up
@@ -23,6 +25,7 @@ STATEMENT_KINDS: tuple[str, ...] = (
     "claim",
     "claim_empty",
     "finalize",
+    "finalize_in_claim",
     "extend_lease",
     "mark_idle",
     "mark_busy",

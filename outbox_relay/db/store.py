@@ -24,6 +24,7 @@ from .dead_rows import DeadRowOps
 from .dead_rows import DeadSummary as DeadSummary
 from .delivery import CLAIM_SETTINGS as CLAIM_SETTINGS
 from .delivery import FINALIZE_SETTINGS as FINALIZE_SETTINGS
+from .delivery import GENERIC_FINALIZE_MAX_ROWS as GENERIC_FINALIZE_MAX_ROWS
 from .delivery import ClaimResult as ClaimResult
 from .delivery import DeliveryOps
 from .delivery import Reschedule as Reschedule

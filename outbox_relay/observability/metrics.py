@@ -220,8 +220,9 @@ class RelayMetrics(PublisherObserver):
         self.statements_total = Counter(
             "outbox_relay_statements",
             "Statements the relay sent to its database, by kind (claim: took or reaped rows; claim_empty: found "
-            "nothing; finalize; extend_lease; mark_idle, mark_busy: the wake-up flag; gauge_bounds: where the "
-            "claims start, published while vacuum is held back); per source in a process serving several.",
+            "nothing; finalize: in a transaction of its own; finalize_in_claim: in the next claim's transaction; "
+            "extend_lease; mark_idle, mark_busy: the wake-up flag; gauge_bounds: where the claims start, published "
+            "while vacuum is held back); per source in a process serving several.",
             ["statement"],
             registry=r,
         )

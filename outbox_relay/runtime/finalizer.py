@@ -38,11 +38,30 @@ class Finalizer:
         self._durable = durable
         self._retry_for = retry_for_seconds
 
-    def write(self, rows: Sequence[Claimed], decisions: Sequence[Decision], *, owner: str) -> BatchResult:
-        items = [
+    @staticmethod
+    def items(rows: Sequence[Claimed], decisions: Sequence[Decision]) -> list[FinalizeItem]:
+        """What the finalize statement writes for a batch's decisions."""
+        return [
             FinalizeItem(row.id, row.lease_version, d.status, d.delay_seconds, d.error, d.refund_attempt)
             for row, d in zip(rows, decisions, strict=True)
         ]
+
+    @staticmethod
+    def accepted_result(rows: Sequence[Claimed], decisions: Sequence[Decision], accepted: set[int]) -> BatchResult:
+        """The result of a finalize that ran once and accepted ``accepted`` (one sent
+        in the next claim's transaction: store.claim finalize_first)."""
+        result = BatchResult(rows=rows, decisions=decisions)
+        result.accepted = accepted
+        result.lost = [row.id for row in rows if row.id not in accepted]
+        return result
+
+    def write(
+        self, rows: Sequence[Claimed], decisions: Sequence[Decision], *, owner: str, after_unknown: bool = False
+    ) -> BatchResult:
+        """``after_unknown``: the same finalize may already have committed (it rode in a
+        claim whose commit outcome is unknown): rows it matches no longer are checked
+        as after a retry (``_our_lost_replies``)."""
+        items = self.items(rows, decisions)
         result = BatchResult(rows=rows, decisions=decisions)
         if not items:
             return result
@@ -50,7 +69,7 @@ class Finalizer:
         if accepted is None:
             result.unfinalized = [row.id for row in rows]
             return result
-        if retried and len(accepted) < len(items):
+        if (retried or after_unknown) and len(accepted) < len(items):
             accepted |= self._our_lost_replies([i for i in items if i.id not in accepted])
         result.accepted = accepted
         result.lost = [row.id for row in rows if row.id not in accepted]

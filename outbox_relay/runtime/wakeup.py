@@ -87,6 +87,9 @@ class Wakeup:
         self._notice_gap_seconds = float("inf")  # moving average of the time between notifications
         self._active: dict[int, float] = {}  # worker key -> when its current cycle began (monotonic)
         self._sentry: int | None = None  # the sleeping worker that polls for the process
+        # Sleeping workers that hold a finalize for their next claim (Worker._idle_wait):
+        # a notification's wake-up goes to one of them, so the finalize rides in its claim.
+        self._holders: set[int] = set()
         # Monotonic times (on the DUE_GRANULARITY_SECONDS grid) when rows this process
         # rescheduled become due: a heap, and the same times as a set against duplicates.
         self._due_times: list[float] = []
@@ -197,15 +200,20 @@ class Wakeup:
         return max_seconds if gap <= max_seconds / 2 else 0.0
 
     # --- sleeping ----------------------------------------------------------------------
-    def idle_wait(self, key: int, *, poll_seconds: float, listening_poll_seconds: float) -> bool:
+    def idle_wait(
+        self, key: int, *, poll_seconds: float, listening_poll_seconds: float, until: float | None = None
+    ) -> bool:
         """Sleep until woken or until this worker's poll is due. While the process
         listens, one sleeping worker (the sentry) polls every ``listening_poll_seconds``
         (or when a rescheduled row is due) and the others sleep until woken; otherwise
         every worker polls every ``poll_seconds`` (both jittered). True when woken by a
-        notification or a full batch (not a stop, not the poll)."""
-        woken = False
+        notification or a full batch (not a stop, not the poll). ``until`` (monotonic):
+        return by then at the latest (False), still counted as sleeping until then."""
+        woken = reached_until = False
         with self._cond:
             self._active.pop(key, None)
+            if until is not None:
+                self._holders.add(key)
             seen = self._generation
             started = time.monotonic()
             poll_jitter, sentry_jitter = random.uniform(0.5, 1.0), random.uniform(0.75, 1.0)
@@ -213,11 +221,15 @@ class Wakeup:
             while True:
                 if self._generation != seen:
                     break
-                if self._tokens > 0:
+                # A worker holding a finalize takes the wake-up first: its claim carries it.
+                if self._tokens > 0 and (key in self._holders or not self._holders):
                     self._tokens -= 1
                     woken = True
                     break
                 now = time.monotonic()
+                if until is not None and now >= until:
+                    reached_until = True
+                    break
                 if not self.listening:
                     if self._sentry == key:
                         self._sentry = None
@@ -231,15 +243,27 @@ class Wakeup:
                 else:
                     # Not the sentry: woken by a notification, a full batch or a stop;
                     # when the sentry leaves to claim, one of these takes its place.
-                    self._cond.wait(listening_poll_seconds)
+                    self._cond.wait(
+                        listening_poll_seconds if until is None else min(listening_poll_seconds, until - now)
+                    )
                     continue
                 if deadline <= now:
                     break
+                if until is not None:
+                    deadline = min(deadline, until)
                 # Woken early by rescheduled(): the deadline is computed again.
                 self._cond.wait(deadline - now)
             if self._sentry == key:
                 self._sentry = None  # it claims now: another sleeper becomes the sentry
                 self._cond.notify(1)
+            if key in self._holders:
+                self._holders.discard(key)
+                if self._tokens > 0:
+                    self._cond.notify_all()  # a wake-up it did not take is another's now
+            if reached_until:
+                # Not claiming: it stays a sleeper, so a notification meanwhile leaves a
+                # token (taken when it waits again) rather than counting on it to look.
+                return False
             self._forget_due_times(time.monotonic())
             self._active[key] = time.monotonic()
         return woken
@@ -268,14 +292,20 @@ class Wakeup:
             if self._active and min(self._active.values()) > now - COALESCE_SECONDS:
                 return
             self._tokens = 1
-            self._cond.notify(1)
+            if self._holders:
+                self._cond.notify_all()  # the holder of a finalize takes it (idle_wait)
+            else:
+                self._cond.notify(1)
 
     def wake_one(self) -> None:
         with self._cond:
             # At most one token banked: a wake-up while every worker is busy makes
             # the next worker that would go to sleep look once more instead.
             self._tokens = 1
-            self._cond.notify(1)
+            if self._holders:
+                self._cond.notify_all()  # as in notified(): a holder of a finalize takes it
+            else:
+                self._cond.notify(1)
 
     def wake_all(self) -> None:
         with self._cond:

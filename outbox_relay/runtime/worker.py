@@ -30,10 +30,10 @@ from ..core.backoff import full_jitter_backoff
 from ..core.batch_result import BatchResult
 from ..core.breaker import CircuitBreaker
 from ..core.budget import ByteBudget
-from ..core.decision import DONE, RetryPolicy, decide, is_outage
+from ..core.decision import DONE, Decision, RetryPolicy, decide, is_outage
 from ..core.formats import WireFormat
 from ..core.ordering import RELEASED_AFTER_FAILURE, OrderingRule, RunGuard, release_after_failures
-from ..db.store import OutboxStore
+from ..db.store import GENERIC_FINALIZE_MAX_ROWS, ClaimResult, OutboxStore
 from ..errors import CommitOutcomeUnknown, DatabaseError, SchemaMissing
 from ..model import Claimed, Message, NotDelivered, Outcome, PermanentError
 from ..observability.metrics import RelayMetrics
@@ -79,6 +79,7 @@ class WorkerConfig:
     idle_poll_interval_seconds: float = 5.0  # while listening: the process's one idle poll (runtime/wakeup.py)
     durable_finalize: bool = True  # relay.finalize_synchronous_commit = "on"
     claim_linger_ms: float = 0.0  # relay.claim_linger_ms (runtime/wakeup.py)
+    finalize_hold_ms: float = 0.0  # relay.finalize_hold_ms (Worker._hold_or_finish)
     max_batch_bytes: int = 2**62  # relay.max_batch_bytes
     max_message_bytes: int | None = None  # the publisher's limit: bigger rows go dead unfetched
     #: The message format (``kafka.message_format``); None = the contract with ``topic_template``.
@@ -118,6 +119,7 @@ class WorkerConfig:
             idle_poll_interval_seconds=s.relay.idle_poll_interval_seconds,
             durable_finalize=s.relay.finalize_synchronous_commit == "on",
             claim_linger_ms=s.relay.claim_linger_ms,
+            finalize_hold_ms=s.relay.finalize_hold_ms,
             backoff_base_seconds=s.relay.backoff_base_seconds,
             backoff_cap_seconds=s.relay.backoff_cap_seconds,
             publish_timeout_seconds=timeout,
@@ -128,6 +130,18 @@ class WorkerConfig:
             wire_format=wire,
         )
         return replace(config, **overrides) if overrides else config
+
+
+@dataclass(slots=True)
+class HeldFinalize:
+    """A delivered batch whose finalize waits for the worker's next claim, to ride in
+    its transaction (``relay.finalize_hold_ms``); written on its own at ``until``."""
+
+    rows: Sequence[Claimed]
+    decisions: list[Decision]
+    trace: BatchTrace
+    elapsed_seconds: float
+    until: float  # monotonic
 
 
 @dataclass(eq=False)
@@ -199,6 +213,7 @@ class Worker:
         # Set by the loop before each claim: no other worker of the process is claiming
         # (the many-source loop leaves it False: its workers share each busy source).
         self.claims_alone = False
+        self._held: HeldFinalize | None = None  # a finalize waiting for the next claim
         self.tracing = tracing or Tracing()
         self.finalizer = Finalizer(
             store,
@@ -240,6 +255,7 @@ class Worker:
                     if in_flight is not None:
                         self.finish_batch(in_flight)
                         in_flight = None
+                    self._write_held()
                     self.breaker.wait_closed(timeout=0.5)
                     continue
                 reserved, in_flight = self._reserve_bytes(in_flight)
@@ -290,7 +306,10 @@ class Worker:
                     if in_flight is not None:
                         self.finish_batch(in_flight)
                         in_flight = None
-                    self.finish_batch(batch)
+                    if self._sleeps_between_batches():
+                        self.finish_batch_or_hold(batch)  # its finalize may ride in the next claim
+                    else:
+                        self.finish_batch(batch)
                     self._in_flight = None
                     # The claim took what was due. Rows committed since were announced
                     # by a notification: none came, nothing to claim until one does.
@@ -338,6 +357,7 @@ class Worker:
                 self._idle_wait()
         finally:
             wakeup.leave(key)
+            self._write_held()  # also when a failure ends the loop
         self._in_flight = in_flight
         if in_flight is not None:
             self.finish_batch(in_flight)
@@ -384,11 +404,19 @@ class Worker:
 
     def _idle_wait(self) -> None:
         if self.cfg.listen_notify:
-            woken = self.wakeup.idle_wait(
-                self.index,
-                poll_seconds=self.cfg.poll_interval_seconds,
-                listening_poll_seconds=self.cfg.idle_poll_interval_seconds,
-            )
+            while True:
+                held = self._held
+                woken = self.wakeup.idle_wait(
+                    self.index,
+                    poll_seconds=self.cfg.poll_interval_seconds,
+                    listening_poll_seconds=self.cfg.idle_poll_interval_seconds,
+                    until=held.until if held is not None else None,
+                )
+                if held is None or woken or time.monotonic() < held.until or self.stop_event.is_set():
+                    break
+                # No claim came within the hold: the finalize goes on its own, and the
+                # worker sleeps on (a notification meanwhile left it a token).
+                self._write_held()
             linger = self.wakeup.linger_seconds(self.cfg.claim_linger_ms / 1000) if woken else 0.0
             if linger > 0:
                 self.stop_event.wait(linger)
@@ -438,6 +466,7 @@ class Worker:
             in_flight = None
             if self.budget.try_reserve(wanted):
                 return wanted, None
+        self._write_held()  # a held finalize does not wait for the budget (no lease keeper tracks it)
         self.metrics.in_flight_budget_waits_total.inc()
         if not self.budget.reserve(wanted, self.stop_event):
             return None, None
@@ -514,7 +543,33 @@ class Worker:
     def _claim(self, trace: BatchTrace) -> list[Claimed]:
         cfg = self.cfg
         candidates = self._last_candidates = self._candidates()
-        result = self.store.claim(
+        held, self._held = self._held, None
+        if held is not None and cfg.ordering.enabled:  # never held then; written on its own
+            self._write_held(held)
+            held = None
+        if held is not None:
+            held.trace.finalizing()
+        try:
+            result = self._claim_with(held, candidates)
+        except BaseException:
+            if held is not None:
+                # The claim's transaction rolled back, or its commit outcome is unknown,
+                # or it committed and a catch-up claim after it failed: the finalize goes
+                # on its own, fenced, and rows it finds already finalized with this
+                # worker's lease_version count as this worker's (as after a lost reply).
+                self._write_held(held, after_unknown=True, traced=True)
+            raise
+        if held is not None:
+            if result.finalized is None:  # the claim went without it (a sweep step)
+                self._write_held(held, traced=True)
+            else:
+                result_of_held = Finalizer.accepted_result(held.rows, held.decisions, result.finalized)
+                self._finalized(result_of_held, held.decisions, held.elapsed_seconds, held.trace)
+        return self._claimed(result, trace)
+
+    def _claim_with(self, held: HeldFinalize | None, candidates: int) -> ClaimResult:
+        cfg = self.cfg
+        return self.store.claim(
             owner=self.owner,
             batch=cfg.batch_size,
             lease_seconds=cfg.lease_seconds,
@@ -529,7 +584,11 @@ class Worker:
             # Without the row lock only while this worker claims alone and its last
             # claim was small and took all it picked (delivery.py LOCKLESS_CLAIM_SETTINGS).
             lock_rows=not (self.claims_alone and self._last_claim_small),
+            finalize_first=Finalizer.items(held.rows, held.decisions) if held is not None else (),
+            finalize_strict=cfg.strict_lease,
         )
+
+    def _claimed(self, result: ClaimResult, trace: BatchTrace) -> list[Claimed]:
         self._ordered_after = result.ordered_after
         self._last_claim_lost_rows = result.taken_by_others > 0
         # Small: a few rows and everything that was due (not cut by the rows sized or
@@ -620,7 +679,39 @@ class Worker:
             self.budget.release(batch.held_bytes)
             batch.held_bytes = 0
 
-    def _wait_and_finalize(self, batch: ClaimedBatch) -> BatchResult:
+    def finish_batch_or_hold(self, batch: ClaimedBatch) -> None:
+        """``finish_batch`` for a worker about to sleep after a small batch: when every
+        row was delivered, the finalize waits up to ``relay.finalize_hold_ms`` for the
+        worker's next claim and rides in its transaction (one transaction per event
+        where there were two); ``_idle_wait`` writes it on its own when no claim comes."""
+        hold = min(self.cfg.finalize_hold_ms / 1000, self.cfg.lease_seconds / 10)
+        if hold <= 0 or self.cfg.ordering.enabled or len(batch.rows) > GENERIC_FINALIZE_MAX_ROWS:
+            self.finish_batch(batch)
+            return
+        try:
+            future = batch.future
+            if future is not None:
+                batch.future = None
+                future.result()
+            self._wait_and_finalize(batch, hold_seconds=hold)
+        finally:
+            self._release_bytes(batch)
+
+    def _write_held(
+        self, held: HeldFinalize | None = None, *, after_unknown: bool = False, traced: bool = False
+    ) -> None:
+        """Write a held finalize on its own (``held``, or the worker's, which it clears).
+        ``traced``: its trace already says it is finalizing."""
+        if held is None:
+            held, self._held = self._held, None
+            if held is None:
+                return
+        if not traced:
+            held.trace.finalizing()
+        result = self.finalizer.write(held.rows, held.decisions, owner=self.owner, after_unknown=after_unknown)
+        self._finalized(result, held.decisions, held.elapsed_seconds, held.trace)
+
+    def _wait_and_finalize(self, batch: ClaimedBatch, *, hold_seconds: float = 0.0) -> BatchResult:
         if batch.pending is not None:
             cancel = batch.lease.cancel if batch.lease is not None else None
             try:
@@ -641,13 +732,14 @@ class Worker:
             release_after_failures(
                 [ordering.order_key(r.event_type, r.aggregate_id) for r in batch.rows], batch.outcomes
             )
-        return self._finalize(
-            batch.rows,
-            batch.outcomes,
-            elapsed_seconds=time.monotonic() - batch.started,
-            trace=batch.trace,
-            outage=outage,
-        )
+        elapsed = time.monotonic() - batch.started
+        if hold_seconds > 0 and not outage and all(o is None for o in batch.outcomes):
+            decisions = [DONE] * len(batch.rows)
+            if self.breaker is not None:
+                self.breaker.record_delivery()
+            self._held = HeldFinalize(batch.rows, decisions, batch.trace, elapsed, time.monotonic() + hold_seconds)
+            return BatchResult(rows=batch.rows, decisions=decisions)
+        return self._finalize(batch.rows, batch.outcomes, elapsed_seconds=elapsed, trace=batch.trace, outage=outage)
 
     # --- decide, write, record -----------------------------------------------------------
     def finalize(self, rows: Sequence[Claimed], outcomes: Sequence[Outcome]) -> BatchResult:
@@ -685,6 +777,12 @@ class Worker:
                 self.breaker.record_delivery()
         trace.finalizing()
         result = self.finalizer.write(rows, decisions, owner=self.owner)
+        return self._finalized(result, decisions, elapsed_seconds, trace)
+
+    def _finalized(
+        self, result: BatchResult, decisions: Sequence[Decision], elapsed_seconds: float | None, trace: BatchTrace
+    ) -> BatchResult:
+        """What follows a written finalize: due times, the trace, metrics and logs."""
         delays = [d.delay_seconds for d in decisions if d.status == "pending"]
         if delays:
             self.wakeup.rescheduled(delays)  # the idle poll comes when each is due

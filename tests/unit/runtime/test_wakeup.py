@@ -236,3 +236,42 @@ def test_steps_aside_are_decided_one_at_a_time(monkeypatch):
             wakeup.begin_cycle(key)
         answers = _ask_at_once(wakeup, range(4))
         assert sorted(answers.values()) == [False, True, True, True]
+
+
+def test_a_notification_wakes_the_worker_that_holds_a_finalize_before_an_older_sleeper():
+    # The finalize it holds rides in the claim the notification brings (Worker._idle_wait).
+    wakeup = Wakeup()
+    wakeup.listening = True
+    woken: list[int] = []
+    older = sleeper(wakeup, 0, woken, poll_seconds=60, listening_poll_seconds=60)
+    time.sleep(0.05)
+    results: list[bool] = []
+    holder = threading.Thread(
+        target=lambda: results.append(
+            wakeup.idle_wait(1, poll_seconds=60, listening_poll_seconds=60, until=time.monotonic() + 30)
+        ),
+        daemon=True,
+    )
+    holder.start()
+    assert wait_until(lambda: 1 in wakeup._holders)
+    wakeup.notified()
+    holder.join(timeout=5)
+    assert results == [True]
+    time.sleep(0.05)
+    assert woken == []  # the older sleeper slept on
+    wakeup.wake_all()
+    older.join(timeout=5)
+
+
+def test_a_holder_whose_hold_ends_leaves_a_notification_to_the_others():
+    wakeup = Wakeup()
+    wakeup.listening = True
+    # Its hold ends before anything happens: it returns without being woken, still a sleeper.
+    assert wakeup.idle_wait(0, poll_seconds=60, listening_poll_seconds=60, until=time.monotonic() + 0.05) is False
+    assert not wakeup._holders and 0 not in wakeup._active
+    woken: list[int] = []
+    other = sleeper(wakeup, 1, woken, poll_seconds=60, listening_poll_seconds=60)
+    time.sleep(0.05)
+    wakeup.notified()  # nobody is active and nobody holds: the other sleeper is woken
+    other.join(timeout=5)
+    assert woken == [1]
