@@ -62,6 +62,9 @@ def _strip_comments(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()
 
 
+# The claim's row lock (delivery.sql "claim" {row_lock}); a lockless claim leaves it out.
+CLAIM_ROW_LOCK = "FOR UPDATE SKIP LOCKED"
+
 #: The statements as sent to the server.
 EXECUTABLE: dict[str, str] = {name: _strip_comments(body) for name, body in QUERIES.items()}
 
@@ -198,7 +201,7 @@ class TableSql:
             ),
             "claim_report": sql.SQL(""),
             # The claim's row lock (delivery.sql "claim"); the store's lockless claim leaves it out.
-            "row_lock": sql.SQL("FOR UPDATE SKIP LOCKED"),
+            "row_lock": sql.SQL(CLAIM_ROW_LOCK),
             # enqueue(tombstone=..., partition=...): the record columns, only when asked for.
             "record_columns": sql.SQL(""),
             "record_values": sql.SQL(""),

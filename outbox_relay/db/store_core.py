@@ -33,7 +33,7 @@ from ..errors import (
 from .claim_cursor import DueCursor, sweep_step_seconds
 from .ordered_bounds import AggregateBounds
 from .pooler import PoolerConnection, configure_bound
-from .schema import EXECUTABLE, TableSql
+from .schema import CLAIM_ROW_LOCK, EXECUTABLE, TableSql
 from .statement_counts import StatementCounts
 
 
@@ -199,32 +199,29 @@ class StoreCore:
         self.due_cursor = DueCursor(sweep_step_seconds=sweep_step_seconds(statement_timeout_ms))
         self._gauge_bounds_unsupported = False  # the state table has no gauge_bounds column (not migrated)
         self.gauge_bounds_publish_failures = 0
-        self._claim_statement = self.sql.query(
-            "claim",
-            due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
-            leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
-            lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
-            writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
-            claim_report=sql.SQL(EXECUTABLE["claim_report"]),
-        )
+        report = sql.SQL(EXECUTABLE["claim_report"])
+
+        def fast_claim(row_lock: sql.Composable) -> sql.Composed:
+            return self.sql.query(
+                "claim",
+                due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
+                leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
+                lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
+                writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
+                claim_report=report,
+                row_lock=row_lock,
+            )
+
+        locked, no_lock = sql.SQL(CLAIM_ROW_LOCK), sql.SQL("")
+        self._claim_statement = fast_claim(locked)
         # A full claim (from the front of both indexes) is the statement with its start
         # bounds written as NULL: the plan of the claim without bounds, and an entry of
         # its own in pg_stat_statements, so full and fast claims are measured apart.
-        self._full_claim_statement = self.sql.query("claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]))
+        self._full_claim_statement = self.sql.query("claim", claim_report=report, row_lock=locked)
         # The same two without the row lock (delivery.sql "claim"): the claim of a few
         # rows while one worker claims at a time (delivery.py LOCKLESS_CLAIM_SETTINGS).
-        self._lockless_claim_statement = self.sql.query(
-            "claim",
-            due_bound=sql.SQL(EXECUTABLE["claim_due_bound"]),
-            leases_bound=sql.SQL(EXECUTABLE["claim_leases_bound"]),
-            lease_scan=sql.SQL("{}::boolean").format(sql.Placeholder("lease_scan")),
-            writers_look=self.sql.query("outbox_writers", table_oid=sql.Literal(self.sql.regclass_text)),
-            claim_report=sql.SQL(EXECUTABLE["claim_report"]),
-            row_lock=sql.SQL(""),
-        )
-        self._lockless_full_claim_statement = self.sql.query(
-            "claim", claim_report=sql.SQL(EXECUTABLE["claim_report"]), row_lock=sql.SQL("")
-        )
+        self._lockless_claim_statement = fast_claim(no_lock)
+        self._lockless_full_claim_statement = self.sql.query("claim", claim_report=report, row_lock=no_lock)
         # A step of the full claim's sweep (claim_cursor.py Sweep): one key range of each index.
         self._sweep_claim_statement = self.sql.query(
             "claim",

@@ -33,7 +33,9 @@ def small_claim(store: OutboxStore, owner: str = "claimer") -> ClaimResult:
     return store.claim(owner=owner, batch=10, lease_seconds=30, max_attempts=5, generic_plan=True, lock_rows=False)
 
 
-def claim_in_thread(store: OutboxStore) -> tuple[threading.Thread, list[ClaimResult | BaseException]]:
+def claim_while_holding(store: OutboxStore, pg_dsn: str, holder: psycopg.Connection[Any]) -> ClaimResult:
+    """Run a small claim while ``holder``'s open transaction has changed one of its rows;
+    once the claim is seen waiting for that row, commit the holder; the claim's result."""
     out: list[ClaimResult | BaseException] = []
 
     def run() -> None:
@@ -44,7 +46,12 @@ def claim_in_thread(store: OutboxStore) -> tuple[threading.Thread, list[ClaimRes
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    return thread, out
+    wait_for(lambda: waiting_for_a_row_lock(pg_dsn, holder.info.backend_pid), timeout=30, message="claim waits")
+    holder.commit()
+    thread.join(timeout=30)
+    result = out[0]
+    assert isinstance(result, ClaimResult), result
+    return result
 
 
 def waiting_for_a_row_lock(pg_dsn: str, holder_pid: int) -> bool:
@@ -79,12 +86,7 @@ def test_a_row_another_claim_takes_while_the_small_claim_waits_is_not_claimed_tw
             ).format(ident),
             (first,),
         )
-        thread, out = claim_in_thread(store)
-        wait_for(lambda: waiting_for_a_row_lock(pg_dsn, other.info.backend_pid), timeout=30, message="claim waits")
-        other.commit()
-        thread.join(timeout=30)
-    result = out[0]
-    assert isinstance(result, ClaimResult), result
+        result = claim_while_holding(store, pg_dsn, other)
     assert [r.id for r in result.rows] == [second]
     assert result.taken_by_others == 1  # the worker counts the claim as cut and looks again
     state = row_state(pg_dsn, table, first, ("status", "lease_owner", "lease_version", "attempts"))
@@ -113,12 +115,7 @@ def test_an_expired_lease_its_owner_renews_or_finishes_while_the_small_claim_wai
     with psycopg.connect(pg_dsn) as owner:
         cur: Any = owner.execute(sql.SQL(statements[change]).format(ident), (row_id,))
         assert cur.rowcount == 1
-        thread, out = claim_in_thread(store)
-        wait_for(lambda: waiting_for_a_row_lock(pg_dsn, owner.info.backend_pid), timeout=30, message="claim waits")
-        owner.commit()
-        thread.join(timeout=30)
-    result = out[0]
-    assert isinstance(result, ClaimResult), result
+        result = claim_while_holding(store, pg_dsn, owner)
     assert result.rows == [] and result.taken_by_others == 1
     state = row_state(pg_dsn, table, row_id, ("status", "lease_owner", "lease_version"))
     expected = "processing" if change == "extended" else "done"
